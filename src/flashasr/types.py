@@ -1,0 +1,89 @@
+"""Result types: the shape follows OpenAI's ``verbose_json`` transcription response.
+
+All times are in seconds from the start of the input audio (global, also for
+long audio that was cut into segments) and lie within ``[0, duration]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Word:
+    """One word. ``word`` keeps its leading space as Whisper emits it (stripped in ``to_dict``)."""
+
+    word: str
+    start: float
+    end: float
+    probability: float | None = None
+
+    def to_dict(self) -> dict:
+        d = {"word": self.word.strip(), "start": round(self.start, 3), "end": round(self.end, 3)}
+        if self.probability is not None:
+            d["probability"] = round(self.probability, 4)
+        return d
+
+
+@dataclass
+class Segment:
+    """A span of text with start/end in seconds (OpenAI verbose_json segment)."""
+
+    id: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    avg_logprob: float = 0.0
+    no_speech_prob: float = 0.0
+    compression_ratio: float = 0.0
+    temperature: float = 0.0
+    seek: int = 0
+    words: list[Word] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "seek": self.seek,
+            "start": round(self.start, 3),
+            "end": round(self.end, 3),
+            "text": self.text,
+            "tokens": list(self.tokens),
+            "temperature": self.temperature,
+            "avg_logprob": self.avg_logprob,
+            "compression_ratio": self.compression_ratio,
+            "no_speech_prob": self.no_speech_prob,
+        }
+
+
+@dataclass
+class Transcript:
+    """A whole transcription result.
+
+    ``text``: the full text; ``language``: ISO 639-1 code (or None when unknown);
+    ``duration``: decoded audio duration in seconds; ``segments``/``words``: timed pieces.
+    """
+
+    text: str
+    language: str | None
+    duration: float
+    segments: list[Segment] = field(default_factory=list)
+    words: list[Word] | None = None
+    model: str | None = None
+
+    def to_dict(self, *, words: bool | None = None) -> dict:
+        """OpenAI ``verbose_json`` dict. ``words`` forces inclusion (None: include if present)."""
+        d = {
+            "task": "transcribe",
+            "language": self.language,
+            "duration": round(self.duration, 3),
+            "text": self.text,
+            "segments": [s.to_dict() for s in self.segments],
+        }
+        want_words = (self.words is not None) if words is None else words
+        if want_words:
+            d["words"] = [w.to_dict() for w in (self.words or [])]
+        return d
+
+
+__all__ = ["Word", "Segment", "Transcript", "asdict"]
