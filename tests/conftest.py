@@ -1,0 +1,53 @@
+"""Shared test fixtures: where the real audio and NeMo fixtures live, GPU skipping."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("FLASHASR_SHARED", REPO.parent / "shared"))
+AUDIO = SHARED / "audio"
+PARAKEET_FIXTURES = SHARED / "fixtures" / "parakeet"
+
+# Keep the 2-core CI machine responsive: tests that use torch run single-threaded
+# unless told otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def manifest() -> list[dict]:
+    """All clips of ../shared/audio/manifest.jsonl (paths relative to AUDIO)."""
+    lines = (AUDIO / "manifest.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(l) for l in lines if l.strip()]
+
+
+@pytest.fixture(scope="session")
+def audio_dir() -> Path:
+    assert AUDIO.is_dir(), f"real audio expected at {AUDIO} (set FLASHASR_SHARED)"
+    return AUDIO
+
+
+@pytest.fixture(scope="session")
+def clips() -> list[dict]:
+    return manifest()
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
