@@ -1,0 +1,59 @@
+"""Audio input for flashasr: decode anything FFmpeg reads (PyAV, in-process) to 16 kHz mono
+float32 with soxr HQ resampling and an energy-keeping downmix; raw PCM and numpy input;
+streaming blocks for long audio; Silero VAD (offline segments, ASR splitting, streaming).
+
+Public API::
+
+    from flashasr.audio import load_audio, iter_audio, probe, DecodedAudio
+    from flashasr.audio import speech_segments, split_for_asr, StreamingVAD   # VAD (lazy)
+
+See docs/AUDIO.md.
+"""
+
+from __future__ import annotations
+
+from .decode import RAW_FORMATS, DecodedAudio, iter_audio, load_audio, probe
+from .downmix import Downmixer
+from .errors import (
+    AudioArgumentError,
+    AudioError,
+    AudioFileNotFoundError,
+    AudioTooLongError,
+    CorruptAudioError,
+    EmptyAudioError,
+    NoAudioStreamError,
+    UnsupportedFormatError,
+)
+
+_VAD_NAMES = {"speech_segments", "split_for_asr", "StreamingVAD", "VADEvent", "speech_probabilities"}
+
+
+def __getattr__(name):  # lazy: importing the VAD loads onnxruntime
+    if name in _VAD_NAMES:
+        from . import vad
+
+        return getattr(vad, name)
+    raise AttributeError(f"module 'flashasr.audio' has no attribute {name!r}")
+
+
+__all__ = [
+    "load_audio",
+    "iter_audio",
+    "probe",
+    "DecodedAudio",
+    "RAW_FORMATS",
+    "Downmixer",
+    "speech_segments",
+    "split_for_asr",
+    "speech_probabilities",
+    "StreamingVAD",
+    "VADEvent",
+    "AudioError",
+    "AudioArgumentError",
+    "AudioFileNotFoundError",
+    "AudioTooLongError",
+    "CorruptAudioError",
+    "EmptyAudioError",
+    "NoAudioStreamError",
+    "UnsupportedFormatError",
+]

@@ -1,0 +1,785 @@
+"""Decode any audio input to 16 kHz mono float32: containers via PyAV (in-process FFmpeg),
+raw PCM and numpy arrays; resampling with soxr (HQ); energy-keeping downmix.
+
+Pipeline (one pass, streaming, bounded memory)::
+
+    source -> native blocks float32 [C, n] (one decoded frame, or 0.1 s of array/raw PCM)
+           -> Downmixer (energy-keeping, see downmix.py) -> [n]
+           -> soxr.ResampleStream (HQ, float32) -> target-rate block
+           -> sink: one growing float32 buffer (load_audio) or fixed-size blocks (iter_audio)
+
+Nothing holds the whole native-rate PCM: only one decoded frame plus the resampler state
+lives at a time, so ``load_audio`` peaks at about the size of its 16 kHz output
+(4 bytes x 16000 x seconds; 2.3 GB for 10 hours, preallocated from the declared duration
+and grown by 1.5x when the declaration was short) and ``iter_audio`` at one block.
+PyAV's decode and soxr's resample release the GIL, so a thread pool scales over cores.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from .downmix import Downmixer
+from .errors import (
+    AudioArgumentError,
+    AudioError,
+    AudioFileNotFoundError,
+    AudioTooLongError,
+    CorruptAudioError,
+    EmptyAudioError,
+    NoAudioStreamError,
+    UnsupportedFormatError,
+)
+
+#: Raw PCM formats accepted by ``raw_format``: numpy dtype.
+RAW_FORMATS = {
+    "s16le": "<i2",
+    "s16be": ">i2",
+    "s32le": "<i4",
+    "f32le": "<f4",
+    "f64le": "<f8",
+    "u8": "u1",
+}
+
+_MAX_CHANNELS = 64
+_MAX_DEMUX_ERRORS = 200
+_ARRAY_BLOCK_S = 0.1
+
+
+@dataclass
+class DecodedAudio:
+    """Decoded, resampled mono audio.
+
+    Attributes:
+        samples: float32 np.ndarray of shape [N], nominally in [-1, 1], at ``sample_rate``.
+        sample_rate: Hz of ``samples`` (== the requested ``target_rate``, 16000 by default).
+        duration: seconds, ``N / sample_rate`` (what was actually decoded, not what the
+            container header claims).
+        source_sample_rate: Hz of the input (the first decoded frame's rate for containers).
+        source_channels: channel count of the input.
+        source_format: ``container/codec`` (``"wav/pcm_s16le"``, ``"ogg/opus"``, ``"m4a/aac"``;
+            just ``"flac"``/``"mp3"`` when both are the same), ``"raw/s16le"`` for raw PCM,
+            ``"numpy/int16"`` for arrays.
+        warnings: human-readable notes on what was tolerated, e.g.
+            ``"skipped 3 undecodable packets"``.
+    """
+
+    samples: np.ndarray
+    sample_rate: int
+    duration: float
+    source_sample_rate: int
+    source_channels: int
+    source_format: str
+    warnings: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.samples.shape[0])
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _label(source: Any) -> str:
+    if isinstance(source, (str, os.PathLike)):
+        return repr(os.fspath(source))
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return f"<{len(memoryview(source).cast('B'))} bytes input>"
+    name = getattr(source, "name", None)
+    if isinstance(name, str):
+        return repr(name)
+    return f"<{type(source).__name__} input>"
+
+
+def _is_array(source: Any) -> bool:
+    if isinstance(source, np.ndarray):
+        return True
+    if isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
+        return False
+    if hasattr(source, "read"):
+        return False
+    return hasattr(source, "__array__") or hasattr(source, "detach")
+
+
+def _int_scale(dtype: np.dtype) -> tuple[float, float]:
+    """(offset, scale) mapping integer PCM to float32 in [-1, 1)."""
+    if dtype.kind == "u":
+        half = float(2 ** (8 * dtype.itemsize - 1))
+        return -half, 1.0 / half
+    return 0.0, 1.0 / float(2 ** (8 * dtype.itemsize - 1))
+
+
+def _to_float32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Integer PCM -> float32 scaled to [-1, 1); float input is cast (no rescaling)."""
+    if a.dtype.kind == "f":
+        if out is None:
+            return a.astype(np.float32, copy=a.dtype != np.float32)
+        out[...] = a
+        return out
+    if a.dtype.kind not in "iu":
+        raise AudioArgumentError(f"unsupported sample dtype {a.dtype} (use an int or float dtype)")
+    off, scale = _int_scale(a.dtype)
+    if out is None:
+        out = np.empty(a.shape, np.float32)
+    if off:
+        np.add(a, off, out=out, casting="unsafe")
+        out *= scale
+    else:
+        np.multiply(a, scale, out=out, casting="unsafe")
+    return out
+
+
+class _Sink:
+    """Collects target-rate mono output into one growing float32 buffer."""
+
+    def __init__(self, capacity: int):
+        self.buf = np.empty(max(int(capacity), 1024), np.float32)
+        self.n = 0
+
+    def add(self, x: np.ndarray) -> None:
+        m = x.shape[0]
+        if m == 0:
+            return
+        need = self.n + m
+        if need > self.buf.shape[0]:
+            self.buf.resize(max(need, int(self.buf.shape[0] * 1.5)), refcheck=False)
+        self.buf[self.n:need] = x
+        self.n = need
+
+    def result(self) -> np.ndarray:
+        self.buf.resize(self.n, refcheck=False)
+        return self.buf
+
+
+class _Pipeline:
+    """downmix -> max_duration check -> non-finite check -> soxr stream resample."""
+
+    def __init__(self, target_rate: int | None, max_duration: float | None, label: str,
+                 check_finite: bool = False):
+        self.target_rate = target_rate
+        self.max_duration = max_duration
+        self.label = label
+        self.check_finite = check_finite
+        self.downmix = Downmixer()
+        self.in_rate: int | None = None
+        self.first_rate: int | None = None
+        self.first_channels: int | None = None
+        self.rate_changes = 0
+        self.nonfinite = 0
+        self.in_seconds = 0.0
+        self._rs = None
+
+    def _resampler(self, rate: int):
+        import soxr
+
+        self.in_rate = rate
+        if self.target_rate is None:
+            self.target_rate = rate
+        self._rs = None if rate == self.target_rate else soxr.ResampleStream(
+            rate, self.target_rate, 1, dtype="float32", quality="HQ")
+
+    def push(self, x: np.ndarray, rate: int) -> list[np.ndarray]:
+        """x: float32 [C, n]; returns target-rate mono pieces (possibly empty)."""
+        out: list[np.ndarray] = []
+        if self.first_rate is None:
+            self.first_rate = rate
+            self.first_channels = x.shape[0] if x.ndim == 2 else 1
+        if rate != self.in_rate:
+            if self.in_rate is not None:
+                self.rate_changes += 1
+                out.extend(self.flush())
+            self._resampler(rate)
+        n = x.shape[-1]
+        self.in_seconds += n / rate
+        if self.max_duration is not None and self.in_seconds > self.max_duration:
+            raise AudioTooLongError(
+                f"{self.label}: audio is longer than the limit of {self.max_duration:g} s "
+                f"(decoding passed {self.in_seconds:.1f} s)")
+        mono = self.downmix(x, rate)
+        if self.check_finite:
+            bad = ~np.isfinite(mono)
+            nb = int(bad.sum())
+            if nb:
+                mono = mono.copy()
+                mono[bad] = 0.0
+                self.nonfinite += nb
+        if self._rs is None:
+            out.append(mono)
+        else:
+            y = self._rs.resample_chunk(mono, last=False)
+            if y.shape[0]:
+                out.append(y)
+        return out
+
+    def flush(self) -> list[np.ndarray]:
+        if self._rs is None:
+            return []
+        y = self._rs.resample_chunk(np.zeros(0, np.float32), last=True)
+        self._rs = None
+        self.in_rate = None
+        return [y] if y.shape[0] else []
+
+    def warnings(self) -> list[str]:
+        w = []
+        if self.downmix.fallback_samples and self.first_rate:
+            w.append(
+                "channels cancel when averaged (phase-inverted?); used the strongest channel "
+                f"for {self.downmix.fallback_samples / self.first_rate:.2f} s of "
+                f"{self.downmix.total_samples / self.first_rate:.2f} s")
+        if self.rate_changes:
+            w.append(f"sample rate changed {self.rate_changes} time(s) mid-stream")
+        if self.nonfinite:
+            w.append(f"replaced {self.nonfinite} non-finite (NaN/Inf) samples with 0")
+        return w
+
+
+# --------------------------------------------------------------------------- containers
+
+
+_PCM_DTYPES = {"u8": np.uint8, "s16": np.int16, "s32": np.int32, "s64": np.int64,
+               "flt": np.float32, "dbl": np.float64}
+
+
+def _frame_to_array(frame) -> np.ndarray:
+    """An ``av.AudioFrame`` -> float32 [C, n], integer PCM scaled to [-1, 1).
+
+    Reads the planes directly: PyAV 18's ``to_ndarray`` crashes on 8-channel planar
+    frames (it builds one plane too many), so only the first C planes are touched.
+    """
+    fmt = frame.format.name
+    planar = frame.format.is_planar
+    base = fmt[:-1] if planar else fmt
+    dtype = np.dtype(_PCM_DTYPES[base])
+    c = len(frame.layout.channels)
+    n = frame.samples
+    out = np.empty((c, n), np.float32)
+    if n == 0:
+        return out
+    planes = frame.planes
+    if planar:
+        if len(planes) < c:
+            raise UnsupportedFormatError(f"planar audio with {c} channels is not supported")
+        for i in range(c):
+            _to_float32(np.frombuffer(planes[i], dtype, count=n), out=out[i])
+    else:
+        a = np.frombuffer(planes[0], dtype, count=n * c).reshape(n, c)
+        _to_float32(a.T, out=out)
+    return out
+
+
+def _codec_name(stream) -> str:
+    name = stream.codec_context.name or "unknown"
+    for suffix in ("float", "_fixed", "_float"):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            name = name[: -len(suffix)]
+    return name
+
+
+def _format_name(container, stream) -> str:
+    names = container.format.name.split(",")
+    cname = names[0]
+    if cname == "mov":
+        cname = "m4a" if not container.streams.video else "mp4"
+    elif cname == "matroska" and "webm" in names:
+        codecs = {s.codec_context.name for s in container.streams if s.codec_context is not None}
+        if codecs <= {"opus", "libopus", "vorbis", "libvorbis", "vp8", "vp9", "av1", "libdav1d"}:
+            cname = "webm"
+    codec = _codec_name(stream)
+    return cname if codec == cname else f"{cname}/{codec}"
+
+
+def _open_container(source: Any, label: str):
+    """Open with PyAV; maps every failure to an AudioError subclass naming the input."""
+    import av
+
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.exists(path):
+            raise AudioFileNotFoundError(f"{label}: no such file")
+        if os.path.isdir(path):
+            raise AudioArgumentError(f"{label}: is a directory, not an audio file")
+        if os.path.getsize(path) == 0:
+            raise EmptyAudioError(f"{label}: file is empty (0 bytes)")
+        target = path
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        if len(memoryview(source).cast("B")) == 0:
+            raise EmptyAudioError(f"{label}: input is empty (0 bytes)")
+        target = io.BytesIO(source)
+    elif hasattr(source, "read"):
+        target = source
+        try:
+            if source.seekable():
+                pos = source.tell()
+                end = source.seek(0, io.SEEK_END)
+                source.seek(pos)
+                if end - pos <= 0:
+                    raise EmptyAudioError(f"{label}: input is empty (0 bytes)")
+        except (AttributeError, OSError, ValueError):
+            pass
+    else:
+        raise AudioArgumentError(
+            f"unsupported audio source type {type(source).__name__}: pass a path, bytes, a binary "
+            "file object or a numpy array")
+    try:
+        container = av.open(target, mode="r", metadata_errors="ignore")
+    except av.error.FileNotFoundError as e:
+        raise AudioFileNotFoundError(f"{label}: no such file") from e
+    except av.error.PermissionError as e:
+        raise AudioError(f"{label}: permission denied", code="permission_denied") from e
+    except av.error.EOFError as e:
+        raise EmptyAudioError(f"{label}: no data (end of file while reading the header)") from e
+    except av.error.FFmpegError as e:
+        raise UnsupportedFormatError(
+            f"{label}: not a readable audio file ({_why(e)})") from e
+    except (OSError, ValueError) as e:
+        raise UnsupportedFormatError(f"{label}: could not be opened ({e})") from e
+    try:
+        streams = container.streams.audio
+        if not streams:
+            kinds = sorted({f"{s.type}:{s.codec_context.name if s.codec_context else '?'}"
+                            for s in container.streams})
+            found = ", ".join(kinds) if kinds else "no streams at all"
+            raise NoAudioStreamError(
+                f"{label}: contains no audio stream (container {container.format.name}; found {found})")
+        try:
+            stream = container.streams.best("audio") or streams[0]
+        except Exception:
+            stream = streams[0]
+        if stream.codec_context is None:
+            raise UnsupportedFormatError(f"{label}: no decoder for its audio codec")
+    except BaseException:
+        container.close()
+        raise
+    return container, stream
+
+
+def _why(e: Exception) -> str:
+    msg = getattr(e, "strerror", None) or str(e)
+    return f"FFmpeg: {msg}"
+
+
+def _declared_duration(container, stream) -> float | None:
+    try:
+        if stream.duration is not None and stream.time_base is not None and stream.duration > 0:
+            return float(stream.duration * stream.time_base)
+    except Exception:
+        pass
+    if container.duration is not None and container.duration > 0:
+        return container.duration / 1_000_000.0
+    return None
+
+
+class _ContainerSource:
+    """Iterates one container's audio stream as float32 [C, n] blocks, tolerating damage."""
+
+    def __init__(self, source: Any, label: str):
+        self.label = label
+        self.container, self.stream = _open_container(source, label)
+        self.format = _format_name(self.container, self.stream)
+        self.declared = _declared_duration(self.container, self.stream)
+        self.bad_packets = 0
+        self.bad_frames = 0
+        self.demux_errors = 0
+        self.packets = 0
+        self.rate = self.stream.codec_context.sample_rate or self.stream.rate or 0
+        self.channels = self.stream.codec_context.channels or 0
+
+    def close(self) -> None:
+        try:
+            self.container.close()
+        except Exception:
+            pass
+
+    def blocks(self) -> Iterator[tuple[np.ndarray, int]]:
+        import av
+
+        ctx = self.stream.codec_context
+        done = False
+        while not done:
+            try:
+                for packet in self.container.demux(self.stream):
+                    if packet.size:
+                        self.packets += 1
+                    try:
+                        frames = packet.decode()
+                    except av.error.FFmpegError:
+                        self.bad_packets += 1
+                        continue
+                    for frame in frames:
+                        try:
+                            arr = _frame_to_array(frame)
+                        except (KeyError, ValueError):
+                            self.bad_frames += 1
+                            continue
+                        if arr.shape[1]:
+                            yield arr, frame.sample_rate
+                done = True
+            except av.error.FFmpegError:
+                # container-level damage: the demuxer raised; resume reading after it
+                self.demux_errors += 1
+                if self.demux_errors >= _MAX_DEMUX_ERRORS:
+                    done = True
+        if self.demux_errors:
+            # demux stopped early: flush the decoder's buffered frames ourselves
+            try:
+                for frame in ctx.decode(None):
+                    arr = _frame_to_array(frame)
+                    if arr.shape[1]:
+                        yield arr, frame.sample_rate
+            except Exception:
+                pass
+
+    def warnings(self, decoded_s: float) -> list[str]:
+        w = []
+        if self.bad_packets:
+            w.append(f"skipped {self.bad_packets} undecodable packets (of {self.packets})")
+        if self.bad_frames:
+            w.append(f"skipped {self.bad_frames} frames with an unknown sample format")
+        if self.demux_errors:
+            w.append(f"the container is damaged: {self.demux_errors} demuxer read error(s) skipped")
+        if self.declared and decoded_s < 0.98 * self.declared and self.declared - decoded_s > 0.25:
+            w.append(f"decoded {decoded_s:.2f} s but the header declares {self.declared:.2f} s "
+                     "(truncated or damaged input?)")
+        return w
+
+    def check_nothing_decoded(self) -> None:
+        if self.bad_packets or self.demux_errors or self.bad_frames:
+            raise CorruptAudioError(
+                f"{self.label}: has an audio stream ({self.format}) but none of it could be decoded "
+                f"({self.bad_packets} of {self.packets} packets failed, "
+                f"{self.demux_errors} demuxer errors)")
+        raise EmptyAudioError(f"{self.label}: audio stream ({self.format}) holds no samples")
+
+
+# --------------------------------------------------------------------------- arrays / raw
+
+
+def _array_input(source: Any, sample_rate: int | None, label: str) -> np.ndarray:
+    """numpy-like [N] or [N, C] -> array [N, C] (native dtype, no copy when possible)."""
+    if hasattr(source, "detach"):  # torch tensor without importing torch
+        source = source.detach().cpu().numpy()
+    a = np.asarray(source)
+    if sample_rate is None or sample_rate <= 0:
+        raise AudioArgumentError(f"{label}: a sample array needs sample_rate= (Hz)")
+    if a.dtype.kind not in "iuf":
+        raise AudioArgumentError(f"{label}: unsupported sample dtype {a.dtype}")
+    if a.ndim == 1:
+        a = a[:, None]
+    elif a.ndim != 2:
+        raise AudioArgumentError(f"{label}: expected shape [N] or [N, C], got {list(a.shape)}")
+    if a.shape[1] > _MAX_CHANNELS:
+        raise AudioArgumentError(
+            f"{label}: shape {list(a.shape)} looks like [C, N]; pass [N] or [N, C] "
+            f"(at most {_MAX_CHANNELS} channels)")
+    if a.shape[0] == 0 or a.shape[1] == 0:
+        raise EmptyAudioError(f"{label}: array holds no samples (shape {list(a.shape)})")
+    return a
+
+
+def _array_blocks(a: np.ndarray, rate: int) -> Iterator[tuple[np.ndarray, int]]:
+    """[N, C] native array -> float32 [C, n] blocks of 0.1 s."""
+    step = max(1, int(rate * _ARRAY_BLOCK_S))
+    for s in range(0, a.shape[0], step):
+        yield _to_float32(a[s:s + step].T, out=np.empty((a.shape[1], min(step, a.shape[0] - s)),
+                                                         np.float32)), rate
+
+
+def _raw_reader(source: Any, label: str):
+    """Returns (read(nbytes) -> bytes, close, total_bytes or None)."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        mv = memoryview(source).cast("B")
+        pos = [0]
+
+        def read(k):
+            b = mv[pos[0]:pos[0] + k]
+            pos[0] += len(b)
+            return b
+
+        return read, (lambda: None), len(mv)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.exists(path):
+            raise AudioFileNotFoundError(f"{label}: no such file")
+        f = open(path, "rb")
+        return f.read, f.close, os.path.getsize(path)
+    if hasattr(source, "read"):
+        return source.read, (lambda: None), None
+    raise AudioArgumentError(f"{label}: raw PCM needs bytes, a path or a binary file object")
+
+
+def _raw_total(source: Any, label: str) -> int | None:
+    """Byte length of a raw PCM input when known without reading it."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return len(memoryview(source).cast("B"))
+    if isinstance(source, (str, os.PathLike)):
+        if not os.path.exists(os.fspath(source)):
+            raise AudioFileNotFoundError(f"{label}: no such file")
+        return os.path.getsize(os.fspath(source))
+    return None
+
+
+def _raw_blocks(source: Any, raw_format: str, sample_rate: int, channels: int, label: str,
+                stats: dict) -> Iterator[tuple[np.ndarray, int]]:
+    dtype = np.dtype(RAW_FORMATS[raw_format])
+    frame_bytes = dtype.itemsize * channels
+    step = max(1, int(sample_rate * _ARRAY_BLOCK_S)) * frame_bytes * 10  # 1 s per read
+    read, close, _ = _raw_reader(source, label)
+    carry = b""
+    try:
+        while True:
+            chunk = read(step)
+            if not chunk:
+                break
+            if carry:
+                chunk = carry + bytes(chunk)
+                carry = b""
+            usable = len(chunk) - len(chunk) % frame_bytes
+            if usable < len(chunk):
+                carry = bytes(chunk[usable:])
+            if usable == 0:
+                continue
+            a = np.frombuffer(chunk, dtype, count=usable // dtype.itemsize).reshape(-1, channels)
+            yield from _array_blocks(a, sample_rate)
+    finally:
+        close()
+    stats["trailing_bytes"] = len(carry)
+
+
+def _check_raw_args(raw_format, sample_rate, channels, label):
+    if raw_format not in RAW_FORMATS:
+        raise AudioArgumentError(
+            f"{label}: unknown raw_format {raw_format!r}; one of {sorted(RAW_FORMATS)}")
+    if not sample_rate or sample_rate <= 0:
+        raise AudioArgumentError(f"{label}: raw PCM needs sample_rate= (Hz)")
+    if channels is None:
+        channels = 1
+    if not (1 <= int(channels) <= _MAX_CHANNELS):
+        raise AudioArgumentError(f"{label}: channels must be 1..{_MAX_CHANNELS}, got {channels}")
+    return int(channels)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+class _Decode:
+    """Shared front of load_audio / iter_audio: picks the source kind, yields output pieces."""
+
+    def __init__(self, source, *, sample_rate, target_rate, raw_format, channels, max_duration):
+        self.label = _label(source)
+        if target_rate is not None and target_rate <= 0:
+            raise AudioArgumentError(f"target_rate must be positive, got {target_rate}")
+        if max_duration is not None and max_duration <= 0:
+            raise AudioArgumentError(f"max_duration must be positive, got {max_duration}")
+        self.container: _ContainerSource | None = None
+        self.raw_stats: dict = {}
+        self.declared: float | None = None
+        check_finite = False
+        if raw_format is not None:
+            ch = _check_raw_args(raw_format, sample_rate, channels, self.label)
+            self.format = f"raw/{raw_format}"
+            self._blocks = _raw_blocks(source, raw_format, int(sample_rate), ch, self.label,
+                                       self.raw_stats)
+            self.src_rate, self.src_channels = int(sample_rate), ch
+            check_finite = raw_format.startswith("f")
+            total = _raw_total(source, self.label)
+            if total is not None:
+                self.declared = total / (np.dtype(RAW_FORMATS[raw_format]).itemsize * ch) / sample_rate
+                if total == 0:
+                    raise EmptyAudioError(f"{self.label}: input is empty (0 bytes)")
+        elif _is_array(source):
+            a = _array_input(source, sample_rate, self.label)
+            self.format = f"numpy/{a.dtype.name}"
+            self.src_rate, self.src_channels = int(sample_rate), a.shape[1]
+            self.declared = a.shape[0] / sample_rate
+            check_finite = a.dtype.kind == "f"
+            if max_duration is not None and self.declared > max_duration:
+                raise AudioTooLongError(
+                    f"{self.label}: audio is {self.declared:.1f} s, longer than the limit of "
+                    f"{max_duration:g} s")
+            self._blocks = _array_blocks(a, self.src_rate)
+        else:
+            self.container = _ContainerSource(source, self.label)
+            self.format = self.container.format
+            self.src_rate, self.src_channels = self.container.rate, self.container.channels
+            self.declared = self.container.declared
+            check_finite = True
+            self._blocks = self.container.blocks()
+        self.pipe = _Pipeline(target_rate, max_duration, self.label, check_finite=check_finite)
+
+    def pieces(self) -> Iterator[np.ndarray]:
+        try:
+            for x, rate in self._blocks:
+                yield from self.pipe.push(x, rate)
+            yield from self.pipe.flush()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.container is not None:
+            self.container.close()
+        close = getattr(self._blocks, "close", None)
+        if close is not None:
+            close()
+
+    @property
+    def out_rate(self) -> int:
+        return self.pipe.target_rate or self.src_rate
+
+    def finish(self, n_out: int) -> list[str]:
+        """Checks that something was decoded; returns warnings."""
+        if self.pipe.first_rate is not None:
+            self.src_rate = self.pipe.first_rate
+            self.src_channels = self.pipe.first_channels or self.src_channels
+        if n_out == 0:
+            if self.container is not None:
+                self.container.check_nothing_decoded()
+            raise EmptyAudioError(f"{self.label}: holds no samples")
+        dur = n_out / self.out_rate
+        w = []
+        if self.container is not None:
+            w += self.container.warnings(dur)
+        if self.raw_stats.get("trailing_bytes"):
+            w.append(f"ignored {self.raw_stats['trailing_bytes']} trailing bytes "
+                     "(not a whole sample frame)")
+        return w + self.pipe.warnings()
+
+
+def load_audio(source: Any, *, sample_rate: int | None = None, target_rate: int | None = 16000,
+               raw_format: str | None = None, channels: int | None = None,
+               max_duration: float | None = None) -> DecodedAudio:
+    """Decode ``source`` to mono float32 at ``target_rate`` Hz.
+
+    Args:
+        source: a path (str / PathLike) of any container FFmpeg reads (wav int8-32/float,
+            mu-law, a-law, flac, mp3, ogg/opus, ogg/vorbis, m4a/aac, aiff, webm, ...); the
+            whole file as ``bytes``/``bytearray``/``memoryview``; a binary file object; or a
+            numpy array (or CPU torch tensor) of shape [N] or [N, C], any int/float dtype
+            (ints are scaled to [-1, 1), floats are taken as they are), with ``sample_rate``.
+        sample_rate: Hz of an array or raw PCM input (ignored for containers, which know theirs).
+        target_rate: output Hz (16000 for Whisper and Parakeet); None keeps the source rate.
+        raw_format: headerless PCM: ``"s16le"`` or ``"f32le"`` (also s16be, s32le, f64le, u8)
+            with ``sample_rate`` and ``channels`` (default 1), from bytes, path or file object.
+        channels: channel count of raw PCM (interleaved).
+        max_duration: seconds; :class:`~flashasr.errors.AudioTooLongError` is raised as soon
+            as decoding passes it (not after decoding everything).
+    Returns:
+        :class:`DecodedAudio` (``samples`` float32 [N] at ``target_rate``).
+    Raises:
+        EmptyAudioError: 0-byte input, or a valid file with no samples.
+        NoAudioStreamError: the container has no audio stream (video-only, subtitles).
+        UnsupportedFormatError: not a container/codec FFmpeg can read (text, random bytes).
+        CorruptAudioError: an audio stream none of whose packets decode.
+        AudioFileNotFoundError: the path does not exist.
+        AudioTooLongError: longer than ``max_duration``.
+        AudioArgumentError: inconsistent arguments (array without sample_rate, [C, N] shape).
+
+    Damaged inputs decode as far as possible: undecodable packets are skipped and a
+    truncated file yields its decodable prefix; both are reported in ``warnings``.
+    Downmix: energy-keeping (see :mod:`flashasr.audio.downmix`); resampling: soxr ``HQ``.
+    """
+    d = _Decode(source, sample_rate=sample_rate, target_rate=target_rate, raw_format=raw_format,
+                channels=channels, max_duration=max_duration)
+    est_s = d.declared or 60.0
+    if max_duration is not None:
+        est_s = min(est_s, max_duration)
+    est_s = min(est_s, 24 * 3600.0)
+    rate_guess = target_rate or d.src_rate or 16000
+    sink = _Sink(est_s * rate_guess * 1.01 + 4096)
+    for piece in d.pieces():
+        sink.add(piece)
+    warnings = d.finish(sink.n)
+    samples = sink.result()
+    return DecodedAudio(samples=samples, sample_rate=d.out_rate,
+                        duration=samples.shape[0] / d.out_rate,
+                        source_sample_rate=int(d.src_rate), source_channels=int(d.src_channels),
+                        source_format=d.format, warnings=warnings)
+
+
+def iter_audio(source: Any, *, target_rate: int = 16000, block_seconds: float = 30.0,
+               sample_rate: int | None = None, raw_format: str | None = None,
+               channels: int | None = None, max_duration: float | None = None,
+               warnings: list[str] | None = None) -> Iterator[np.ndarray]:
+    """Stream ``source`` as consecutive mono float32 blocks at ``target_rate``.
+
+    Every block holds exactly ``round(block_seconds * target_rate)`` samples except the last
+    (shorter, never empty). Block k starts at sample ``k * block_len`` of the same signal
+    :func:`load_audio` returns (identical samples), so ``k * block_seconds`` is its global
+    start time. Memory is bounded by one block plus decoder/resampler state, whatever the
+    input length. Arguments and errors as :func:`load_audio`; errors that are only known at
+    the end (nothing decodable) are raised when the iterator is exhausted. If ``warnings``
+    is a list, decode warnings are appended to it when the iterator finishes.
+    """
+    if block_seconds <= 0:
+        raise AudioArgumentError(f"block_seconds must be positive, got {block_seconds}")
+    d = _Decode(source, sample_rate=sample_rate, target_rate=target_rate, raw_format=raw_format,
+                channels=channels, max_duration=max_duration)
+    return _iter_blocks(d, block_seconds, warnings)
+
+
+def _iter_blocks(d: _Decode, block_seconds: float, warnings: list[str] | None) -> Iterator[np.ndarray]:
+    blen = None
+    block = None
+    fill = 0
+    total = 0
+    for piece in d.pieces():
+        if blen is None:
+            blen = max(1, int(round(block_seconds * d.out_rate)))
+            block = np.empty(blen, np.float32)
+        pos = 0
+        m = piece.shape[0]
+        while pos < m:
+            k = min(blen - fill, m - pos)
+            block[fill:fill + k] = piece[pos:pos + k]
+            fill += k
+            pos += k
+            if fill == blen:
+                total += blen
+                yield block
+                block = np.empty(blen, np.float32)
+                fill = 0
+    if fill:
+        total += fill
+        yield block[:fill].copy()
+    w = d.finish(total)
+    if warnings is not None:
+        warnings.extend(w)
+
+
+def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None = None,
+          channels: int | None = None) -> dict:
+    """Read only headers: ``{"duration": s or None, "sample_rate": Hz, "channels": int,
+    "codec": str, "format": "container/codec", "bit_rate": int or None}``.
+
+    ``duration`` is what the header declares (for mp3 without a Xing header FFmpeg estimates
+    it from the bit rate; a truncated file may declare more than it holds). Arrays and raw
+    PCM need ``sample_rate`` (and ``raw_format``/``channels``). Raises as :func:`load_audio`.
+    """
+    label = _label(source)
+    if raw_format is not None:
+        ch = _check_raw_args(raw_format, sample_rate, channels, label)
+        total = _raw_total(source, label)
+        width = np.dtype(RAW_FORMATS[raw_format]).itemsize
+        return {"duration": None if total is None else total // (width * ch) / sample_rate,
+                "sample_rate": int(sample_rate), "channels": ch, "codec": raw_format,
+                "format": f"raw/{raw_format}", "bit_rate": int(sample_rate) * ch * width * 8}
+    if _is_array(source):
+        a = _array_input(source, sample_rate, label)
+        return {"duration": a.shape[0] / sample_rate, "sample_rate": int(sample_rate),
+                "channels": int(a.shape[1]), "codec": a.dtype.name,
+                "format": f"numpy/{a.dtype.name}", "bit_rate": None}
+    src = _ContainerSource(source, label)
+    try:
+        br = src.stream.codec_context.bit_rate or src.container.bit_rate or None
+        return {"duration": src.declared, "sample_rate": int(src.rate), "channels": int(src.channels),
+                "codec": _codec_name(src.stream), "format": src.format,
+                "bit_rate": int(br) if br else None}
+    finally:
+        src.close()
+
+
+__all__ = ["DecodedAudio", "load_audio", "iter_audio", "probe", "RAW_FORMATS"]
