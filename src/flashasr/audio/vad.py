@@ -1,0 +1,456 @@
+"""Voice activity detection with Silero VAD (the ONNX model bundled in the ``silero-vad``
+package; no network).
+
+Model: ``silero_vad_16k_sequence.onnx`` run with onnxruntime (1 intra-op thread). It is the
+Silero VAD v5/v6 network exported so that one call processes a whole sequence of 32 ms
+frames (512 samples at 16 kHz, each prefixed by the previous frame's last 64 samples as
+context) while carrying the LSTM state (h, c) between calls. Its per-frame probabilities
+are bit-identical to the stock one-frame-per-call ``silero_vad.onnx`` (checked in the
+tests); measured on this 2-core machine, one core, a 60 s clip: 8.9 s of CPU per audio
+hour with 512 frames per call, 19 s/h with one frame per call, stock ONNX 25 s/h, the
+TorchScript JIT model 55 s/h (see docs/AUDIO.md and bench/bench_cpu_audio.py).
+
+Three entry points:
+
+* :func:`speech_probabilities` - per-frame speech probability, float32 [T], frame = 32 ms.
+* :func:`speech_segments` - speech spans in seconds (hysteresis on the probabilities:
+  speech starts at ``p >= threshold``, ends after ``min_silence_s`` of ``p < threshold -
+  0.15``, as Silero's own ``get_speech_timestamps`` does; spans shorter than
+  ``min_speech_s`` are dropped, the rest padded by ``pad_s`` and merged when they touch).
+* :func:`split_for_asr` - sample ranges <= ``max_segment_s`` for an ASR model, cut at the
+  longest pauses (VAD) or as fixed windows.
+* :class:`StreamingVAD` - per-stream incremental detector with OpenAI Realtime
+  ``server_vad`` semantics (threshold, prefix_padding_ms, silence_duration_ms).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import AudioArgumentError
+
+VAD_RATE = 16000
+FRAME = 512  # samples per VAD frame at 16 kHz (32 ms)
+CONTEXT = 64  # samples of left context per frame
+FRAME_S = FRAME / VAD_RATE
+_MAX_FRAMES_PER_CALL = 512  # 16.4 s of audio per ONNX call
+
+_session = None
+_session_lock = threading.Lock()
+
+
+def _model_path(name: str = "silero_vad_16k_sequence.onnx") -> str:
+    import silero_vad
+
+    path = os.path.join(os.path.dirname(silero_vad.__file__), "data", name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Silero VAD model {name} not found in the silero-vad package ({path})")
+    return path
+
+
+def _get_session():
+    """The shared onnxruntime session (thread-safe ``run``; created once, 1 thread)."""
+    global _session
+    if _session is None:
+        with _session_lock:
+            if _session is None:
+                import onnxruntime as ort
+
+                so = ort.SessionOptions()
+                so.intra_op_num_threads = 1
+                so.inter_op_num_threads = 1
+                so.log_severity_level = 3
+                _session = ort.InferenceSession(_model_path(), so, providers=["CPUExecutionProvider"])
+    return _session
+
+
+def _run_frames(frames_with_ctx: np.ndarray, h: np.ndarray, c: np.ndarray):
+    """frames_with_ctx: float32 [T, 576] -> (probs float32 [T], h, c)."""
+    p, h, c = _get_session().run(None, {"input": frames_with_ctx, "h": h, "c": c})
+    return np.asarray(p, np.float32).reshape(-1), h, c
+
+
+def _as_16k(samples: np.ndarray, sample_rate: int) -> np.ndarray:
+    x = np.asarray(samples)
+    if x.ndim != 1:
+        raise AudioArgumentError(f"VAD expects mono samples of shape [N], got {list(x.shape)}")
+    x = x.astype(np.float32, copy=False)
+    if sample_rate != VAD_RATE:
+        if sample_rate <= 0:
+            raise AudioArgumentError(f"sample_rate must be positive, got {sample_rate}")
+        import soxr
+
+        x = soxr.resample(x, sample_rate, VAD_RATE, quality="HQ").astype(np.float32, copy=False)
+    return x
+
+
+def speech_probabilities(samples: np.ndarray, sample_rate: int = 16000) -> np.ndarray:
+    """Silero speech probability per 32 ms frame.
+
+    Args:
+        samples: float32 [N] mono (other rates are resampled to 16 kHz with soxr first).
+        sample_rate: Hz of ``samples``.
+    Returns:
+        float32 [T], T = ceil(N16 / 512) where N16 is the length at 16 kHz; frame t covers
+        seconds [t * 0.032, (t + 1) * 0.032). The last frame is zero-padded.
+    """
+    x = _as_16k(samples, sample_rate)
+    n = x.shape[0]
+    t_total = -(-n // FRAME)
+    out = np.empty(t_total, np.float32)
+    h = np.zeros((1, 1, 128), np.float32)
+    c = np.zeros((1, 1, 128), np.float32)
+    prev_ctx = np.zeros(CONTEXT, np.float32)
+    for t0 in range(0, t_total, _MAX_FRAMES_PER_CALL):
+        tb = min(_MAX_FRAMES_PER_CALL, t_total - t0)
+        block = np.zeros((tb, CONTEXT + FRAME), np.float32)
+        seg = x[t0 * FRAME:(t0 + tb) * FRAME]
+        whole = seg.shape[0] // FRAME
+        block[:whole, CONTEXT:] = seg[: whole * FRAME].reshape(whole, FRAME)
+        if whole < tb:  # zero-padded last frame
+            block[whole, CONTEXT:CONTEXT + seg.shape[0] - whole * FRAME] = seg[whole * FRAME:]
+        block[0, :CONTEXT] = prev_ctx
+        if tb > 1:
+            block[1:, :CONTEXT] = block[:-1, -CONTEXT:]
+        prev_ctx = block[-1, -CONTEXT:].copy()
+        out[t0:t0 + tb], h, c = _run_frames(block, h, c)
+    return out
+
+
+def _frame_segments(p: np.ndarray, threshold: float, neg_threshold: float,
+                    min_silence_frames: int, min_speech_frames: int) -> list[tuple[int, int]]:
+    """Hysteresis over frame probabilities -> [(start_frame, end_frame)) speech spans."""
+    segs: list[tuple[int, int]] = []
+    in_speech = False
+    start = 0
+    sil_start = -1
+    above = p >= threshold
+    below = p < neg_threshold
+    for t in range(p.shape[0]):
+        if not in_speech:
+            if above[t]:
+                in_speech, start, sil_start = True, t, -1
+        elif above[t]:
+            sil_start = -1
+        elif below[t]:
+            if sil_start < 0:
+                sil_start = t
+            if t + 1 - sil_start >= min_silence_frames:
+                segs.append((start, sil_start))
+                in_speech, sil_start = False, -1
+    if in_speech:
+        segs.append((start, sil_start if sil_start >= 0 else p.shape[0]))
+    return [(s, e) for s, e in segs if e - s >= min_speech_frames]
+
+
+def _segments_samples(p: np.ndarray, n: int, *, threshold: float, min_silence_s: float,
+                      min_speech_s: float, pad_s: float, neg_threshold: float | None,
+                      rate: int) -> list[tuple[int, int]]:
+    """Speech spans as sample ranges at ``rate`` (padded, clipped to [0, n), merged)."""
+    neg = max(threshold - 0.15, 0.01) if neg_threshold is None else neg_threshold
+    fs = _frame_segments(p, threshold, neg, max(1, int(round(min_silence_s / FRAME_S))),
+                         int(round(min_speech_s / FRAME_S)))
+    spf = FRAME * rate / VAD_RATE
+    pad = int(round(pad_s * rate))
+    out: list[tuple[int, int]] = []
+    for s, e in fs:
+        a = max(0, int(round(s * spf)) - pad)
+        b = min(n, int(round(e * spf)) + pad)
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def speech_segments(samples: np.ndarray, sample_rate: int = 16000, *, threshold: float = 0.5,
+                    min_silence_s: float = 0.1, min_speech_s: float = 0.25, pad_s: float = 0.03,
+                    neg_threshold: float | None = None) -> list[tuple[float, float]]:
+    """Speech spans in seconds, ``[(start_s, end_s), ...]`` sorted and non-overlapping.
+
+    Args:
+        samples: float32 [N] mono at ``sample_rate`` (resampled to 16 kHz for the model).
+        threshold: speech probability that starts speech (Silero default 0.5).
+        min_silence_s: speech ends only after this much audio below ``neg_threshold``.
+        min_speech_s: shorter spans are dropped.
+        pad_s: seconds added on both sides (clipped to the signal; touching spans merge).
+        neg_threshold: probability below which audio counts as silence
+            (default ``threshold - 0.15``, as in Silero's ``get_speech_timestamps``).
+    Returns:
+        list of (start, end) seconds within [0, N / sample_rate]. Empty if no speech.
+    """
+    x = np.asarray(samples)
+    p = speech_probabilities(x, sample_rate)
+    segs = _segments_samples(p, x.shape[0], threshold=threshold, min_silence_s=min_silence_s,
+                             min_speech_s=min_speech_s, pad_s=pad_s, neg_threshold=neg_threshold,
+                             rate=sample_rate)
+    return [(a / sample_rate, b / sample_rate) for a, b in segs]
+
+
+def _cut_long(seg: tuple[int, int], max_len: int, p: np.ndarray, rate: int) -> list[tuple[int, int]]:
+    """Cut one span longer than max_len at the least speech-like frame in the second half
+    of each max-length window (no pause long enough for the VAD)."""
+    spf = FRAME * rate / VAD_RATE
+    out = []
+    a, b = seg
+    while b - a > max_len:
+        lo = int(np.ceil((a + max_len // 2) / spf))
+        hi = int((a + max_len) // spf)
+        if hi - lo >= 1 and hi <= p.shape[0]:
+            win = p[lo:hi]
+            if win.shape[0] >= 3:  # smooth over 3 frames (~100 ms)
+                win = np.convolve(win, np.ones(3, np.float32) / 3, mode="same")
+            cut = int(round((lo + int(np.argmin(win))) * spf))
+            cut = min(max(cut, a + 1), a + max_len)
+        else:
+            cut = a + max_len
+        out.append((a, cut))
+        a = cut
+    out.append((a, b))
+    return out
+
+
+def _group(pieces: list[tuple[int, int]], max_len: int, min_len: int) -> list[tuple[int, int]]:
+    """Greedy over pieces: each chunk ends at the longest pause (gap between consecutive
+    pieces) among the cut points that keep it <= max_len, preferring cuts that leave it at
+    least min_len long."""
+    chunks = []
+    i = 0
+    n = len(pieces)
+    while i < n:
+        start = pieces[i][0]
+        j = i
+        while j + 1 < n and pieces[j + 1][1] - start <= max_len:
+            j += 1
+        if j == n - 1:
+            chunks.append((start, pieces[j][1]))
+            break
+        best, best_gap, best_ok = i, -1, False
+        for k in range(i, j + 1):  # cut between k and k+1
+            gap = pieces[k + 1][0] - pieces[k][1]
+            ok = pieces[k][1] - start >= min_len
+            if (ok and not best_ok) or (ok == best_ok and gap > best_gap):
+                best, best_gap, best_ok = k, gap, ok
+        chunks.append((start, pieces[best][1]))
+        i = best + 1
+    return chunks
+
+
+def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_s: float = 30.0,
+                  min_segment_s: float = 3.0, method: str = "vad", overlap_s: float = 0.0,
+                  threshold: float = 0.5, min_silence_s: float = 0.3, min_speech_s: float = 0.25,
+                  pad_s: float = 0.2) -> list[tuple[int, int]]:
+    """Cut a long mono signal into ranges an ASR model can take (Whisper: 30 s windows).
+
+    Args:
+        samples: float32 [N] mono at ``sample_rate``.
+        max_segment_s: every range is at most this long (seconds).
+        min_segment_s: ``vad``: among the cut points that keep a range <= max, ranges at
+            least this long are preferred (fewer, fuller windows). ``fixed``: unused.
+        method: ``"vad"``: ranges cover every detected speech span (padded by ``pad_s``),
+            consecutive spans are grouped and cut at the longest pause that keeps the range
+            <= max; a span with no usable pause is cut at its least speech-like 32 ms frame
+            in the second half of the window; stretches without speech are left out.
+            ``"fixed"``: windows of ``max_segment_s`` every ``max_segment_s - overlap_s``
+            seconds covering [0, N) (the last one may be shorter).
+        overlap_s: ``fixed`` only: seconds shared by consecutive windows.
+        threshold, min_silence_s, min_speech_s, pad_s: as :func:`speech_segments`
+            (a longer silence and padding than there by default, to keep ASR context).
+    Returns:
+        ``[(start_sample, end_sample), ...]`` at ``sample_rate``, sorted; ``samples[a:b]``
+        is one ASR input whose local times add ``a / sample_rate`` to become global.
+        ``vad`` ranges do not overlap; empty list when no speech is detected.
+    Raises:
+        AudioArgumentError: bad method, non-positive max, overlap >= max.
+    """
+    x = np.asarray(samples)
+    n = int(x.shape[0])
+    if max_segment_s <= 0:
+        raise AudioArgumentError(f"max_segment_s must be positive, got {max_segment_s}")
+    max_len = max(1, int(max_segment_s * sample_rate))
+    if method == "fixed":
+        if not (0 <= overlap_s < max_segment_s):
+            raise AudioArgumentError(f"overlap_s must be in [0, max_segment_s), got {overlap_s}")
+        step = max(1, max_len - int(round(overlap_s * sample_rate)))
+        out = []
+        a = 0
+        while a < n:
+            b = min(n, a + max_len)
+            out.append((a, b))
+            if b == n:
+                break
+            a += step
+        return out
+    if method != "vad":
+        raise AudioArgumentError(f"method must be 'vad' or 'fixed', got {method!r}")
+    if n == 0:
+        return []
+    p = speech_probabilities(x, sample_rate)
+    segs = _segments_samples(p, n, threshold=threshold, min_silence_s=min_silence_s,
+                             min_speech_s=min_speech_s, pad_s=pad_s, neg_threshold=None,
+                             rate=sample_rate)
+    pieces: list[tuple[int, int]] = []
+    for s in segs:
+        pieces.extend(_cut_long(s, max_len, p, sample_rate) if s[1] - s[0] > max_len else [s])
+    return _group(pieces, max_len, int(min_segment_s * sample_rate))
+
+
+@dataclass
+class VADEvent:
+    """A StreamingVAD event.
+
+    ``type``: ``"speech_started"`` or ``"speech_stopped"``; ``time``: seconds from the start
+    of the stream where speech starts (onset minus ``prefix_padding_ms``, clipped) or stops
+    (end of the last speech frame); ``emitted_at``: seconds of audio fed when the decision
+    was made (``emitted_at - time`` is the detection latency).
+    """
+
+    type: str
+    time: float
+    emitted_at: float
+
+
+class StreamingVAD:
+    """Incremental Silero VAD for one audio stream (OpenAI Realtime ``server_vad`` semantics).
+
+    Feed 16 kHz mono float32 chunks of any size with :meth:`feed`; it returns the
+    :class:`VADEvent` s decided by that chunk. Speech starts at the first 32 ms frame with
+    probability >= ``threshold`` (reported ``prefix_padding_ms`` earlier, never before the
+    previous stop); it stops once ``silence_duration_ms`` of frames lie below
+    ``threshold - 0.15`` (reported at the end of the last speech frame). ``min_speech_ms``
+    (default 0) delays ``speech_started`` until that much speech was seen.
+
+    State per stream is bounded: < 576 samples of pending audio, the LSTM state (2 x 128
+    floats) and a few counters (about 3 KB); the ONNX session is shared by all streams
+    (onnxruntime ``run`` is thread-safe). Cost: about 5 ms of one CPU core per second of
+    audio when fed in chunks under 32 ms (one ONNX call per frame), about 2.5 ms/s when
+    fed >= 0.5 s at a time (docs/AUDIO.md has the measured figures).
+    """
+
+    def __init__(self, *, threshold: float = 0.5, prefix_padding_ms: int = 300,
+                 silence_duration_ms: int = 500, min_speech_ms: int = 0,
+                 sample_rate: int = 16000):
+        if sample_rate != VAD_RATE:
+            raise AudioArgumentError(f"StreamingVAD takes 16 kHz audio, got sample_rate={sample_rate}")
+        if not 0.0 < threshold < 1.0:
+            raise AudioArgumentError(f"threshold must be in (0, 1), got {threshold}")
+        self.threshold = float(threshold)
+        self.neg_threshold = max(self.threshold - 0.15, 0.01)
+        self.prefix_padding_s = max(0, prefix_padding_ms) / 1000.0
+        self.silence_frames = max(1, int(round(silence_duration_ms / 1000.0 / FRAME_S)))
+        self.min_speech_frames = max(1, int(round(min_speech_ms / 1000.0 / FRAME_S)))
+        _get_session()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (new stream; times restart at 0)."""
+        self._h = np.zeros((1, 1, 128), np.float32)
+        self._c = np.zeros((1, 1, 128), np.float32)
+        self._buf = np.zeros(CONTEXT + FRAME, np.float32)  # [context | pending frame]
+        self._fill = 0  # samples pending in the frame part
+        self._pad = 0  # zero samples added by flush()
+        self.frames = 0  # frames processed
+        self.speaking = False
+        self._onset = -1  # frame where the current (candidate) speech started
+        self._speech_run = 0
+        self._sil_start = -1
+        self._last_stop = 0.0
+        self.last_probability = 0.0
+
+    @property
+    def time(self) -> float:
+        """Seconds of audio fed so far (including pending samples)."""
+        return (self.frames * FRAME + self._fill - self._pad) / VAD_RATE
+
+    def feed(self, chunk: np.ndarray) -> list[VADEvent]:
+        """Process a float32 [n] 16 kHz chunk (any n >= 0); returns the events it decided."""
+        x = np.asarray(chunk, np.float32).reshape(-1)
+        events: list[VADEvent] = []
+        pos = 0
+        n = x.shape[0]
+        # complete the pending frame first
+        if self._fill:
+            k = min(FRAME - self._fill, n)
+            self._buf[CONTEXT + self._fill:CONTEXT + self._fill + k] = x[:k]
+            self._fill += k
+            pos = k
+            if self._fill < FRAME:
+                return events
+            self._process(self._buf[None, :].copy(), events)
+            self._buf[:CONTEXT] = self._buf[-CONTEXT:]
+            self._fill = 0
+        whole = (n - pos) // FRAME
+        if whole:
+            block = np.empty((whole, CONTEXT + FRAME), np.float32)
+            block[:, CONTEXT:] = x[pos:pos + whole * FRAME].reshape(whole, FRAME)
+            block[0, :CONTEXT] = self._buf[:CONTEXT]
+            if whole > 1:
+                block[1:, :CONTEXT] = block[:-1, -CONTEXT:]
+            for t0 in range(0, whole, _MAX_FRAMES_PER_CALL):
+                self._process(block[t0:t0 + _MAX_FRAMES_PER_CALL], events)
+            self._buf[:CONTEXT] = block[-1, -CONTEXT:]
+            pos += whole * FRAME
+        rest = n - pos
+        if rest:
+            self._buf[CONTEXT:CONTEXT + rest] = x[pos:]
+            self._fill = rest
+        return events
+
+    def _process(self, block: np.ndarray, events: list[VADEvent]) -> None:
+        probs, self._h, self._c = _run_frames(block, self._h, self._c)
+        for p in probs:
+            t = self.frames
+            self.frames += 1
+            if not self.speaking:
+                if p >= self.threshold:
+                    if self._speech_run == 0:
+                        self._onset = t
+                    self._speech_run += 1
+                    if self._speech_run >= self.min_speech_frames:
+                        self.speaking = True
+                        self._sil_start = -1
+                        start = max(self._last_stop, self._onset * FRAME_S - self.prefix_padding_s, 0.0)
+                        events.append(VADEvent("speech_started", start, self.frames * FRAME_S))
+                elif p < self.neg_threshold:
+                    self._speech_run = 0
+            else:
+                if p >= self.threshold:
+                    self._sil_start = -1
+                elif p < self.neg_threshold:
+                    if self._sil_start < 0:
+                        self._sil_start = t
+                    if self.frames - self._sil_start >= self.silence_frames:
+                        self.speaking = False
+                        self._speech_run = 0
+                        self._last_stop = self._sil_start * FRAME_S
+                        events.append(VADEvent("speech_stopped", self._last_stop, self.frames * FRAME_S))
+                        self._sil_start = -1
+        if probs.shape[0]:
+            self.last_probability = float(probs[-1])
+
+    def flush(self) -> list[VADEvent]:
+        """End of stream: process the pending partial frame (zero-padded) and close an open
+        speech span with a ``speech_stopped`` at the end of the audio fed."""
+        events: list[VADEvent] = []
+        end = self.time
+        if self._fill:
+            self._pad += FRAME - self._fill
+            self._buf[CONTEXT + self._fill:] = 0.0
+            self._process(self._buf[None, :].copy(), events)
+            self._fill = 0
+        if self.speaking:
+            stop = self._sil_start * FRAME_S if self._sil_start >= 0 else end
+            self.speaking = False
+            self._last_stop = min(stop, end)
+            events.append(VADEvent("speech_stopped", self._last_stop, end))
+        return events
+
+
+__all__ = ["speech_probabilities", "speech_segments", "split_for_asr", "StreamingVAD", "VADEvent",
+           "FRAME_S", "VAD_RATE"]
