@@ -1,0 +1,257 @@
+"""``WhisperASR``: the :class:`~flashasr.models.base.ASRModel` for Whisper checkpoints.
+
+Data flow for a batch of waveforms (float32 ``[N_i]`` at 16 kHz):
+
+1. log-mel of each input with 30 s of zeros appended: ``[n_mels, N_i // 160 + 3000]``
+   (the max-8 clamp is over the whole input, as in the reference);
+2. rounds of windows: each unfinished input contributes its window
+   ``mel[:, seek : seek + min(3000, content_frames - seek)]`` zero-padded to 3000 frames;
+   windows of all inputs are stacked ``[B, n_mels, 3000]`` and encoded together ``[B, 1500, D]``;
+3. multilingual models with ``language=None`` detect each input's language on its first window;
+4. batched decoding with temperature fallback (:func:`.decoding.decode_with_fallback`);
+5. a window is skipped as silence when ``no_speech_prob > 0.6`` and ``avg_logprob < -1``;
+6. the timestamp tokens split the window into segments; the next window starts at the last
+   complete timestamp (or 30 s later when the window ended on a single timestamp / had none):
+   the reference's long-form "seek" procedure, without conditioning on previous text;
+7. every time is clamped to ``[0, duration]`` and made monotonic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ...errors import AudioError, FlashASRError
+from ...types import Segment, Transcript, Word
+from ..base import ASRModel, SAMPLE_RATE
+from .decoding import NO_SPEECH_THRESHOLD, LOGPROB_THRESHOLD, DecodingResult, decode_with_fallback, detect_language
+from .features import HOP_LENGTH, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
+from .model import WhisperModel
+from .tokenizer import TIME_PRECISION, WhisperTokenizer
+
+__all__ = ["WhisperASR", "UnsupportedLanguageError"]
+
+INPUT_STRIDE = 2  # mel frames per encoder frame / timestamp step (20 ms)
+
+
+class UnsupportedLanguageError(FlashASRError):
+    """The requested language is not one the model's vocabulary has."""
+
+    code = "unsupported_language"
+    status = 400
+
+
+@dataclass
+class _Job:
+    index: int
+    mel: torch.Tensor  # [n_mels, content_frames + 3000]
+    content_frames: int
+    duration: float
+    language: str | None
+    seek: int = 0
+    windows: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    language_probs: dict | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.seek >= self.content_frames
+
+
+class WhisperASR(ASRModel):
+    """A loaded Whisper model (any size) with the reference's transcription procedure.
+
+    Attributes: ``name`` (e.g. ``whisper-tiny.en``), ``family = "whisper"``, ``multilingual``,
+    ``max_segment_seconds = 30.0``, ``device``, ``model`` (:class:`WhisperModel`),
+    ``tokenizer`` (:class:`WhisperTokenizer`), ``alignment_heads`` (``[[layer, head], ...]``
+    from the checkpoint config, or None), ``max_batch`` (windows per encoder/decoder batch).
+    """
+
+    family = "whisper"
+    max_segment_seconds = 30.0
+
+    def __init__(self, model: WhisperModel, tokenizer: WhisperTokenizer, *, name: str = "whisper",
+                 device: str = "cpu", alignment_heads=None, max_batch: int = 16):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.device = str(device)
+        self.multilingual = tokenizer.multilingual
+        self.alignment_heads = [tuple(map(int, h)) for h in alignment_heads] if alignment_heads else None
+        self.max_batch = max_batch
+        self.dtype = next(model.parameters()).dtype
+
+    def __repr__(self) -> str:
+        return f"WhisperASR(name={self.name!r}, device={self.device!r}, dtype={self.dtype}, dims={self.model.dims})"
+
+    # ---- public API ----------------------------------------------------------------------
+    def transcribe_waveform(self, waveform: np.ndarray, *, language: str | None = None,
+                            word_timestamps: bool = False) -> Transcript:
+        """Transcribe one waveform (float32 ``[N]`` at 16 kHz, any length); see the module
+        docstring. Raises :class:`~flashasr.errors.AudioError` for a non-1-D or non-finite
+        input and :class:`UnsupportedLanguageError` for an unknown ``language``."""
+        return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps)[0]
+
+    def transcribe_batch(self, waveforms: Sequence[np.ndarray], *, language: str | None = None,
+                         word_timestamps: bool = False) -> list[Transcript]:
+        """Transcribe several waveforms, batching their windows through the encoder and the
+        decoder; each result equals :meth:`transcribe_waveform` on that input alone."""
+        lang = self._check_language(language)
+        jobs = [self._make_job(i, w, lang) for i, w in enumerate(waveforms)]
+        with torch.inference_mode():
+            while True:
+                active = [j for j in jobs if not j.done]
+                if not active:
+                    break
+                for k in range(0, len(active), self.max_batch):
+                    self._run_round(active[k: k + self.max_batch])
+        out = []
+        for j in jobs:
+            segs = self._finish_segments(j)
+            words = None
+            if word_timestamps:
+                words = [w for s in segs for w in s.words]
+            text = "".join(s.text for s in segs).strip()
+            out.append(Transcript(text=text, language=j.language or ("en" if not self.multilingual else None),
+                                  duration=j.duration, segments=segs, words=words, model=self.name))
+            if not word_timestamps:
+                for s in segs:
+                    s.words = []
+        return out
+
+    # ---- internals -----------------------------------------------------------------------
+    def _check_language(self, language: str | None) -> str | None:
+        if language is None:
+            return None if self.multilingual else "en"
+        code = language.strip().lower()
+        if not self.multilingual:
+            if code != "en":
+                raise UnsupportedLanguageError(f"model {self.name} is English-only; language {language!r} "
+                                               "is not supported (use a multilingual model)")
+            return "en"
+        if code not in self.tokenizer.language_tokens:
+            raise UnsupportedLanguageError(f"language {language!r} is not supported by {self.name}")
+        return code
+
+    def _make_job(self, i: int, w, language: str | None) -> _Job:
+        a = np.asarray(w)
+        if a.ndim != 1:
+            raise AudioError(f"waveform {i}: expected mono samples of shape [N], got shape {a.shape}",
+                             code="invalid_audio")
+        a = a.astype(np.float32, copy=False)
+        if a.size and not np.isfinite(a).all():
+            raise AudioError(f"waveform {i}: contains NaN or infinite samples", code="invalid_audio")
+        mel = log_mel_spectrogram(a, self.model.dims.n_mels, padding=N_SAMPLES, device=self.device)
+        return _Job(index=i, mel=mel, content_frames=a.size // HOP_LENGTH, duration=a.size / SAMPLE_RATE,
+                    language=language)
+
+    def _run_round(self, jobs: list[_Job]) -> None:
+        sizes = [min(N_FRAMES, j.content_frames - j.seek) for j in jobs]
+        mels = torch.stack([pad_or_trim(j.mel[:, j.seek: j.seek + n], N_FRAMES) for j, n in zip(jobs, sizes)])
+        feats = self.model.encode(mels.to(self.device))
+        need = [k for k, j in enumerate(jobs) if j.language is None]
+        if need:
+            idx = torch.tensor(need, device=feats.device)
+            codes, probs = detect_language(self.model, self.tokenizer, feats.index_select(0, idx))
+            for k, c, p in zip(need, codes, probs):
+                jobs[k].language, jobs[k].language_probs = c, p
+        seeds = [j.seek for j in jobs]  # per-window seed: independent of batch composition
+        results = decode_with_fallback(self.model, self.tokenizer, feats, [j.language for j in jobs], seeds=seeds)
+        for j, n, r in zip(jobs, sizes, results):
+            self._advance(j, n, r)
+
+    def _advance(self, job: _Job, size: int, r: DecodingResult) -> None:
+        """Turn one window's tokens into segments and move ``job.seek`` (reference procedure)."""
+        tok = self.tokenizer
+        job.windows += 1
+        window_seek = job.seek
+        if r.no_speech_prob > NO_SPEECH_THRESHOLD and r.avg_logprob < LOGPROB_THRESHOLD:
+            job.seek += size  # silence: skip the whole window
+            return
+        offset = job.seek * HOP_LENGTH / SAMPLE_RATE
+        toks = r.tokens
+        lps = r.token_logprobs
+        is_ts = [t >= tok.timestamp_begin for t in toks]
+        single_end = len(toks) >= 2 and not is_ts[-2] and is_ts[-1]
+        if len(toks) == 1:
+            single_end = is_ts[0]
+        cuts = [i + 1 for i in range(len(toks) - 1) if is_ts[i] and is_ts[i + 1]]
+        pieces: list[tuple[float, float, int, int]] = []  # (start s, end s, from, to)
+        if cuts:
+            if single_end:
+                cuts.append(len(toks))
+            prev = 0
+            for c in cuts:
+                sl = toks[prev:c]
+                start = tok.timestamp_seconds(sl[0]) if sl[0] >= tok.timestamp_begin else 0.0
+                end = tok.timestamp_seconds(sl[-1]) if sl[-1] >= tok.timestamp_begin else start
+                pieces.append((offset + start, offset + end, prev, c))
+                prev = c
+            if single_end:
+                job.seek += size
+            else:
+                last_pos = toks[prev - 1] - tok.timestamp_begin
+                job.seek += max(1, last_pos * INPUT_STRIDE)
+        else:
+            dur = size * HOP_LENGTH / SAMPLE_RATE
+            ts = [t for t in toks if t >= tok.timestamp_begin]
+            if ts and ts[-1] != tok.timestamp_begin:
+                dur = tok.timestamp_seconds(ts[-1])
+            pieces.append((offset, offset + dur, 0, len(toks)))
+            job.seek += size
+        for start, end, a, b in pieces:
+            seg_toks = toks[a:b]
+            text_ids = [t for t in seg_toks if t < tok.eot]
+            text = tok.decode(text_ids)
+            if not text.strip():
+                continue
+            words = self._approx_words(text_ids, [lp for t, lp in zip(seg_toks, lps[a:b]) if t < tok.eot],
+                                       start, end)
+            job.segments.append(Segment(id=0, start=start, end=end, text=text, tokens=list(seg_toks),
+                                        avg_logprob=r.avg_logprob, no_speech_prob=r.no_speech_prob,
+                                        compression_ratio=r.compression_ratio, temperature=r.temperature,
+                                        seek=window_seek,
+                                        words=words))
+
+    def _approx_words(self, text_ids: list[int], logprobs: list[float], start: float, end: float) -> list[Word]:
+        """Word times spread over the segment in proportion to each word's characters
+        (approximate; used when cross-attention alignment is not available)."""
+        words, groups = self.tokenizer.split_to_words(text_ids)
+        if not words:
+            return []
+        weights = [max(1, len(w.strip())) for w in words]
+        total = float(sum(weights))
+        out, t = [], start
+        pos = 0
+        for w, g, n in zip(words, groups, weights):
+            d = (end - start) * n / total
+            probs = [float(np.exp(lp)) for lp in logprobs[pos: pos + len(g)]]
+            pos += len(g)
+            out.append(Word(word=w, start=t, end=t + d, probability=float(np.mean(probs)) if probs else None))
+            t += d
+        return out
+
+    def _finish_segments(self, job: _Job) -> list[Segment]:
+        """Clamp times into [0, duration], make them monotonic and number the segments."""
+        dur = job.duration
+        prev_end = 0.0
+        out = []
+        for s in job.segments:
+            start = min(max(s.start, prev_end, 0.0), dur)
+            end = min(max(s.end, start), dur)
+            scale_from, scale_len = s.start, (s.end - s.start)
+            for w in s.words:
+                if scale_len > 0:
+                    ws = start + (w.start - scale_from) / scale_len * (end - start)
+                    we = start + (w.end - scale_from) / scale_len * (end - start)
+                else:
+                    ws = we = start
+                w.start, w.end = min(max(ws, start), end), min(max(we, start), end)
+            s.start, s.end = start, end
+            s.id = len(out)
+            prev_end = end
+            out.append(s)
+        return out

@@ -1,0 +1,274 @@
+"""Batched Whisper decoding of 30 s windows: greedy (temperature 0) or seeded sampling, with the
+reference's logit rules, language detection and no-speech probability.
+
+Rules (facts from the Whisper paper / OpenAI reference ``decoding.py``), applied to every row's
+logits in this order at every step:
+
+1. suppress blank: at the first sampled position, forbid ``" "`` and eot;
+2. suppress tokens: never sample the non-speech symbols nor the control tokens;
+3. timestamp rules (unless ``without_timestamps``): ``<|notimestamps|>`` is forbidden;
+   timestamps come in pairs (after a timestamp that followed text, only a timestamp or eot;
+   after two timestamps, only text); timestamps never decrease (and a closed segment
+   cannot end where it began); the first token must be a timestamp <= ``max_initial_timestamp``
+   (1.0 s); when the total probability of all timestamp tokens exceeds that of the most likely
+   text token, a timestamp is forced.
+
+``no_speech_prob`` is ``softmax(logits at the sot position)[<|nocaptions|>]``. ``avg_logprob`` is
+the sum of the chosen tokens' log-probabilities (eot included) divided by (sampled tokens + 1).
+Rows stop independently at eot (finished rows are dropped from the batch: the KV cache is
+compacted), or after ``sample_len`` (224 = n_text_ctx / 2) tokens.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .model import KVCache, WhisperModel
+from .tokenizer import TIME_PRECISION, WhisperTokenizer
+
+__all__ = ["DecodingResult", "LogitRules", "decode_windows", "detect_language", "compression_ratio",
+           "TEMPERATURES", "COMPRESSION_RATIO_THRESHOLD", "LOGPROB_THRESHOLD", "NO_SPEECH_THRESHOLD"]
+
+TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+COMPRESSION_RATIO_THRESHOLD = 2.4
+LOGPROB_THRESHOLD = -1.0
+NO_SPEECH_THRESHOLD = 0.6
+MAX_INITIAL_TIMESTAMP = 1.0
+
+
+def compression_ratio(text: str) -> float:
+    """``len(utf8) / len(zlib(utf8))``: high (> 2.4) for repetitive text (repetition loops)."""
+    b = text.encode("utf-8")
+    return len(b) / len(zlib.compress(b)) if b else 0.0
+
+
+@dataclass
+class DecodingResult:
+    """One decoded window. ``tokens``: sampled ids (text + timestamps) without eot;
+    ``token_logprobs``: log-probability of each of them; times are not yet offset."""
+
+    tokens: list[int]
+    token_logprobs: list[float]
+    text: str
+    language: str | None
+    avg_logprob: float
+    sum_logprob: float
+    no_speech_prob: float
+    temperature: float
+    compression_ratio: float
+    hit_eot: bool = True
+    language_probs: dict[str, float] | None = field(default=None, repr=False)
+
+
+class LogitRules:
+    """The reference's logit filters for a batch (vectorised over rows).
+
+    ``apply(logits [B, V] float32, step, ts_state) -> logits`` where ``step`` is the number of
+    tokens sampled so far and ``ts_state = (last_is_ts [B] bool, penult_is_ts [B] bool,
+    last_ts_token [B] int64 (-1 if none))``.
+    """
+
+    def __init__(self, tok: WhisperTokenizer, n_vocab: int, device, *, without_timestamps: bool = False,
+                 max_initial_timestamp: float | None = MAX_INITIAL_TIMESTAMP, suppress_blank: bool = True):
+        self.tok = tok
+        self.n_vocab = n_vocab
+        self.without_timestamps = without_timestamps
+        self.suppress = torch.zeros(n_vocab, dtype=torch.bool, device=device)
+        self.suppress[[t for t in tok.suppress_tokens if t < n_vocab]] = True
+        if without_timestamps:
+            self.suppress[tok.timestamp_begin:] = True
+        else:
+            self.suppress[tok.no_timestamps] = True
+        self.begin = torch.zeros(n_vocab, dtype=torch.bool, device=device)
+        if suppress_blank:
+            self.begin[[t for t in tok.suppress_tokens_begin if t < n_vocab]] = True
+        ar = torch.arange(n_vocab, device=device)
+        self.ar = ar
+        self.is_ts = ar >= tok.timestamp_begin
+        self.is_text = ar < tok.eot
+        self.first_mask = ~self.is_ts.clone()
+        if max_initial_timestamp is not None:
+            last_allowed = tok.timestamp_begin + round(max_initial_timestamp / TIME_PRECISION)
+            self.first_mask |= ar > last_allowed
+
+    def apply(self, logits: torch.Tensor, step: int, ts_state) -> torch.Tensor:
+        neg = float("-inf")
+        logits = logits.masked_fill(self.suppress, neg)
+        if step == 0:
+            logits = logits.masked_fill(self.begin, neg)
+        if self.without_timestamps:
+            return logits
+        tb = self.tok.timestamp_begin
+        if step == 0:
+            logits = logits.masked_fill(self.first_mask, neg)
+        else:
+            last, pen, last_tok = ts_state
+            m = ((last & pen)[:, None] & self.is_ts[None]) | ((last & ~pen)[:, None] & self.is_text[None])
+            limit = torch.where(last & ~pen, last_tok, last_tok + 1)
+            m |= (last_tok >= 0)[:, None] & self.is_ts[None] & (self.ar[None] < limit[:, None])
+            logits = logits.masked_fill(m, neg)
+        logprobs = F.log_softmax(logits, dim=-1)
+        ts_lp = torch.logsumexp(logprobs[:, tb:], dim=-1)
+        text_max = logprobs[:, :tb].max(dim=-1).values
+        force = (ts_lp > text_max)[:, None] & ~self.is_ts[None]
+        return logits.masked_fill(force, neg)
+
+
+@torch.inference_mode()
+def detect_language(model: WhisperModel, tok: WhisperTokenizer, audio_features: torch.Tensor
+                    ) -> tuple[list[str], list[dict[str, float]]]:
+    """Language of each row from the logits at the sot position restricted to language tokens.
+
+    Args:
+        audio_features: encoder output ``[B, 1500, D]``.
+    Returns:
+        (codes, per-row {code: probability}).
+    """
+    b = audio_features.shape[0]
+    cache = model.new_cache(audio_features, max_len=1)
+    sot = torch.full((b, 1), tok.sot, dtype=torch.long, device=audio_features.device)
+    logits = model.decode_step(sot, cache, 0)[:, 0]
+    codes = list(tok.language_tokens)
+    ids = torch.tensor([tok.language_tokens[c] for c in codes], device=logits.device)
+    probs = torch.softmax(logits[:, ids], dim=-1).cpu()
+    best = probs.argmax(dim=-1).tolist()
+    return [codes[i] for i in best], [dict(zip(codes, p.tolist())) for p in probs]
+
+
+def _sample(logits: torch.Tensor, temperature: float, generators: Sequence[torch.Generator] | None,
+            rows: torch.Tensor) -> torch.Tensor:
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+    out = []
+    for j, r in enumerate(rows.tolist()):
+        g = generators[r] if generators is not None else None
+        out.append(torch.multinomial(probs[j], 1, generator=g))
+    return torch.cat(out).to(logits.device)
+
+
+@torch.inference_mode()
+def decode_windows(model: WhisperModel, tok: WhisperTokenizer, audio_features: torch.Tensor,
+                   languages: Sequence[str | None], *, temperature: float = 0.0,
+                   generators: Sequence[torch.Generator] | None = None, without_timestamps: bool = False,
+                   sample_len: int | None = None, task: str = "transcribe") -> list[DecodingResult]:
+    """Decode a batch of windows from their encoder output.
+
+    Args:
+        audio_features: ``[B, 1500, D]``.
+        languages: per row ISO code (ignored by English-only models; must be known here).
+        temperature: 0 = greedy; > 0 samples from ``softmax(logits / T)`` with ``generators[row]``.
+        generators: per-row CPU ``torch.Generator`` (seeded by the caller for reproducibility).
+    Returns:
+        one :class:`DecodingResult` per row (same order).
+    """
+    b = audio_features.shape[0]
+    dev = audio_features.device
+    n_ctx = model.dims.n_text_ctx
+    sample_len = sample_len or n_ctx // 2
+    prompts = [tok.sot_sequence(lang, task) for lang in languages]
+    p_len = len(prompts[0])
+    sample_len = min(sample_len, n_ctx - p_len)
+    cache = model.new_cache(audio_features, max_len=p_len + sample_len)
+    prompt = torch.tensor(prompts, dtype=torch.long, device=dev)
+    logits_all = model.decode_step(prompt, cache, 0)  # [B, P, V]
+    no_speech = torch.softmax(logits_all[:, 0], dim=-1)[:, tok.no_speech].cpu().tolist()
+    logits = logits_all[:, -1]
+    rules = LogitRules(tok, logits.shape[-1], dev, without_timestamps=without_timestamps)
+
+    rows = torch.arange(b, device=dev)  # original row index of each active row
+    last = torch.zeros(b, dtype=torch.bool, device=dev)
+    pen = torch.ones(b, dtype=torch.bool, device=dev)
+    last_tok = torch.full((b,), -1, dtype=torch.long, device=dev)
+    sampled: list[list[int]] = [[] for _ in range(b)]
+    lps: list[list[float]] = [[] for _ in range(b)]
+    sum_lp = [0.0] * b
+    hit_eot = [False] * b
+    offset = p_len
+    for step in range(sample_len):
+        filtered = rules.apply(logits, step, (last, pen, last_tok))
+        nxt = _sample(filtered, temperature, generators, rows)
+        lp = F.log_softmax(filtered, dim=-1).gather(1, nxt[:, None])[:, 0]
+        nxt_l, lp_l, rows_l = nxt.tolist(), lp.tolist(), rows.tolist()
+        keep = []
+        for j, (r, t, l) in enumerate(zip(rows_l, nxt_l, lp_l)):
+            sum_lp[r] += l
+            if t == tok.eot:
+                hit_eot[r] = True
+            else:
+                sampled[r].append(t)
+                lps[r].append(l)
+                keep.append(j)
+        if not keep or step == sample_len - 1:
+            break
+        is_ts = nxt >= tok.timestamp_begin
+        pen = last if step > 0 else torch.ones_like(last)
+        last = is_ts
+        last_tok = torch.where(is_ts, nxt, last_tok)
+        if len(keep) < len(rows_l):
+            k = torch.tensor(keep, dtype=torch.long, device=dev)
+            cache = cache.select(k)
+            rows, nxt, last, pen, last_tok = rows[k], nxt[k], last[k], pen[k], last_tok[k]
+        logits = model.decode_step(nxt[:, None], cache, offset)[:, -1]
+        offset += 1
+
+    out = []
+    for r in range(b):
+        text = tok.decode(sampled[r])
+        out.append(DecodingResult(
+            tokens=sampled[r], token_logprobs=lps[r], text=text,
+            language=languages[r] if tok.multilingual else "en",
+            avg_logprob=sum_lp[r] / (len(sampled[r]) + 1), sum_logprob=sum_lp[r],
+            no_speech_prob=float(no_speech[r]), temperature=temperature,
+            compression_ratio=compression_ratio(text), hit_eot=hit_eot[r]))
+    return out
+
+
+def needs_fallback(r: DecodingResult) -> bool:
+    """The reference's temperature-fallback test: too repetitive or too unlikely, unless the
+    window is probably silence."""
+    bad = r.compression_ratio > COMPRESSION_RATIO_THRESHOLD or r.avg_logprob < LOGPROB_THRESHOLD
+    if r.no_speech_prob > NO_SPEECH_THRESHOLD:
+        bad = False
+    return bad
+
+
+def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_features: torch.Tensor,
+                         languages: Sequence[str | None], *, seeds: Sequence[int] | None = None,
+                         temperatures: Sequence[float] = TEMPERATURES, without_timestamps: bool = False,
+                         task: str = "transcribe") -> list[DecodingResult]:
+    """Greedy decode, then re-decode only the rows that :func:`needs_fallback` at the next
+    temperature (seeded sampling, one candidate), up to 1.0; a row keeps its last result.
+
+    ``seeds[row]`` seeds that row's generator at every temperature, so a row's result does not
+    depend on which other rows share the batch.
+    """
+    b = audio_features.shape[0]
+    results: list[DecodingResult | None] = [None] * b
+    todo = list(range(b))
+    for t in temperatures:
+        if not todo:
+            break
+        idx = torch.tensor(todo, dtype=torch.long, device=audio_features.device)
+        feats = audio_features if len(todo) == b else audio_features.index_select(0, idx)
+        gens = None
+        if t > 0:
+            gens = []
+            for r in todo:
+                g = torch.Generator()
+                g.manual_seed(int(seeds[r]) if seeds is not None else 0)
+                gens.append(g)
+        res = decode_windows(model, tok, feats, [languages[r] for r in todo], temperature=t, generators=gens,
+                             without_timestamps=without_timestamps, task=task)
+        nxt = []
+        for r, res_r in zip(todo, res):
+            results[r] = res_r
+            if needs_fallback(res_r):
+                nxt.append(r)
+        todo = nxt
+    return results  # type: ignore[return-value]

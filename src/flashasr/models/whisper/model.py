@@ -1,0 +1,274 @@
+"""Our own PyTorch Whisper encoder-decoder (every size: tiny ... large-v3 / large-v3-turbo).
+
+Architecture facts follow the Whisper paper (Radford et al. 2022, "Robust Speech Recognition
+via Large-Scale Weak Supervision") and OpenAI's reference implementation:
+
+* Encoder: log-mel ``[B, n_mels, 3000]`` -> conv1d(k=3, s=1) + GELU -> conv1d(k=3, s=2) + GELU
+  -> ``[B, 1500, D]`` + sinusoidal positions -> ``n_audio_layer`` pre-LN transformer blocks
+  (self-attention, 4x GELU MLP) -> final LayerNorm.
+* Decoder: token embedding + learned positions (``n_text_ctx`` = 448) -> ``n_text_layer`` pre-LN
+  blocks (causal self-attention with a KV cache, cross-attention over the encoder output, MLP)
+  -> final LayerNorm -> logits against the tied token embedding.
+
+Our internal parameter layout (what every loader in :mod:`.loaders` maps to) fuses the
+self-attention projections into one ``qkv`` linear (the key projection has no bias in Whisper;
+its bias slot is zero) and the cross-attention key/value projections into one ``kv`` linear.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["WhisperDims", "WhisperModel", "KVCache", "sinusoids"]
+
+
+@dataclass(frozen=True)
+class WhisperDims:
+    """Hyper-parameters of one Whisper checkpoint (names follow OpenAI's ``ModelDimensions``).
+
+    ``n_mels``: 80 (tiny..large-v2) or 128 (large-v3, large-v3-turbo). ``n_audio_ctx``: encoder
+    frames after the stride-2 conv (1500 for a 30 s window). ``n_text_ctx``: decoder positions (448).
+    ``n_*_state``: model width D; ``n_*_head``: attention heads; ``n_*_layer``: blocks. Decoder depth
+    is independent of encoder depth (large-v3-turbo: 32 encoder, 4 decoder layers).
+    """
+
+    n_mels: int
+    n_audio_ctx: int
+    n_audio_state: int
+    n_audio_head: int
+    n_audio_layer: int
+    n_vocab: int
+    n_text_ctx: int
+    n_text_state: int
+    n_text_head: int
+    n_text_layer: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper's encoder position table, float32 ``[length, channels]``: ``[sin | cos]`` halves
+    with geometric timescales from 1 to ``max_timescale`` (the reference's formula)."""
+    if channels % 2:
+        raise ValueError("channels must be even")
+    half = channels // 2
+    inc = math.log(max_timescale) / (half - 1)
+    inv = torch.exp(-inc * torch.arange(half, dtype=torch.float32))
+    t = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]
+    return torch.cat([torch.sin(t), torch.cos(t)], dim=1)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def project(self, x: torch.Tensor):
+        b, t, d = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return qkv[0], qkv[1], qkv[2]  # each [B, H, T, Dh]
+
+
+class _CrossAttention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(d, d)
+
+    def project_kv(self, xa: torch.Tensor):
+        b, t, d = xa.shape
+        kv = self.kv(xa).view(b, t, 2, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return kv[0], kv[1]  # each [B, H, T_audio, Dh]
+
+
+def _merge(x: torch.Tensor) -> torch.Tensor:
+    b, h, t, dh = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * dh)
+
+
+class _EncoderLayer(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.self_attn_norm = nn.LayerNorm(d)
+        self.self_attn = _SelfAttention(d, heads)
+        self.ffn_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.self_attn.project(self.self_attn_norm(x))
+        x = x + self.self_attn.out(_merge(F.scaled_dot_product_attention(q, k, v)))
+        return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.self_attn_norm = nn.LayerNorm(d)
+        self.self_attn = _SelfAttention(d, heads)
+        self.cross_attn_norm = nn.LayerNorm(d)
+        self.cross_attn = _CrossAttention(d, heads)
+        self.ffn_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+
+class KVCache:
+    """Decoder key/value cache: static, pre-allocated per batch.
+
+    ``self_k[l]``/``self_v[l]``: ``[B, H, max_len, Dh]`` (positions written as tokens are fed);
+    ``cross_k[l]``/``cross_v[l]``: ``[B, H, T_audio, Dh]``, computed once per audio window by
+    :meth:`WhisperModel.new_cache`. Buffers never change shape during decoding, so a CUDA-graph
+    capture of :meth:`WhisperModel.decode_step` can reuse them.
+    """
+
+    def __init__(self, self_k, self_v, cross_k, cross_v):
+        self.self_k, self.self_v, self.cross_k, self.cross_v = self_k, self_v, cross_k, cross_v
+
+    @property
+    def batch_size(self) -> int:
+        return self.cross_k[0].shape[0]
+
+    def select(self, rows: torch.Tensor) -> "KVCache":
+        """A new cache holding only batch rows ``rows`` (int64 ``[B']``), e.g. the unfinished ones."""
+        def sel(ts):
+            return [t.index_select(0, rows) for t in ts]
+
+        return KVCache(sel(self.self_k), sel(self.self_v), sel(self.cross_k), sel(self.cross_v))
+
+
+class WhisperModel(nn.Module):
+    """Whisper encoder-decoder; see the module docstring for the data flow.
+
+    Parameters live in our layout (``encoder.*``, ``decoder.*``); :meth:`load_state_dict`
+    expects exactly the keys of :meth:`state_dict` (loaders convert other layouts).
+    """
+
+    def __init__(self, dims: WhisperDims):
+        super().__init__()
+        self.dims = dims
+        d_a, d_t = dims.n_audio_state, dims.n_text_state
+        enc = nn.Module()
+        enc.conv1 = nn.Conv1d(dims.n_mels, d_a, kernel_size=3, padding=1)
+        enc.conv2 = nn.Conv1d(d_a, d_a, kernel_size=3, stride=2, padding=1)
+        enc.register_buffer("positions", sinusoids(dims.n_audio_ctx, d_a))
+        enc.layers = nn.ModuleList([_EncoderLayer(d_a, dims.n_audio_head) for _ in range(dims.n_audio_layer)])
+        enc.norm = nn.LayerNorm(d_a)
+        self.encoder = enc
+        dec = nn.Module()
+        dec.embed = nn.Embedding(dims.n_vocab, d_t)
+        dec.positions = nn.Parameter(torch.zeros(dims.n_text_ctx, d_t))
+        dec.layers = nn.ModuleList([_DecoderLayer(d_t, dims.n_text_head) for _ in range(dims.n_text_layer)])
+        dec.norm = nn.LayerNorm(d_t)
+        self.decoder = dec
+
+    # ---- encoder -------------------------------------------------------------------------
+    def encode(self, mel: torch.Tensor) -> torch.Tensor:
+        """Encoder forward.
+
+        Args:
+            mel: log-mel ``[B, n_mels, 2 * n_audio_ctx]`` (3000 frames = 30 s), any float dtype
+                (cast to the weights' dtype).
+        Returns:
+            ``[B, n_audio_ctx, n_audio_state]`` in the weights' dtype.
+        Raises:
+            ValueError: wrong number of mel bins or frames.
+        """
+        d = self.dims
+        if mel.ndim != 3 or mel.shape[1] != d.n_mels or mel.shape[2] != 2 * d.n_audio_ctx:
+            raise ValueError(f"expected log-mel [B, {d.n_mels}, {2 * d.n_audio_ctx}], got {tuple(mel.shape)}")
+        e = self.encoder
+        x = mel.to(e.conv1.weight.dtype)
+        x = F.gelu(e.conv1(x))
+        x = F.gelu(e.conv2(x)).transpose(1, 2)
+        x = x + e.positions.to(x.dtype)
+        for layer in e.layers:
+            x = layer(x)
+        return e.norm(x)
+
+    # ---- decoder -------------------------------------------------------------------------
+    def new_cache(self, audio_features: torch.Tensor, max_len: int | None = None) -> KVCache:
+        """Allocate a static KV cache and compute the cross-attention K/V once per audio.
+
+        Args:
+            audio_features: encoder output ``[B, T_audio, D]``.
+            max_len: decoder positions to reserve (default ``n_text_ctx``).
+        """
+        b = audio_features.shape[0]
+        h = self.dims.n_text_head
+        dh = self.dims.n_text_state // h
+        n = max_len or self.dims.n_text_ctx
+        dev, dt = audio_features.device, audio_features.dtype
+        sk, sv, ck, cv = [], [], [], []
+        for layer in self.decoder.layers:
+            sk.append(torch.zeros(b, h, n, dh, device=dev, dtype=dt))
+            sv.append(torch.zeros(b, h, n, dh, device=dev, dtype=dt))
+            k, v = layer.cross_attn.project_kv(audio_features)
+            ck.append(k.contiguous())
+            cv.append(v.contiguous())
+        return KVCache(sk, sv, ck, cv)
+
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache, offset: int,
+                    return_cross_attn: bool = False):
+        """Feed ``T`` new tokens at positions ``offset .. offset+T-1``; a pure function of
+        (tokens, cache contents, offset) apart from writing K/V at those positions.
+
+        Args:
+            tokens: int64 ``[B, T]`` (T = prompt length on the first call, then 1).
+            cache: from :meth:`new_cache` (same B).
+            offset: number of positions already in the cache.
+            return_cross_attn: also return per-layer cross-attention weights
+                ``[B, H, T, T_audio]`` (for word alignment; slower path without SDPA).
+        Returns:
+            logits float32 ``[B, T, n_vocab]`` (and the list of attention weights if asked).
+        """
+        dec = self.decoder
+        b, t = tokens.shape
+        end = offset + t
+        if end > cache.self_k[0].shape[2]:
+            raise ValueError(f"decoder context overflow: {end} > {cache.self_k[0].shape[2]}")
+        x = dec.embed(tokens) + dec.positions[offset:end]
+        mask = None
+        if t > 1:
+            q_pos = torch.arange(offset, end, device=tokens.device)[:, None]
+            k_pos = torch.arange(end, device=tokens.device)[None, :]
+            mask = k_pos <= q_pos  # [T, end] True = attend
+        weights = []
+        for i, layer in enumerate(dec.layers):
+            q, k, v = layer.self_attn.project(layer.self_attn_norm(x))
+            cache.self_k[i][:, :, offset:end] = k
+            cache.self_v[i][:, :, offset:end] = v
+            a = F.scaled_dot_product_attention(q, cache.self_k[i][:, :, :end], cache.self_v[i][:, :, :end],
+                                               attn_mask=mask)
+            x = x + layer.self_attn.out(_merge(a))
+            h = layer.cross_attn_norm(x)
+            qc = layer.cross_attn.q(h)
+            qc = qc.view(b, t, layer.cross_attn.heads, -1).transpose(1, 2)
+            if return_cross_attn:
+                scale = qc.shape[-1] ** -0.5
+                w = torch.softmax((qc.float() @ cache.cross_k[i].float().transpose(-1, -2)) * scale, dim=-1)
+                weights.append(w)
+                a = (w.to(qc.dtype) @ cache.cross_v[i])
+            else:
+                a = F.scaled_dot_product_attention(qc, cache.cross_k[i], cache.cross_v[i])
+            x = x + layer.cross_attn.out(_merge(a))
+            x = x + layer.fc2(F.gelu(layer.fc1(layer.ffn_norm(x))))
+        x = dec.norm(x)
+        logits = (x @ dec.embed.weight.to(x.dtype).T).float()
+        if return_cross_attn:
+            return logits, weights
+        return logits
+
+    def num_parameters(self) -> int:
+        """Parameter count (tied output projection counted once)."""
+        return sum(p.numel() for p in self.parameters())
