@@ -1,0 +1,201 @@
+"""The ``flashasr`` command line: ``transcribe``, ``eval`` and ``serve``.
+
+Exit codes: 0 success; 1 at least one input failed (the others still finished);
+2 bad usage, no inputs or a model that cannot be loaded; 130 interrupted (Ctrl-C or
+SIGTERM; finished outputs are kept, no output file is ever half-written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from . import __version__
+from .errors import FlashASRError
+from .formats import FORMATS
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="model: tiny.en (default, embedded), base (whisper base multilingual), a CTranslate2/"
+                        "Hugging Face Whisper folder, a Whisper .pt, a Parakeet .nemo or nvidia/parakeet-... id")
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--language", default=None,
+                   help="ISO 639-1 code (default: the manifest's language, else detected / the model's)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``flashasr`` command (``transcribe``, ``eval``, ``serve``)."""
+    parser = argparse.ArgumentParser(prog="flashasr", description="Fast speech-to-text (Whisper, Parakeet-TDT).")
+    parser.add_argument("--version", action="version", version=f"flashasr {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{transcribe,eval,serve}")
+
+    t = sub.add_parser("transcribe", help="transcribe files, folders, glob patterns or manifests",
+                       description="Transcribe audio. INPUT: files, folders (recursive, audio extensions), "
+                                   "glob patterns, or .jsonl manifests with audio_filepath/path.")
+    t.add_argument("inputs", nargs="+", metavar="INPUT")
+    _add_model_args(t)
+    t.add_argument("--format", "-f", default="text", choices=FORMATS, help="output format (default: text)")
+    t.add_argument("--output-dir", "-o", default=None,
+                   help="write one output per input (relative folders mirrored) plus summary.jsonl here; "
+                        "without it transcripts go to stdout")
+    t.add_argument("--word-timestamps", action="store_true", help="word-level times (verbose_json 'words')")
+    t.add_argument("--batch-size", type=_positive_int, default=8, help="pieces per model call (default 8)")
+    t.add_argument("--segmentation", choices=("vad", "fixed", "none"), default="vad",
+                   help="cut long audio at pauses (vad, default), in fixed windows, or not at all")
+    t.add_argument("--max-segment-s", type=_positive_float, default=None,
+                   help="longest piece in seconds (default and maximum: the model's, 30 for Whisper)")
+    t.add_argument("--workers", type=_positive_int, default=None,
+                   help="decode/VAD threads (default: half the cores on CPU, cores-1 on CUDA)")
+    t.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip inputs with a complete output from an earlier run (default: on)")
+    t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: only when stderr is a terminal)")
+    t.add_argument("--quiet", "-q", action="store_true", help="no final summary table")
+
+    e = sub.add_parser("eval", help="WER on a manifest (optionally side by side with faster-whisper)",
+                       description="Word error rate on a JSONL manifest with references.")
+    from .eval import add_eval_args
+
+    add_eval_args(e)
+
+    sub.add_parser("serve", help="run the HTTP/WebSocket server (needs the 'serve' extra)", add_help=False)
+    return parser
+
+
+def _install_sigterm() -> None:
+    def _handler(signum, frame):  # turn SIGTERM into the same clean stop as Ctrl-C
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGTERM, _handler)
+    except (ValueError, OSError):  # not the main thread
+        pass
+
+
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    """``flashasr transcribe``: see :func:`build_parser` for the options."""
+    from .jobs import InputError, expand_inputs, run_job
+    from .models.registry import load_model
+
+    try:
+        items = expand_inputs(args.inputs)
+    except InputError as e:
+        _err(f"error: [{e.code}] {e}")
+        return EXIT_USAGE
+    if not items:
+        _err("error: [no_inputs] no audio files found in the given inputs")
+        return EXIT_USAGE
+    try:
+        model = load_model(args.model, device=args.device)
+    except FlashASRError as e:
+        _err(f"error: [{e.code}] cannot load model {args.model or 'tiny.en'}: {e}")
+        return EXIT_USAGE
+
+    several = len(items) > 1
+    order = {str(it.path): k for k, it in enumerate(items)}
+    ready: dict[int, str | None] = {}
+    next_out = [0]
+
+    def on_result(res) -> None:
+        if args.output_dir is not None:
+            return
+        from .formats import render
+
+        text = None
+        if res.status == "ok" and res.transcript is not None:
+            text = render(res.transcript, args.format, words=True if args.word_timestamps else None)
+        ready[order[str(res.item.path)]] = (res.item.display, text)
+        while next_out[0] in ready:  # print in input order, each as soon as it can be
+            disp, txt = ready.pop(next_out[0])
+            next_out[0] += 1
+            if txt is None:
+                continue
+            if several:
+                sys.stdout.write(f"==> {disp} <==\n")
+            sys.stdout.write(txt if txt.endswith("\n") else txt + "\n")
+            sys.stdout.flush()
+
+    _install_sigterm()
+    try:
+        report = run_job(items, model, args.output_dir, args.format, language=args.language,
+                         word_timestamps=args.word_timestamps, batch_size=args.batch_size,
+                         segmentation=args.segmentation, max_segment_s=args.max_segment_s,
+                         workers=args.workers, resume=args.resume, progress=args.progress,
+                         on_result=on_result, keep_transcripts=False)
+    except FlashASRError as e:
+        _err(f"error: [{e.code}] {e}")
+        return EXIT_USAGE
+    for r in report.failed:
+        _err(f"failed: {r.item.display}: [{r.error_code}] {r.error_message}")
+    if report.interrupted:
+        _err(f"interrupted: {len(report.ok) + len(report.skipped)} of {len(items)} inputs finished; "
+             "re-run the same command to resume" if args.output_dir else "interrupted")
+    if not args.quiet:
+        _err(report.table())
+        if args.output_dir:
+            _err(f"outputs    {os.path.abspath(args.output_dir)} (summary.jsonl)")
+    return report.exit_code
+
+
+def cmd_serve(argv: list[str]) -> int:
+    """Hand ``flashasr serve ...`` to :func:`flashasr.serve.app.main` (imported lazily)."""
+    try:
+        from .serve.app import main as serve_main
+    except ImportError as e:
+        missing = getattr(e, "name", None) or str(e)
+        _err(f"error: [serve_unavailable] 'flashasr serve' needs the serve extra "
+             f"(pip install 'flashasr[serve]'); import failed: {missing}")
+        return EXIT_USAGE
+    return int(serve_main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``flashasr`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        return cmd_serve(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "transcribe":
+        try:
+            return cmd_transcribe(args)
+        except KeyboardInterrupt:  # e.g. during model loading
+            _err("interrupted")
+            return EXIT_INTERRUPTED
+    if args.command == "eval":
+        from .eval import run_eval_cli
+
+        try:
+            return run_eval_cli(args)
+        except KeyboardInterrupt:
+            _err("interrupted")
+            return EXIT_INTERRUPTED
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Expand job inputs (files, directories, glob patterns, JSONL manifests) into work items.
+
+Each :class:`InputItem` carries the resolved audio path and a *relative output key*
+(a POSIX path without extension) that decides where its output goes under
+``--output-dir``:
+
+* a file given directly: its base name (``talk.wav`` -> ``talk``);
+* a file found under a directory input: its path relative to that directory
+  (``in/a/talk.wav`` with input ``in`` -> ``a/talk``), so duplicate base names in
+  different folders never collide;
+* a glob match: its path relative to the pattern's non-wildcard prefix;
+* a manifest entry: its path relative to the manifest's folder (relative entries
+  resolve against that folder, as NeMo manifests do).
+
+If two different inputs still map to the same key (``x/a.wav`` and ``y/a.wav`` given
+as two files, or ``a.wav`` and ``a.mp3`` in one folder), every colliding key gets a
+``-<8 hex>`` suffix from a hash of the absolute input path. The mapping depends only
+on the set of inputs, so a re-run with the same inputs finds the same outputs.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from ..errors import FlashASRError
+
+#: File extensions a directory or glob expansion treats as audio (lower case, with dot).
+AUDIO_EXTENSIONS = frozenset({
+    ".wav", ".wave", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".mp4", ".aac",
+    ".aif", ".aiff", ".aifc", ".wma", ".webm", ".mka", ".mkv", ".mov", ".amr", ".au",
+    ".caf", ".ac3", ".3gp", ".spx", ".w64", ".mpga", ".mpeg",
+})
+
+MANIFEST_EXTENSIONS = (".jsonl", ".json")
+
+
+class InputError(FlashASRError):
+    """A job input (path, glob or manifest) could not be expanded."""
+
+    code = "invalid_input"
+    status = 400
+
+
+@dataclass
+class InputItem:
+    """One audio input of a job.
+
+    Attributes:
+        path: absolute path of the audio file (may not exist or be unreadable: the
+            job reports that per file instead of failing the whole expansion).
+        key: relative output key, POSIX style, without extension (see module doc).
+        display: the path as the user spelled it (for messages and headers).
+        language: ISO 639-1 code from a manifest entry (None otherwise).
+        meta: the full manifest entry (empty for non-manifest inputs).
+    """
+
+    path: Path
+    key: str
+    display: str
+    language: str | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def _has_magic(s: str) -> bool:
+    return glob.has_magic(s)
+
+
+def _is_audio(p: Path) -> bool:
+    return p.suffix.lower() in AUDIO_EXTENSIONS
+
+
+def _strip_ext(rel: str) -> str:
+    pp = PurePosixPath(rel)
+    return str(pp.with_suffix("")) if pp.suffix else str(pp)
+
+
+def _safe_key(rel: str) -> str:
+    """Normalise a relative key: no absolute parts, no ``..`` (those become ``__``)."""
+    parts = [p for p in PurePosixPath(rel.replace(os.sep, "/")).parts if p not in ("", ".", "/")]
+    parts = ["__" if p == ".." else p for p in parts]
+    return "/".join(parts) or "audio"
+
+
+def read_manifest(manifest: str | os.PathLike) -> list[InputItem]:
+    """Read a JSONL manifest: one JSON object per line with ``audio_filepath`` or ``path``.
+
+    Relative paths resolve against the manifest's folder. A ``language`` field is kept.
+    Raises:
+        InputError: unreadable file, a line that is not a JSON object, or a line without
+            ``audio_filepath``/``path`` (the message names the line number).
+    """
+    mpath = Path(manifest)
+    try:
+        text = mpath.read_text(encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"manifest {manifest}: cannot read ({e.strerror or e})", code="unreadable_input") from e
+    root = mpath.resolve().parent
+    items = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"manifest {manifest}, line {lineno}: not valid JSON ({e.msg})",
+                             code="invalid_manifest") from e
+        if not isinstance(entry, dict):
+            raise InputError(f"manifest {manifest}, line {lineno}: expected a JSON object",
+                             code="invalid_manifest")
+        ap = entry.get("audio_filepath", entry.get("path"))
+        if not isinstance(ap, str) or not ap:
+            raise InputError(f"manifest {manifest}, line {lineno}: no 'audio_filepath' or 'path' field",
+                             code="invalid_manifest")
+        p = Path(ap)
+        absp = p if p.is_absolute() else root / p
+        if p.is_absolute():
+            try:
+                rel = str(absp.resolve().relative_to(root))
+            except ValueError:
+                rel = absp.name
+        else:
+            rel = ap
+        lang = entry.get("language") if isinstance(entry.get("language"), str) else None
+        items.append(InputItem(path=Path(os.path.abspath(absp)), key=_safe_key(_strip_ext(rel)),
+                               display=ap, language=lang, meta=entry))
+    return items
+
+
+def _walk_dir(d: Path) -> list[Path]:
+    out = []
+    for root, dirs, files in os.walk(d, followlinks=False):
+        dirs.sort()
+        for f in sorted(files):
+            p = Path(root) / f
+            if _is_audio(p):
+                out.append(p)
+    return out
+
+
+def expand_inputs(inputs: list[str | os.PathLike]) -> list[InputItem]:
+    """Expand ``inputs`` (files, directories, globs, ``.jsonl`` manifests) in order.
+
+    Directories are walked recursively (sorted, symlinked folders not followed) and
+    keep files with an audio extension (:data:`AUDIO_EXTENSIONS`); a file named
+    directly is kept whatever its extension (the job then reports it if it is not
+    audio). A path given twice is kept once (first occurrence).
+
+    Returns:
+        list of :class:`InputItem` with unique ``key`` values.
+    Raises:
+        InputError(code="input_not_found"): a path that does not exist or a glob with no match.
+    """
+    items: list[InputItem] = []
+    for raw in inputs:
+        s = os.fspath(raw)
+        p = Path(s).expanduser()
+        if p.is_dir():
+            for f in _walk_dir(p):
+                rel = f.relative_to(p).as_posix()
+                items.append(InputItem(path=Path(os.path.abspath(f)), key=_safe_key(_strip_ext(rel)),
+                                       display=str(f)))
+        elif p.is_file() and p.suffix.lower() in MANIFEST_EXTENSIONS:
+            items.extend(read_manifest(p))
+        elif p.exists() or p.is_symlink():
+            items.append(InputItem(path=Path(os.path.abspath(p)), key=_safe_key(_strip_ext(p.name)), display=s))
+        elif _has_magic(s):
+            matches = sorted(glob.glob(os.path.expanduser(s), recursive=True))
+            if not matches:
+                raise InputError(f"input {s!r}: the pattern matches no file", code="input_not_found")
+            # Base = the longest leading part of the pattern without wildcards.
+            parts = Path(os.path.expanduser(s)).parts
+            base_parts = []
+            for part in parts:
+                if _has_magic(part):
+                    break
+                base_parts.append(part)
+            base = Path(*base_parts) if base_parts else Path(".")
+            for m in matches:
+                mp = Path(m)
+                if mp.is_dir():
+                    continue
+                if not _is_audio(mp):
+                    continue
+                try:
+                    rel = mp.relative_to(base).as_posix()
+                except ValueError:
+                    rel = mp.name
+                items.append(InputItem(path=Path(os.path.abspath(mp)), key=_safe_key(_strip_ext(rel)),
+                                       display=m))
+        else:
+            raise InputError(f"input {s!r}: no such file or directory", code="input_not_found")
+    # De-duplicate by absolute path.
+    seen: set[Path] = set()
+    uniq = []
+    for it in items:
+        if it.path in seen:
+            continue
+        seen.add(it.path)
+        uniq.append(it)
+    return _dedupe_keys(uniq)
+
+
+def _dedupe_keys(items: list[InputItem]) -> list[InputItem]:
+    """Give colliding output keys a ``-<hash8>`` suffix (case-insensitive collisions too)."""
+    by_key: dict[str, list[InputItem]] = {}
+    for it in items:
+        by_key.setdefault(it.key.lower(), []).append(it)
+    for group in by_key.values():
+        if len(group) > 1:
+            for it in group:
+                h = hashlib.sha1(str(it.path).encode("utf-8", "surrogateescape")).hexdigest()[:8]
+                it.key = f"{it.key}-{h}"
+    return items

@@ -1,0 +1,153 @@
+"""Job outputs: atomic file writes, the ``summary.jsonl`` journal and resume decisions.
+
+Crash safety follows one rule: an output file is written to a temporary name in the
+same folder, flushed, fsynced and ``os.replace``-d into place (atomic on POSIX), and
+only *after* that a summary line is appended. So a summary line with ``status: ok``
+always refers to a complete output; an output without a summary line (killed between
+the two steps) is simply redone on the next run.
+
+A re-run skips an input when the latest summary line for its path says ``ok`` and the
+input's size and mtime (ns), the output format, the model and the options all match,
+and the output file exists with the recorded size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+SUMMARY_NAME = "summary.jsonl"
+TMP_MARK = ".flashasr-tmp-"
+
+
+def atomic_write_text(path: Path, text: str) -> int:
+    """Write ``text`` (UTF-8) to ``path`` atomically; returns the number of bytes written.
+
+    The temporary file ``.<name>.flashasr-tmp-<pid>`` lives in the target folder (so
+    ``os.replace`` never crosses file systems) and is removed if anything fails.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}"
+    data = text.encode("utf-8")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    return len(data)
+
+
+def clean_stale_tmp(output_dir: Path) -> int:
+    """Remove temporary files a killed run left in ``output_dir`` (recursively); returns the count."""
+    n = 0
+    if not output_dir.is_dir():
+        return 0
+    for root, _dirs, files in os.walk(output_dir):
+        for f in files:
+            if TMP_MARK in f and f.startswith("."):
+                try:
+                    os.unlink(os.path.join(root, f))
+                    n += 1
+                except OSError:
+                    pass
+    return n
+
+
+def input_signature(path: Path) -> tuple[int, int] | None:
+    """(size in bytes, mtime in ns) of an input file, or None when it cannot be stat-ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+class Summary:
+    """The ``summary.jsonl`` journal of one output folder.
+
+    One JSON object per finished input (appended as each finishes, flushed and fsynced):
+    ``path`` (absolute input path), ``key``, ``status`` (``ok``/``failed``), ``duration``
+    (audio seconds or null), ``error_code``, ``error_message``, ``output`` (path relative to
+    the output folder), ``output_bytes``, ``processing_s`` (wall seconds from the start of
+    decoding to the output being written), ``input_size``, ``input_mtime_ns``, ``format``,
+    ``model``, ``options``. Unparsable lines (a line cut by a crash) are ignored.
+    """
+
+    def __init__(self, output_dir: Path):
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / SUMMARY_NAME
+        self._lock = threading.Lock()
+        self.previous: dict[str, dict] = {}
+        self._order: list[str] = []
+
+    def load(self) -> dict[str, dict]:
+        """Read earlier lines; the last line per input path wins. Returns {path: record}."""
+        self.previous = {}
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("path"), str):
+                    self.previous[rec["path"]] = rec
+        return self.previous
+
+    def is_complete(self, path: Path, *, fmt: str, model: str, options: dict) -> dict | None:
+        """The earlier ``ok`` record for ``path`` if its output can be reused, else None."""
+        rec = self.previous.get(str(path))
+        if not rec or rec.get("status") != "ok":
+            return None
+        sig = input_signature(path)
+        if sig is None or (rec.get("input_size"), rec.get("input_mtime_ns")) != sig:
+            return None
+        if rec.get("format") != fmt or rec.get("model") != model or rec.get("options") != options:
+            return None
+        out = rec.get("output")
+        if not isinstance(out, str):
+            return None
+        op = self.output_dir / out
+        try:
+            if op.stat().st_size != rec.get("output_bytes"):
+                return None
+        except OSError:
+            return None
+        return rec
+
+    def append(self, rec: dict) -> None:
+        """Append one record (thread-safe), flushed and fsynced."""
+        line = json.dumps(rec, ensure_ascii=False) + "\n"
+        with self._lock:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            self.previous[rec["path"]] = rec
+
+    def compact(self, order: list[str]) -> None:
+        """Rewrite the journal atomically with one line per input, in ``order`` first.
+
+        Records of paths not in ``order`` (inputs of earlier runs) are kept after them.
+        """
+        with self._lock:
+            recs = []
+            seen = set()
+            for p in order:
+                if p in self.previous and p not in seen:
+                    recs.append(self.previous[p])
+                    seen.add(p)
+            for p, r in self.previous.items():
+                if p not in seen:
+                    recs.append(r)
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
+            atomic_write_text(self.path, text)

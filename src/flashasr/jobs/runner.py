@@ -1,0 +1,518 @@
+"""The offline job runner: decode -> resample -> VAD in threads, cross-file batches on the model.
+
+Pipeline (one job)::
+
+    inputs --(thread pool, ``workers`` threads)--> decode + resample (PyAV/soxr)
+           --> VAD segmentation into pieces <= model.max_segment_seconds
+           --> pending-piece pool (bounded) --(main thread)--> model.transcribe_batch
+           --> results routed back per file --> merge (global times) --> render
+           --> atomic output write + summary.jsonl line
+
+* Back-pressure: at most ``prefetch`` files are being decoded at once and new files
+  are not started while the decoded-but-unfinished audio exceeds
+  ``max_buffered_audio_s``; memory stays bounded whatever the number of inputs.
+* Cross-file batching: a batch is the oldest pending piece plus the ``batch_size - 1``
+  pending pieces (of any file, same language) closest to it in length, so batches are
+  length-homogeneous (little padding) and no file waits behind later ones.
+* A file completes as soon as its last piece is done (outputs appear in roughly input
+  order, long before the job ends).
+* Batched results equal per-file results because every piece is transcribed on its
+  own by the model contract of :meth:`ASRModel.transcribe_batch`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from ..errors import EmptyAudioError, FlashASRError
+from ..formats import EXTENSIONS, FORMATS, render
+from ..types import Transcript
+from .inputs import InputItem, expand_inputs
+from .merge import merge_transcripts
+from .outputs import Summary, atomic_write_text, clean_stale_tmp, input_signature
+
+SEGMENTATIONS = ("vad", "fixed", "none")
+
+
+@dataclass
+class FileResult:
+    """The outcome for one input.
+
+    ``status``: ``ok`` (transcribed now), ``skipped`` (complete output from an earlier
+    run reused) or ``failed``. ``duration`` in audio seconds (None when decoding failed),
+    ``processing_s`` wall seconds from the start of its decode to its output,
+    ``output`` the written file (None without an output folder), ``transcript`` the
+    result (None for skipped/failed), ``error_code``/``error_message`` for failures.
+    """
+
+    item: InputItem
+    status: str
+    duration: float | None = None
+    processing_s: float = 0.0
+    output: Path | None = None
+    transcript: Transcript | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    n_pieces: int = 0
+
+
+@dataclass
+class JobReport:
+    """What a job did. Times in seconds; CPU figures are CPU seconds (all threads)."""
+
+    results: list[FileResult] = field(default_factory=list)
+    wall_s: float = 0.0
+    audio_s: float = 0.0
+    decode_cpu_s: float = 0.0
+    vad_cpu_s: float = 0.0
+    model_cpu_s: float = 0.0
+    model_busy_s: float = 0.0
+    n_batches: int = 0
+    n_pieces: int = 0
+    device: str = "cpu"
+    model: str = ""
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> list[FileResult]:
+        return [r for r in self.results if r.status == "ok"]
+
+    @property
+    def failed(self) -> list[FileResult]:
+        return [r for r in self.results if r.status == "failed"]
+
+    @property
+    def skipped(self) -> list[FileResult]:
+        return [r for r in self.results if r.status == "skipped"]
+
+    @property
+    def speed_factor(self) -> float:
+        """Audio seconds transcribed in this run / wall seconds (RTFx)."""
+        return self.audio_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def exit_code(self) -> int:
+        """0 all done, 1 some input failed, 130 interrupted."""
+        if self.interrupted:
+            return 130
+        return 1 if self.failed else 0
+
+    def cpu_per_audio_hour(self) -> dict[str, float]:
+        """CPU seconds per hour of audio for each stage (decode, vad, model incl. the rest)."""
+        h = self.audio_s / 3600.0
+        if h <= 0:
+            return {"decode": 0.0, "vad": 0.0, "model": 0.0}
+        return {"decode": self.decode_cpu_s / h, "vad": self.vad_cpu_s / h, "model": self.model_cpu_s / h}
+
+    def to_dict(self) -> dict:
+        return {
+            "files_ok": len(self.ok), "files_skipped": len(self.skipped), "files_failed": len(self.failed),
+            "audio_s": round(self.audio_s, 3), "wall_s": round(self.wall_s, 3),
+            "speed_factor": round(self.speed_factor, 2),
+            "cpu_s_per_audio_hour": {k: round(v, 1) for k, v in self.cpu_per_audio_hour().items()},
+            "model_busy_fraction": round(self.model_busy_s / self.wall_s, 3) if self.wall_s else 0.0,
+            "batches": self.n_batches, "pieces": self.n_pieces, "device": self.device, "model": self.model,
+            "interrupted": self.interrupted,
+        }
+
+    def table(self) -> str:
+        """The final human summary (several lines, no trailing newline)."""
+        c = self.cpu_per_audio_hour()
+        lines = [
+            f"files      ok {len(self.ok)}   skipped (already done) {len(self.skipped)}   failed {len(self.failed)}"
+            + ("   (interrupted)" if self.interrupted else ""),
+            f"audio      {self.audio_s:.1f} s ({self.audio_s / 3600:.3f} h) in {self.n_pieces} pieces, "
+            f"{self.n_batches} batches",
+            f"wall       {self.wall_s:.2f} s   speed factor {self.speed_factor:.1f}x real time",
+            f"CPU s per audio hour   decode {c['decode']:.1f}   vad {c['vad']:.1f}   model+other {c['model']:.1f}",
+        ]
+        if self.device.startswith("cuda") and self.wall_s > 0:
+            lines.append(f"GPU busy   {100 * self.model_busy_s / self.wall_s:.1f} % of wall time (model calls)")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Prepared:
+    item: InputItem
+    samples: np.ndarray
+    pieces: list[tuple[int, int]]
+    t0: float
+    decode_cpu: float
+    vad_cpu: float
+
+
+@dataclass
+class _FileState:
+    idx: int
+    item: InputItem
+    samples: np.ndarray
+    pieces: list[tuple[int, int]]
+    t0: float
+    results: list
+    remaining: int
+    language: str | None
+    error: tuple[str, str] | None = None
+
+
+def _error_of(e: BaseException, path: Path) -> tuple[str, str]:
+    """(code, message) for a per-file failure."""
+    if isinstance(e, FlashASRError):
+        return e.code, str(e)
+    if isinstance(e, PermissionError):
+        return "unreadable_input", f"cannot read {path}: permission denied"
+    if isinstance(e, FileNotFoundError):
+        return "input_not_found", f"{path}: no such file"
+    if isinstance(e, IsADirectoryError):
+        return "invalid_input", f"{path} is a directory"
+    if isinstance(e, OSError):
+        return "unreadable_input", f"cannot read {path}: {e.strerror or e}"
+    return "internal_error", f"{type(e).__name__}: {e}"
+
+
+def _default_decode(path: str, target_rate: int):
+    from ..audio import load_audio
+
+    return load_audio(path, target_rate=target_rate)
+
+
+def _default_split(samples: np.ndarray, sample_rate: int, max_segment_s: float, method: str):
+    from ..audio.vad import split_for_asr
+
+    return split_for_asr(samples, sample_rate, max_segment_s=max_segment_s, method=method)
+
+
+def default_workers(device: str = "cpu") -> int:
+    """Decode threads: half the cores on CPU (the model needs the rest), else cores - 1 (max 16)."""
+    n = os.cpu_count() or 2
+    if str(device).startswith("cuda"):
+        return max(1, min(16, n - 1))
+    return max(1, n // 2)
+
+
+def run_job(
+    inputs: Iterable[str | os.PathLike | InputItem],
+    model,
+    output_dir: str | os.PathLike | None = None,
+    fmt: str = "text",
+    *,
+    language: str | None = None,
+    word_timestamps: bool = False,
+    batch_size: int = 8,
+    segmentation: str = "vad",
+    max_segment_s: float | None = None,
+    workers: int | None = None,
+    resume: bool = True,
+    progress: bool | None = None,
+    on_result: Callable[[FileResult], None] | None = None,
+    keep_transcripts: bool = True,
+    max_buffered_audio_s: float = 1800.0,
+    batch_wait_s: float = 0.05,
+    decode_fn: Callable | None = None,
+    split_fn: Callable | None = None,
+) -> JobReport:
+    """Transcribe many inputs with one model; the Python API behind ``flashasr transcribe``.
+
+    Args:
+        inputs: paths, directories, glob patterns, ``.jsonl`` manifests (see
+            :func:`flashasr.jobs.inputs.expand_inputs`) or ready :class:`InputItem` objects.
+        model: a loaded :class:`~flashasr.models.base.ASRModel`.
+        output_dir: folder for one output per input plus ``summary.jsonl``; None writes
+            nothing (results go to ``on_result`` and the report).
+        fmt: ``text``, ``json``, ``srt``, ``vtt`` or ``verbose_json``.
+        language: ISO 639-1 code for every input (overrides a manifest's ``language``);
+            None uses the manifest's, else the model detects/uses its own.
+        word_timestamps: ask the model for word times.
+        batch_size: pieces per ``model.transcribe_batch`` call (>= 1).
+        segmentation: ``vad`` (cut at pauses), ``fixed`` (fixed windows) or ``none``
+            (whole file in one call; the model handles long audio itself).
+        max_segment_s: longest piece in seconds (default and upper bound:
+            ``model.max_segment_seconds``).
+        workers: decode/VAD threads (default :func:`default_workers`).
+        resume: skip inputs whose complete output an earlier run recorded in the summary.
+        progress: tqdm bar on stderr; None shows it only when stderr is a terminal.
+        on_result: called in the main thread with each :class:`FileResult` as it finishes.
+        keep_transcripts: keep ``FileResult.transcript`` in the report (False frees memory).
+        max_buffered_audio_s: decoded audio (seconds) held before new decodes wait.
+        batch_wait_s: how long a partial batch waits for more decoded pieces.
+        decode_fn, split_fn: replace :func:`flashasr.audio.load_audio` /
+            :func:`flashasr.audio.vad.split_for_asr` (tests).
+    Returns:
+        :class:`JobReport`; ``report.exit_code`` is non-zero when any input failed.
+        On KeyboardInterrupt the job stops starting work, keeps the finished outputs
+        (never a half-written file) and returns with ``interrupted=True``.
+    Raises:
+        FlashASRError: bad ``fmt``/``segmentation``/``batch_size`` (code ``invalid_request``)
+            or inputs that cannot be expanded (:class:`~flashasr.jobs.inputs.InputError`).
+    """
+    if fmt not in FORMATS:
+        raise FlashASRError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}", code="invalid_request")
+    if segmentation not in SEGMENTATIONS:
+        raise FlashASRError(f"unknown segmentation {segmentation!r}; choose one of {', '.join(SEGMENTATIONS)}",
+                            code="invalid_request")
+    if int(batch_size) < 1:
+        raise FlashASRError(f"batch size must be >= 1, got {batch_size}", code="invalid_request")
+    batch_size = int(batch_size)
+
+    t_job = time.perf_counter()
+    cpu_job = time.process_time()
+    items: list[InputItem] = []
+    raw: list = []
+    for x in inputs:
+        (items if isinstance(x, InputItem) else raw).append(x)
+    if raw:
+        items.extend(expand_inputs(raw))
+
+    sr = int(getattr(model, "sample_rate", 16000))
+    model_max = float(getattr(model, "max_segment_seconds", 30.0) or 30.0)
+    seg_max = model_max if max_segment_s is None else min(float(max_segment_s), model_max)
+    device = str(getattr(model, "device", "cpu"))
+    model_name = str(getattr(model, "name", type(model).__name__))
+    options = {"language": language, "word_timestamps": bool(word_timestamps), "segmentation": segmentation,
+               "max_segment_s": seg_max}
+    decode = decode_fn or _default_decode
+    split = split_fn or _default_split
+    n_workers = int(workers) if workers else default_workers(device)
+    prefetch = max(2, 2 * n_workers)
+    max_buffered = int(max_buffered_audio_s * sr)
+
+    report = JobReport(device=device, model=model_name)
+    out_dir = Path(output_dir) if output_dir is not None else None
+    summary = None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        clean_stale_tmp(out_dir)
+        summary = Summary(out_dir)
+        if resume:
+            summary.load()
+        else:
+            summary.previous = {}
+
+    results: list[FileResult | None] = [None] * len(items)
+    todo: deque[int] = deque()
+    for i, it in enumerate(items):
+        prev = summary.is_complete(it.path, fmt=fmt, model=model_name, options=options) if (summary and resume) else None
+        if prev is not None:
+            results[i] = FileResult(item=it, status="skipped", duration=prev.get("duration"),
+                                    output=out_dir / prev["output"])
+        else:
+            todo.append(i)
+
+    bar = None
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(items), unit="file", file=sys.stderr, dynamic_ncols=True,
+                   disable=(None if progress is None else not progress), desc="transcribe", leave=True)
+    except Exception:  # tqdm missing: no progress bar
+        bar = None
+
+    def _emit(i: int, res: FileResult) -> None:
+        results[i] = res
+        if summary is not None and res.status in ("ok", "failed"):
+            sig = input_signature(res.item.path)
+            summary.append({
+                "path": str(res.item.path), "key": res.item.key, "status": res.status,
+                "duration": None if res.duration is None else round(res.duration, 3),
+                "error_code": res.error_code, "error_message": res.error_message,
+                "output": None if res.output is None else res.output.relative_to(out_dir).as_posix(),
+                "output_bytes": getattr(res, "_bytes", None),
+                "processing_s": round(res.processing_s, 3),
+                "input_size": sig[0] if sig else None, "input_mtime_ns": sig[1] if sig else None,
+                "format": fmt, "model": model_name, "options": options,
+            })
+        if on_result is not None:
+            on_result(res)
+        if not keep_transcripts:
+            res.transcript = None
+        if bar is not None:
+            bar.update(1)
+            el = time.perf_counter() - t_job
+            bar.set_postfix_str(f"audio {report.audio_s / 3600:.3f} h, "
+                                f"{(report.audio_s / el) if el > 0 else 0:.1f}x", refresh=False)
+
+    for i, r in enumerate(results):
+        if r is not None:
+            _emit(i, r)
+
+    def _prepare(i: int) -> _Prepared:
+        item = items[i]
+        t0 = time.perf_counter()
+        c0 = time.thread_time()
+        wav = decode(str(item.path), sr)
+        samples = np.ascontiguousarray(np.asarray(wav.samples, dtype=np.float32).reshape(-1))
+        if samples.size == 0:
+            raise EmptyAudioError(f"{item.display}: the file holds no audio samples")
+        c1 = time.thread_time()
+        if segmentation == "none":
+            pieces = [(0, int(samples.size))]
+        else:
+            pieces = [(int(a), int(b)) for a, b in split(samples, sr, seg_max, segmentation)]
+            pieces = [(max(0, a), min(int(samples.size), b)) for a, b in pieces if b > a]
+        c2 = time.thread_time()
+        return _Prepared(item, samples, pieces, t0, c1 - c0, c2 - c1)
+
+    def _finish(st: _FileState) -> None:
+        dur = st.samples.size / sr
+        res = FileResult(item=st.item, status="ok", duration=dur, n_pieces=len(st.pieces))
+        if st.error is not None:
+            res.status, res.error_code, res.error_message = "failed", st.error[0], st.error[1]
+        else:
+            parts = [(a / sr, t) for (a, _b), t in zip(st.pieces, st.results)]
+            tr = merge_transcripts(parts, dur, language=None, model=model_name, word_timestamps=word_timestamps)
+            if tr.language is None:
+                tr.language = st.language
+            res.transcript = tr
+            report.audio_s += dur
+            if out_dir is not None:
+                try:
+                    text = render(tr, fmt, words=True if word_timestamps else None)
+                    op = out_dir / f"{st.item.key}.{EXTENSIONS[fmt]}"
+                    res._bytes = atomic_write_text(op, text)  # type: ignore[attr-defined]
+                    res.output = op
+                except OSError as e:
+                    res.status, res.error_code = "failed", "output_write_error"
+                    res.error_message = f"cannot write the output for {st.item.display}: {e.strerror or e}"
+        res.processing_s = time.perf_counter() - st.t0
+        st.samples = np.empty(0, np.float32)
+        _emit(st.idx, res)
+
+    pool = cf.ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="flashasr-decode")
+    futures: dict[cf.Future, int] = {}
+    active: dict[int, _FileState] = {}
+    pending: list[tuple[int, int]] = []  # (file idx, piece idx), arrival order
+    buffered = 0
+
+    def _run_batch(batch: list[tuple[int, int]], lang: str | None) -> None:
+        nonlocal buffered
+        waves = []
+        for fi, pi in batch:
+            st = active[fi]
+            a, b = st.pieces[pi]
+            waves.append(st.samples[a:b])
+        t0 = time.perf_counter()
+        outs: list = [None] * len(batch)
+        errs: list = [None] * len(batch)
+        try:
+            got = model.transcribe_batch(waves, language=lang, word_timestamps=word_timestamps)
+            if len(got) != len(waves):
+                raise RuntimeError(f"transcribe_batch returned {len(got)} results for {len(waves)} inputs")
+            outs = list(got)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:
+            if len(batch) == 1:
+                errs[0] = e
+            else:  # isolate the failing piece(s): redo one by one
+                for k, w in enumerate(waves):
+                    try:
+                        outs[k] = model.transcribe_batch([w], language=lang, word_timestamps=word_timestamps)[0]
+                    except KeyboardInterrupt:
+                        raise
+                    except Exception as e1:
+                        errs[k] = e1
+        if device.startswith("cuda"):
+            try:
+                import torch
+
+                torch.cuda.synchronize()
+            except Exception:
+                pass
+        report.model_busy_s += time.perf_counter() - t0
+        report.n_batches += 1
+        report.n_pieces += len(batch)
+        for (fi, pi), out, err in zip(batch, outs, errs):
+            st = active[fi]
+            if err is not None and st.error is None:
+                code, msg = _error_of(err, st.item.path)
+                st.error = (code, f"{st.item.display}: model failed: {msg}")
+            st.results[pi] = out
+            st.remaining -= 1
+            if st.remaining == 0:
+                buffered -= st.samples.size
+                del active[fi]
+                _finish(st)
+
+    def _take_batch() -> tuple[list[tuple[int, int]], str | None]:
+        head = pending[0]
+        lang = active[head[0]].language
+        a, b = active[head[0]].pieces[head[1]]
+        hl = b - a
+        cands = []
+        for k, (fi, pi) in enumerate(pending[1:], start=1):
+            st = active[fi]
+            if st.language != lang:
+                continue
+            a2, b2 = st.pieces[pi]
+            cands.append((abs((b2 - a2) - hl), k))
+        cands.sort()
+        chosen = [0] + [k for _, k in cands[: batch_size - 1]]
+        chosen_set = set(chosen)
+        batch = [pending[k] for k in sorted(chosen)]
+        pending[:] = [p for k, p in enumerate(pending) if k not in chosen_set]
+        return batch, lang
+
+    try:
+        while todo or futures or pending:
+            # 1. keep the decoders busy, within the memory budget
+            while todo and len(futures) < prefetch and (buffered < max_buffered or not active):
+                i = todo.popleft()
+                futures[pool.submit(_prepare, i)] = i
+            # 2. wait for decoded files unless a full batch is ready
+            if futures and len(pending) < batch_size:
+                cf.wait(list(futures), timeout=(batch_wait_s if pending else None),
+                        return_when=cf.FIRST_COMPLETED)
+            done_now = [f for f in futures if f.done()]
+            for fut in done_now:
+                i = futures.pop(fut)
+                item = items[i]
+                try:
+                    prep = fut.result()
+                except Exception as e:
+                    code, msg = _error_of(e, item.path)
+                    if not msg.startswith(item.display) and item.display not in msg and str(item.path) not in msg:
+                        msg = f"{item.display}: {msg}"
+                    _emit(i, FileResult(item=item, status="failed", error_code=code, error_message=msg))
+                    continue
+                report.decode_cpu_s += prep.decode_cpu
+                report.vad_cpu_s += prep.vad_cpu
+                st = _FileState(idx=i, item=item, samples=prep.samples, pieces=prep.pieces, t0=prep.t0,
+                                results=[None] * len(prep.pieces), remaining=len(prep.pieces),
+                                language=language or item.language)
+                if not prep.pieces:  # no speech found: an empty transcript
+                    _finish(st)
+                    continue
+                active[i] = st
+                buffered += st.samples.size
+                pending.extend((i, k) for k in range(len(prep.pieces)))
+            # 3. run a batch when full, or when nothing more is coming soon
+            # (a wait that timed out with nothing decoded means the decoders lag: don't idle)
+            if pending and (len(pending) >= batch_size or not futures or not done_now):
+                batch, lang = _take_batch()
+                _run_batch(batch, lang)
+    except KeyboardInterrupt:
+        report.interrupted = True
+        for f in futures:
+            f.cancel()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+        report.results = [r for r in results if r is not None]
+        report.wall_s = time.perf_counter() - t_job
+        total_cpu = time.process_time() - cpu_job
+        report.model_cpu_s = max(0.0, total_cpu - report.decode_cpu_s - report.vad_cpu_s)
+        if summary is not None:
+            try:
+                summary.compact([str(it.path) for it in items])
+            except OSError:
+                pass
+    return report

@@ -1,0 +1,246 @@
+"""Job runner tests: input expansion and output naming, merging, resume journal, cross-file
+batching routes results back correctly (batched == per-file), bad inputs are reported.
+
+These use a deterministic stand-in model (its text is a hash of the waveform it gets) so
+they test the plumbing fast and exactly; tests/test_cli.py runs the real tiny.en model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import wave
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import AUDIO
+from flashasr.jobs import (InputError, InputItem, Summary, atomic_write_text, expand_inputs, merge_transcripts,
+                           read_manifest, run_job)
+from flashasr.models.base import ASRModel
+from flashasr.types import Segment, Transcript, Word
+
+SR = 16000
+
+
+class HashModel(ASRModel):
+    """Text = hash of the waveform + its length: any mis-routed piece changes a file's text."""
+
+    name = "hash-model"
+    family = "whisper"
+    max_segment_seconds = 30.0
+
+    def __init__(self, fail_len: int | None = None):
+        self.batches: list[int] = []
+        self.fail_len = fail_len
+
+    def transcribe_waveform(self, w, *, language=None, word_timestamps=False):
+        if self.fail_len is not None and len(w) == self.fail_len:
+            raise RuntimeError("boom")
+        d = len(w) / SR
+        h = zlib.crc32(np.asarray(w, np.float32).tobytes()) % 100000
+        txt = f" h{h} n{len(w)}"
+        words = [Word(" h", 0.0, d / 2), Word(" n", d / 2, d)] if word_timestamps else None
+        return Transcript(text=txt, language=language or "en", duration=d,
+                          segments=[Segment(0, 0.0, d, txt)], words=words)
+
+    def transcribe_batch(self, ws, *, language=None, word_timestamps=False):
+        self.batches.append(len(ws))
+        return [self.transcribe_waveform(w, language=language, word_timestamps=word_timestamps) for w in ws]
+
+
+def fixed_split(samples, sr, max_s, method):
+    n = int(max_s * sr)
+    return [(a, min(a + n, len(samples))) for a in range(0, len(samples), n)]
+
+
+def _write_wav(path: Path, x: np.ndarray, sr: int = SR) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sr)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+
+
+# ------------------------------------------------------------------ inputs and naming
+
+def test_expand_inputs_dirs_globs_files_and_unique_keys(tmp_path):
+    for rel in ("a/clip.wav", "b/clip.wav", "b/deeper/x.flac", "c/notes.txt", "c/y.MP3"):
+        p = tmp_path / "in" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x")
+    items = expand_inputs([tmp_path / "in"])
+    keys = {it.key for it in items}
+    assert keys == {"a/clip", "b/clip", "b/deeper/x", "c/y"}  # .txt not picked from a folder
+    # the same base name given as two files -> hashed, distinct keys
+    two = expand_inputs([tmp_path / "in/a/clip.wav", tmp_path / "in/b/clip.wav"])
+    assert len({t.key for t in two}) == 2 and all(t.key.startswith("clip-") for t in two)
+    # deterministic
+    assert [t.key for t in two] == [t.key for t in expand_inputs([tmp_path / "in/a/clip.wav",
+                                                                   tmp_path / "in/b/clip.wav"])]
+    # glob: relative to the non-wildcard prefix; a file named directly is kept whatever its extension
+    g = expand_inputs([str(tmp_path / "in" / "*" / "*.wav"), tmp_path / "in/c/notes.txt"])
+    assert [t.key for t in g] == ["a/clip", "b/clip", "notes"]
+    # the same file twice is kept once
+    assert len(expand_inputs([tmp_path / "in/a/clip.wav", tmp_path / "in/a"])) == 1
+    with pytest.raises(InputError) as e:
+        expand_inputs([tmp_path / "nope.wav"])
+    assert e.value.code == "input_not_found"
+    with pytest.raises(InputError):
+        expand_inputs([str(tmp_path / "in" / "*.nothing")])
+
+
+def test_manifest_relative_paths_resolve_against_its_folder(tmp_path):
+    sub = tmp_path / "data"
+    sub.mkdir()
+    (sub / "m.jsonl").write_text(
+        json.dumps({"audio_filepath": "x/one.wav", "language": "de"}) + "\n\n"
+        + json.dumps({"path": str(AUDIO / "en/en-jfk-inaugural.wav")}) + "\n")
+    items = read_manifest(sub / "m.jsonl")
+    assert items[0].path == sub / "x/one.wav" and items[0].language == "de" and items[0].key == "x/one"
+    assert items[1].path == AUDIO / "en/en-jfk-inaugural.wav" and items[1].key == "en-jfk-inaugural"
+    (sub / "bad.jsonl").write_text('{"text": "no path"}\n')
+    with pytest.raises(InputError) as e:
+        read_manifest(sub / "bad.jsonl")
+    assert e.value.code == "invalid_manifest" and "line 1" in str(e.value)
+
+
+# ------------------------------------------------------------------ merge
+
+def test_merge_offsets_clip_and_join():
+    a = Transcript(" Hello there.", "en", 2.0, [Segment(0, 0.0, 1.5, " Hello there.")],
+                   words=[Word(" Hello", 0.1, 0.5), Word(" there.", 0.6, 1.4)])
+    b = Transcript(" General Kenobi.", "en", 2.0, [Segment(0, 0.2, 2.5, " General Kenobi.")],
+                   words=[Word(" General", 0.2, 0.9)])
+    empty = Transcript("", None, 1.0, [])
+    t = merge_transcripts([(0.0, a), (3.0, empty), (10.0, b)], duration=12.0, word_timestamps=True)
+    assert t.text == "Hello there. General Kenobi."
+    assert [s.id for s in t.segments] == [0, 1]
+    assert t.segments[1].start == pytest.approx(10.2) and t.segments[1].end == 12.0  # clipped to duration
+    assert [w.start for w in t.words] == pytest.approx([0.1, 0.6, 10.2])
+    assert t.language == "en" and t.duration == 12.0
+
+
+# ------------------------------------------------------------------ journal
+
+def test_atomic_write_and_summary_resume_rules(tmp_path):
+    src = tmp_path / "in.wav"
+    src.write_bytes(b"abc")
+    out = tmp_path / "out"
+    n = atomic_write_text(out / "x.txt", "héllo\n")
+    assert (out / "x.txt").read_text() == "héllo\n" and n == len("héllo\n".encode())
+    assert not [p for p in out.iterdir() if "tmp" in p.name]
+    s = Summary(out)
+    st = src.stat()
+    rec = {"path": str(src), "status": "ok", "output": "x.txt", "output_bytes": n, "input_size": st.st_size,
+           "input_mtime_ns": st.st_mtime_ns, "format": "text", "model": "m", "options": {"a": 1}}
+    s.append(rec)
+    with open(out / "summary.jsonl", "a") as f:
+        f.write('{"path": "/half-writ')  # a line cut by a crash is ignored
+    s2 = Summary(out)
+    s2.load()
+    assert s2.is_complete(src, fmt="text", model="m", options={"a": 1}) is not None
+    assert s2.is_complete(src, fmt="srt", model="m", options={"a": 1}) is None       # other format
+    assert s2.is_complete(src, fmt="text", model="m2", options={"a": 1}) is None     # other model
+    (out / "x.txt").write_text("truncated")                                           # output changed
+    assert s2.is_complete(src, fmt="text", model="m", options={"a": 1}) is None
+    atomic_write_text(out / "x.txt", "héllo\n")
+    src.write_bytes(b"abcd")                                                          # input changed
+    assert s2.is_complete(src, fmt="text", model="m", options={"a": 1}) is None
+
+
+# ------------------------------------------------------------------ runner
+
+@pytest.fixture(scope="module")
+def synth_dir(tmp_path_factory):
+    """Eight files of 1-75 s (noise bursts), some sharing base names in different folders."""
+    d = tmp_path_factory.mktemp("synth")
+    rng = np.random.default_rng(0)
+    for k, secs in enumerate([1.0, 75.0, 3.5, 31.0, 12.0, 0.5, 44.0, 7.0]):
+        x = (0.1 * rng.standard_normal(int(secs * SR))).astype(np.float32)
+        _write_wav(d / f"f{k % 2}" / f"clip{k // 2}.wav", x)
+    return d
+
+
+def _outputs(out: Path) -> dict[str, str]:
+    return {p.relative_to(out).as_posix(): p.read_text() for p in sorted(out.rglob("*.json"))}
+
+
+def test_batched_equals_per_file(synth_dir, tmp_path):
+    m1, m8 = HashModel(), HashModel()
+    r1 = run_job([synth_dir], m1, tmp_path / "o1", "verbose_json", batch_size=1, split_fn=fixed_split,
+                 max_segment_s=10, workers=2)
+    r8 = run_job([synth_dir], m8, tmp_path / "o8", "verbose_json", batch_size=8, split_fn=fixed_split,
+                 max_segment_s=10, workers=2)
+    assert r1.exit_code == 0 and r8.exit_code == 0 and len(r8.ok) == 8
+    assert set(m1.batches) == {1} and max(m8.batches) == 8  # it really batched across files
+    o1, o8 = _outputs(tmp_path / "o1"), _outputs(tmp_path / "o8")
+    assert len(o1) == 8 and o1 == o8
+    # and equals transcribing each file's pieces directly, with global offsets
+    for r in r8.ok:
+        from flashasr.audio import load_audio
+
+        x = load_audio(str(r.item.path)).samples
+        pieces = fixed_split(x, SR, 10, "fixed")
+        want = " ".join(HashModel().transcribe_waveform(x[a:b]).text.strip() for a, b in pieces)
+        assert r.transcript.text == want
+        assert [s.start for s in r.transcript.segments] == pytest.approx([a / SR for a, _ in pieces])
+        assert r.transcript.duration == pytest.approx(len(x) / SR)
+
+
+def test_model_failure_is_isolated_to_its_file(synth_dir, tmp_path):
+    m = HashModel(fail_len=int(3.5 * SR))  # the 3.5 s file fails inside a batch
+    r = run_job([synth_dir], m, tmp_path / "o", "text", batch_size=8, split_fn=fixed_split, max_segment_s=10)
+    assert r.exit_code == 1 and len(r.failed) == 1 and len(r.ok) == 7
+    assert r.failed[0].item.key == "f0/clip1" and "boom" in r.failed[0].error_message
+    lines = [json.loads(l) for l in (tmp_path / "o/summary.jsonl").read_text().splitlines()]
+    assert sorted(l["status"] for l in lines) == ["failed"] + ["ok"] * 7
+
+
+def test_resume_skips_done_and_redoes_changed(synth_dir, tmp_path):
+    out = tmp_path / "o"
+    m = HashModel()
+    run_job([synth_dir], m, out, "srt", split_fn=fixed_split)
+    first = {p: (out / p).read_text() for p in ("f0/clip0.srt", "f1/clip3.srt")}
+    m2 = HashModel()
+    r = run_job([synth_dir], m2, out, "srt", split_fn=fixed_split)
+    assert len(r.skipped) == 8 and m2.batches == []
+    os.unlink(out / "f0/clip0.srt")  # a missing output is redone
+    m3 = HashModel()
+    r = run_job([synth_dir], m3, out, "srt", split_fn=fixed_split)
+    assert len(r.skipped) == 7 and len(r.ok) == 1 and r.ok[0].item.key == "f0/clip0"
+    assert (out / "f0/clip0.srt").read_text() == first["f0/clip0.srt"]
+    r = run_job([synth_dir], HashModel(), out, "srt", split_fn=fixed_split, resume=False)
+    assert len(r.ok) == 8
+    lines = (out / "summary.jsonl").read_text().splitlines()
+    assert len(lines) == 8  # compacted: one line per input
+
+
+def test_bad_inputs_are_reported_and_others_finish(tmp_path):
+    d = tmp_path / "in"
+    _write_wav(d / "good.wav", 0.1 * np.sin(np.arange(SR) * 0.05).astype(np.float32))
+    _write_wav(d / "empty.wav", np.zeros(0, np.float32))
+    (d / "zero.flac").write_bytes(b"")
+    (d / "text.mp3").write_text("this is not audio\n")
+    (d / "garbage.ogg").write_bytes(np.random.default_rng(1).bytes(4000))
+    r = run_job([d], HashModel(), tmp_path / "o", "json", split_fn=fixed_split)
+    status = {x.item.key: (x.status, x.error_code) for x in r.results}
+    assert status["good"] == ("ok", None)
+    for k in ("empty", "zero", "text", "garbage"):
+        assert status[k][0] == "failed" and status[k][1], k
+    assert r.exit_code == 1
+    for x in r.failed:
+        assert x.item.path.name in x.error_message  # the message names the file
+    assert json.loads((tmp_path / "o/good.json").read_text())["text"].startswith("h")
+
+
+def test_bad_arguments_raise_clear_errors(synth_dir):
+    from flashasr.errors import FlashASRError
+
+    for kw in ({"fmt": "doc"}, {"segmentation": "smart"}, {"batch_size": 0}):
+        with pytest.raises(FlashASRError) as e:
+            run_job([synth_dir], HashModel(), None, **({"fmt": "text"} | kw))
+        assert e.value.code == "invalid_request"
