@@ -1,0 +1,324 @@
+"""Parakeet-TDT model: modules, ``.nemo`` loading and transcription (our own PyTorch code).
+
+Pipeline (NeMo ``EncDecRNNTBPEModel`` with TDT greedy decoding):
+waveform ``[N]`` float32 16 kHz -> :class:`MelPreprocessor` ``[B, n_mels, T_feat]`` ->
+:class:`ConformerEncoder` ``[B, T_enc, d]`` (80 ms frames for v2/v3) -> batched label-looping
+greedy TDT (:func:`greedy_tdt_label_looping`) -> token ids, frames, durations ->
+SentencePiece text and timestamps (:mod:`.timestamps`).
+
+Long recordings: inputs longer than ``max_segment_seconds`` are cut at pauses (VAD) into
+pieces of at most that length (``flashasr.audio.vad.split_for_asr``; a built-in low-energy
+cut is used when that module is unavailable), decoded as one batch, and their timestamps
+shifted to global time. See docs/PARAKEET.md.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...errors import FlashASRError, ModelLoadError
+from ...types import Transcript
+from ..base import ASRModel
+from .config import ParakeetConfig
+from .decoder import Hypothesis, TDTJoint, TDTPredictor, greedy_tdt_label_looping, greedy_tdt_reference
+from .encoder import ConformerEncoder
+from .preprocessor import MelPreprocessor
+from .timestamps import build_segments, group_words, token_times
+from .tokenizer import DummyTokenizer, SentencePieceTokenizer
+
+_DTYPES = {None: torch.float32, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    """``None``/"float32"/"bfloat16"/"float16" (or a torch.dtype) -> torch.dtype.
+
+    Raises:
+        ModelLoadError (code ``invalid_dtype``) for anything else.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return dtype
+    elif dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ModelLoadError(f"dtype {dtype!r} is not supported (float32, bfloat16, float16)", code="invalid_dtype")
+
+
+class ParakeetModule(nn.Module):
+    """All weights: ``preprocessor`` (float32 buffers), ``encoder``, ``predictor``, ``joint``."""
+
+    def __init__(self, cfg: ParakeetConfig):
+        super().__init__()
+        self.preprocessor = MelPreprocessor(cfg.preprocessor)
+        self.encoder = ConformerEncoder(cfg.encoder)
+        self.predictor = TDTPredictor(cfg.vocab_size, cfg.pred_hidden, cfg.pred_rnn_layers)
+        d_out = cfg.encoder.feat_out if cfg.encoder.feat_out and cfg.encoder.feat_out > 0 else cfg.encoder.d_model
+        self.joint = TDTJoint(d_out, cfg.pred_hidden, cfg.joint_hidden, cfg.vocab_size, cfg.durations,
+                              cfg.joint_activation, cfg.max_symbols)
+
+
+def _fallback_split(samples: np.ndarray, sr: int, max_s: float) -> list[tuple[int, int]]:
+    """Cut into pieces <= ``max_s`` seconds at the quietest 10 ms frame of each window's last 30 %."""
+    n = len(samples)
+    max_n = max(int(max_s * sr), sr)
+    hop = sr // 100
+    out, start = [], 0
+    while n - start > max_n:
+        lo, hi = start + int(0.7 * max_n), start + max_n
+        seg = samples[lo:hi]
+        k = max(len(seg) // hop, 1)
+        energy = (seg[: k * hop].astype(np.float64).reshape(k, -1) ** 2).mean(1) if len(seg) >= hop else np.zeros(1)
+        cut = lo + int(np.argmin(energy)) * hop + hop // 2
+        cut = min(max(cut, start + 1), hi)
+        out.append((start, cut))
+        start = cut
+    out.append((start, n))
+    return out
+
+
+def split_long_audio(samples: np.ndarray, sr: int, max_s: float, method: str = "vad") -> list[tuple[int, int]]:
+    """Sample ranges ``[(start, end)]`` covering the audio, each at most ``max_s`` seconds.
+
+    Uses ``flashasr.audio.vad.split_for_asr(samples, sr, max_segment_s=max_s, method=method)``
+    when available (its pieces may be ``(start, end)`` in samples (ints) or seconds (floats) or
+    objects with ``start``/``end`` seconds); otherwise the built-in low-energy cut.
+    """
+    n = len(samples)
+    if n <= max_s * sr:
+        return [(0, n)]
+    try:
+        from ...audio.vad import split_for_asr
+    except ImportError:
+        return _fallback_split(samples, sr, max_s)
+    pieces = split_for_asr(samples, sr, max_segment_s=max_s, method=method)
+    out = []
+    for p in pieces:
+        if hasattr(p, "start") and hasattr(p, "end"):
+            a, b = p.start, p.end
+        else:
+            a, b = p[0], p[1]
+        if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)):
+            a, b = int(round(float(a) * sr)), int(round(float(b) * sr))
+        a, b = max(0, int(a)), min(n, int(b))
+        if b > a:
+            out.append((a, b))
+    return out or [(0, n)]
+
+
+class ParakeetASR(ASRModel):
+    """A loaded Parakeet-TDT model (our implementation; no NeMo needed).
+
+    Attributes (besides :class:`~flashasr.models.base.ASRModel`'s): ``net`` (the
+    :class:`ParakeetModule`), ``preprocessor``, ``encoder``, ``predictor`` (:class:`TDTPredictor`),
+    ``joint`` (:class:`TDTJoint`), ``blank_id`` (= V), ``durations``, ``num_classes_with_blank``
+    (= V + 1), ``max_symbols_per_step``, ``frame_seconds`` (0.08 for v2/v3), ``dtype``,
+    ``decoding`` ("label_looping" or "reference"), ``long_audio_method`` ("vad"/"fixed"),
+    ``batch_size`` (pieces per encoder batch).
+    """
+
+    family = "parakeet"
+    multilingual = True
+
+    def __init__(self, cfg: ParakeetConfig, net: ParakeetModule, tokenizer, *, device: str = "cpu",
+                 dtype=None, name: str = "parakeet-tdt"):
+        self.cfg = cfg
+        self.net = net
+        self.tokenizer = tokenizer
+        self.name = name
+        self.dtype = parse_dtype(dtype)
+        self.device = str(device)
+        self.sample_rate = cfg.preprocessor.sample_rate
+        self.max_segment_seconds = 60.0
+        self.long_audio_method = "vad"
+        self.decoding = "label_looping"
+        self.batch_size = 16
+        self.blank_id = cfg.blank_id
+        self.durations = list(cfg.durations)
+        self.num_classes_with_blank = cfg.vocab_size + 1
+        self.max_symbols_per_step = cfg.max_symbols
+        self.frame_seconds = cfg.frame_seconds
+        try:
+            net.to(device=device)
+        except (RuntimeError, AssertionError) as e:
+            raise ModelLoadError(f"cannot move the model to device {device!r}: {e}", code="invalid_device") from e
+        for m in (net.encoder, net.predictor, net.joint):
+            m.to(dtype=self.dtype)
+        net.eval()
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: dict, tokenizer=None, *, device: str = "cpu", dtype=None, seed: int = 0,
+                    name: str = "parakeet-random") -> "ParakeetASR":
+        """Random weights (seeded) for a NeMo-layout config dict; ``tokenizer`` None -> a
+        :class:`DummyTokenizer` with the config's vocabulary size."""
+        pc = ParakeetConfig.from_dict(cfg)
+        torch.manual_seed(seed)
+        net = ParakeetModule(pc)
+        with torch.no_grad():
+            net.predictor.embed.weight[pc.blank_id].zero_()
+        if tokenizer is None:
+            tokenizer = DummyTokenizer(pc.vocab_size)
+        return cls(pc, net, tokenizer, device=device, dtype=dtype, name=name)
+
+    @classmethod
+    def from_nemo(cls, path, *, device: str = "cpu", dtype=None) -> "ParakeetASR":
+        """Load a ``.nemo`` archive; see :func:`load_parakeet`."""
+        from .nemo_format import load_mapped_state, nemo_to_ours, read_nemo
+
+        arch = read_nemo(path)
+        pc = ParakeetConfig.from_dict(arch.config)
+        if arch.tokenizer_model is None:
+            raise ModelLoadError(f"model {str(path)!r}: config has no tokenizer.model_path (SentencePiece)")
+        tok = SentencePieceTokenizer(arch.tokenizer_model, source=str(path))
+        if tok.vocab_size != pc.vocab_size:
+            raise ModelLoadError(f"model {str(path)!r}: tokenizer has {tok.vocab_size} pieces but the "
+                                 f"decoder expects vocab_size={pc.vocab_size}")
+        net = ParakeetModule(pc)
+        state = nemo_to_ours(arch.state_dict, pc.joint_out_index, pc.encoder.n_layers)
+        load_mapped_state(net, state, str(path))
+        return cls(pc, net, tok, device=device, dtype=dtype, name=Path(path).stem)
+
+    # -- properties for the engine ---------------------------------------------------------------
+    @property
+    def preprocessor(self) -> MelPreprocessor:
+        return self.net.preprocessor
+
+    @property
+    def encoder(self) -> ConformerEncoder:
+        return self.net.encoder
+
+    @property
+    def predictor(self) -> TDTPredictor:
+        return self.net.predictor
+
+    @property
+    def joint(self) -> TDTJoint:
+        return self.net.joint
+
+    def num_parameters(self) -> int:
+        """Trainable parameters (BatchNorm statistics and preprocessor buffers excluded)."""
+        return sum(p.numel() for p in self.net.parameters())
+
+    # -- computation -------------------------------------------------------------------------------
+    def _pad_batch(self, waveforms: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = [len(w) for w in waveforms]
+        x = np.zeros((len(waveforms), max(lengths) if lengths else 0), dtype=np.float32)
+        for i, w in enumerate(waveforms):
+            x[i, : len(w)] = w
+        return torch.from_numpy(x).to(self.device), torch.tensor(lengths, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def features(self, audio: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-mel features ``[B, n_mels, T_feat]`` float32 + lengths ``[B]`` (see MelPreprocessor)."""
+        return self.net.preprocessor(audio.to(self.device), lengths.to(self.device))
+
+    @torch.inference_mode()
+    def encode(self, audio: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded waveforms ``[B, N]`` + lengths -> encoder output ``[B, T_enc, d]`` (model dtype) + lengths."""
+        feats, flen = self.features(audio, lengths)
+        return self.net.encoder(feats, flen, channels_last=True)
+
+    @torch.inference_mode()
+    def decode(self, enc: torch.Tensor, enc_lengths: torch.Tensor) -> list[Hypothesis]:
+        """Greedy TDT decoding of ``[B, T_enc, d]`` (label looping by default)."""
+        fn = greedy_tdt_label_looping if self.decoding == "label_looping" else greedy_tdt_reference
+        return fn(enc, enc_lengths, self.predictor, self.joint, self.durations, self.blank_id,
+                  self.max_symbols_per_step)
+
+    def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
+        order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))
+        hyps: list[Hypothesis | None] = [None] * len(pieces)
+        min_n = self.preprocessor.hop_length
+        for s in range(0, len(order), self.batch_size):
+            idx = order[s: s + self.batch_size]
+            run = [i for i in idx if len(pieces[i]) >= min_n]
+            for i in idx:
+                if len(pieces[i]) < min_n:
+                    hyps[i] = Hypothesis()  # shorter than one feature frame: nothing to decode
+            if not run:
+                continue
+            audio, lengths = self._pad_batch([pieces[i] for i in run])
+            enc, enc_len = self.encode(audio, lengths)
+            for i, h in zip(run, self.decode(enc, enc_len)):
+                hyps[i] = h
+        return hyps  # type: ignore[return-value]
+
+    def _check_waveform(self, w) -> np.ndarray:
+        a = np.asarray(w)
+        if a.ndim == 2 and 1 in a.shape:
+            a = a.reshape(-1)
+        if a.ndim != 1:
+            raise FlashASRError(f"waveform must be 1-D mono samples, got shape {a.shape}", code="invalid_audio")
+        if not np.issubdtype(a.dtype, np.floating):
+            raise FlashASRError(f"waveform must be float samples in [-1, 1], got dtype {a.dtype}",
+                                code="invalid_audio")
+        return np.ascontiguousarray(a, dtype=np.float32)
+
+    def transcribe_batch(self, waveforms: Sequence[np.ndarray], *, language: str | None = None,
+                         word_timestamps: bool = False) -> list[Transcript]:
+        """Transcribe several waveforms together (pieces of all inputs share encoder batches).
+
+        Each waveform: float32 ``[N]`` at ``sample_rate`` Hz. ``language`` is ignored (v3 detects
+        the language implicitly and reports None). Results equal per-input
+        :meth:`transcribe_waveform`.
+        """
+        waves = [self._check_waveform(w) for w in waveforms]
+        sr = self.sample_rate
+        spans: list[list[tuple[int, int]]] = []
+        pieces: list[np.ndarray] = []
+        for w in waves:
+            sp = split_long_audio(w, sr, self.max_segment_seconds, self.long_audio_method)
+            spans.append(sp)
+            pieces.extend(w[a:b] for a, b in sp)
+        hyps = self._decode_pieces(pieces)
+        out, k = [], 0
+        for w, sp in zip(waves, spans):
+            duration = len(w) / sr
+            texts, words_all, segs = [], [], []
+            for a, _b in sp:
+                h = hyps[k]
+                k += 1
+                text = self.tokenizer.decode(h.token_ids)
+                if text.strip():
+                    texts.append(text.strip() if len(sp) > 1 else text)
+                toks = token_times(h.token_ids, h.token_frames, h.token_durations, self.frame_seconds,
+                                   offset=a / sr, duration=duration, tokenizer=self.tokenizer)
+                words = group_words(toks, self.tokenizer)
+                segs.extend(build_segments(words, first_id=len(segs)))
+                words_all.extend(w_ for w_, _ in words)
+            text = texts[0] if len(texts) == 1 else " ".join(texts)
+            out.append(Transcript(text=text, language=None, duration=duration, segments=segs,
+                                  words=words_all if word_timestamps else None, model=self.name))
+        return out
+
+    def transcribe_waveform(self, waveform: np.ndarray, *, language: str | None = None,
+                            word_timestamps: bool = False) -> Transcript:
+        """Transcribe one recording of any length (see :class:`~flashasr.models.base.ASRModel`).
+
+        Audio shorter than one feature frame (10 ms) gives an empty transcript. Recordings longer
+        than ``max_segment_seconds`` are cut at pauses; timestamps stay global.
+        """
+        return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps)[0]
+
+
+def load_parakeet(path: str | os.PathLike, *, device: str = "cpu", dtype=None) -> ParakeetASR:
+    """Load a NeMo Parakeet-TDT ``.nemo`` file with our implementation.
+
+    Args:
+        path: the ``.nemo`` archive; device: torch device string; dtype: None/"float32",
+            "bfloat16" or "float16" (the preprocessor always runs in float32).
+    Raises:
+        ModelLoadError: missing/truncated/corrupt archive, missing or unexpected weights,
+            mismatched shapes. UnsupportedModelError: a module class or option we do not implement.
+    """
+    return ParakeetASR.from_nemo(path, device=device, dtype=dtype)
+
+
+__all__ = ["ParakeetASR", "ParakeetModule", "load_parakeet", "parse_dtype", "split_long_audio"]
