@@ -1,0 +1,203 @@
+"""The engine process (multi mode): owns the model and the batching scheduler.
+
+Front-end workers connect over a persistent Unix-domain socket (framing in :mod:`.ipc`).
+The engine only starts listening after the model is loaded and warmed up, so a
+successful connection (and its ``HELLO``) means "ready". :class:`EngineSupervisor`
+(in the front-end's main process) restarts the engine when it dies; the front ends'
+:class:`~.ipc.EngineClient` fail in-flight requests with 503 and reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+
+from ..errors import FlashASRError
+from .config import ServeConfig
+from .ipc import (Frame, FramingError, MsgType, encode, read_frame, transcript_to_wire, unpack_audio)
+from .metrics import EngineMetrics
+from .scheduler import OFFLINE, BatchScheduler
+
+log = logging.getLogger("flashasr.serve")
+
+
+def load_and_warm(cfg: ServeConfig):
+    """Load the configured model and run it once on 1 s of low noise (first-call costs paid now)."""
+    from ..models.registry import load_model
+
+    model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    if cfg.warmup:
+        rng = np.random.default_rng(0)
+        model.transcribe_waveform((rng.standard_normal(16000) * 1e-3).astype(np.float32))
+    return model
+
+
+class EngineServer:
+    """Serves TRANSCRIBE/CANCEL/STATS/PING frames for any number of front-end connections."""
+
+    def __init__(self, model, cfg: ServeConfig):
+        self.model = model
+        self.cfg = cfg
+        self.metrics = EngineMetrics(cfg.device)
+        self.scheduler = BatchScheduler(model, max_batch=cfg.max_batch, batch_wait_s=cfg.batch_wait_ms / 1000,
+                                        metrics=self.metrics)
+        self.hello = {"model": getattr(model, "name", "model"), "family": getattr(model, "family", "unknown"),
+                      "sample_rate": int(getattr(model, "sample_rate", 16000)), "pid": os.getpid(),
+                      "device": cfg.device}
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        tasks: dict[int, asyncio.Task] = {}
+        writer.writelines(encode(MsgType.HELLO, 0, self.hello))
+        try:
+            while True:
+                f = await read_frame(reader)
+                if f.type == MsgType.TRANSCRIBE:
+                    t = asyncio.get_running_loop().create_task(self._transcribe(f, writer))
+                    tasks[f.req_id] = t
+                    t.add_done_callback(lambda _t, rid=f.req_id: tasks.pop(rid, None))
+                elif f.type == MsgType.CANCEL:
+                    t = tasks.pop(f.req_id, None)
+                    if t:
+                        t.cancel()
+                elif f.type == MsgType.STATS:
+                    writer.writelines(encode(MsgType.STATS_REPLY, f.req_id, None, self.metrics.text()))
+                elif f.type == MsgType.PING:
+                    writer.writelines(encode(MsgType.PONG, f.req_id))
+                else:
+                    raise FramingError(f"unexpected message type {f.type} from a front end")
+        except asyncio.IncompleteReadError:
+            pass
+        except (FramingError, ConnectionError) as e:
+            log.warning("dropping front-end connection: %s", e)
+        finally:
+            for t in list(tasks.values()):
+                t.cancel()
+            writer.close()
+
+    async def _transcribe(self, f: Frame, writer: asyncio.StreamWriter) -> None:
+        m = f.meta
+        try:
+            samples = unpack_audio(f)
+            t = await self.scheduler.submit(samples, language=m.get("language"),
+                                            word_timestamps=bool(m.get("word_timestamps")),
+                                            priority=int(m.get("priority", OFFLINE)), coalesce_key=m.get("key"))
+            reply = {"superseded": True} if t is None else transcript_to_wire(t)
+            out = encode(MsgType.RESULT, f.req_id, reply)
+        except asyncio.CancelledError:
+            return
+        except FlashASRError as e:
+            out = encode(MsgType.ERROR, f.req_id, {"code": e.code, "message": e.message,
+                                                   "status": int(getattr(e, "status", 500))})
+        except FramingError as e:
+            out = encode(MsgType.ERROR, f.req_id, {"code": "invalid_request", "message": str(e), "status": 400})
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine failure")
+            out = encode(MsgType.ERROR, f.req_id, {"code": "internal_error", "status": 500,
+                                                   "message": f"engine error ({type(e).__name__})"})
+        if not writer.is_closing():
+            writer.writelines(out)
+            try:
+                await writer.drain()
+            except ConnectionError:
+                pass
+
+
+async def _engine_async(cfg: ServeConfig, path: str) -> None:
+    model = load_and_warm(cfg)
+    srv = EngineServer(model, cfg)
+    srv.scheduler.start()
+    gc.collect()
+    gc.freeze()  # start-up objects (model, tokenizer, modules) leave the GC's scans
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    server = await asyncio.start_unix_server(srv.handle, path, limit=1 << 20)
+    os.chmod(path, 0o600)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+    await srv.scheduler.stop()
+
+
+def engine_main(cfg_dict: dict, path: str) -> None:
+    """Entry point of the engine process (``multiprocessing`` spawn target)."""
+    cfg = ServeConfig.from_dict(cfg_dict)
+    logging.basicConfig(level=cfg.log_level.upper())
+    try:
+        import uvloop
+
+        uvloop.run(_engine_async(cfg, path))
+    except ImportError:  # pragma: no cover
+        asyncio.run(_engine_async(cfg, path))
+
+
+class EngineSupervisor:
+    """Starts the engine process and restarts it whenever it exits (event-driven, no polling thread)."""
+
+    def __init__(self, cfg: ServeConfig, path: str, metrics=None):
+        self.cfg = cfg
+        self.path = path
+        self.metrics = metrics
+        self.proc: mp.process.BaseProcess | None = None
+        self.restarts = 0
+        self._ctx = mp.get_context("spawn")
+        self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._spawn()
+
+    def _spawn(self) -> None:
+        p = self._ctx.Process(target=engine_main, args=(self.cfg.to_dict(), self.path), name="flashasr-engine",
+                              daemon=True)
+        p.start()
+        self.proc = p
+        self._loop.add_reader(p.sentinel, self._on_exit, p)
+
+    def _on_exit(self, p) -> None:
+        self._loop.remove_reader(p.sentinel)
+        p.join(0)
+        if self._closing:
+            return
+        self.restarts += 1
+        if self.metrics is not None:
+            self.metrics.engine_restarts.set(self.restarts)
+        log.warning("engine process %s exited (code %s); restarting (#%d)", p.pid, p.exitcode, self.restarts)
+        delay = min(0.2 * self.restarts, 5.0)
+        self._loop.call_later(delay, self._spawn)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        p = self.proc
+        if p is None:
+            return
+        try:
+            self._loop.remove_reader(p.sentinel)
+        except Exception:  # noqa: BLE001
+            pass
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join(1)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,369 @@
+"""Length-prefixed binary framing between front-end workers and the engine process.
+
+Every message is one frame on a persistent Unix-domain stream socket::
+
+    header (28 bytes, little-endian, struct "<2sBBHHQIQ")
+      magic        2s   b"FA"
+      version      u8   1
+      type         u8   MsgType
+      flags        u16  Flag bits (SHM, PCM16)
+      reserved     u16  0
+      request_id   u64  chosen by the sender of a request; replies carry the same id
+      meta_len     u32  bytes of compact UTF-8 JSON metadata that follow (<= 1 MiB)
+      payload_len  u64  bytes of raw payload that follow the metadata
+    meta     (meta_len bytes)     e.g. {"language": "en", "priority": 2, "n": 160000}
+    payload  (payload_len bytes)  raw little-endian float32 (or int16 with PCM16) samples
+
+Audio is never JSON-encoded or pickled. A payload above the shared-memory threshold
+travels through :mod:`multiprocessing.shared_memory`: the frame carries ``SHM`` in its
+flags, an empty payload, and ``{"shm": NAME, "n": samples}`` in its metadata. The
+receiver copies the samples out and unlinks the segment at once; the sender also
+unlinks it when the reply arrives or the connection drops (whichever comes first wins,
+the other ignores ``FileNotFoundError``), so a crash on either side leaks nothing.
+
+Messages: ``HELLO`` (engine -> front end on connect: model name, family, pid), ``TRANSCRIBE``
+(front end -> engine), ``RESULT`` (transcript dict as metadata), ``ERROR`` (``{"code",
+"message", "status"}``), ``CANCEL`` (the client went away), ``STATS``/``STATS_REPLY``
+(Prometheus text of the engine as payload), ``PING``/``PONG``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import json
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from ..types import Segment, Transcript, Word
+from .errors import APIError, EngineUnavailable
+
+log = logging.getLogger("flashasr.serve")
+
+MAGIC = b"FA"
+VERSION = 1
+HEADER = struct.Struct("<2sBBHHQIQ")
+HEADER_SIZE = HEADER.size  # 28
+MAX_META = 1 << 20
+MAX_PAYLOAD = 1 << 34  # 16 GiB: far above any accepted upload
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    TRANSCRIBE = 2
+    RESULT = 3
+    ERROR = 4
+    CANCEL = 5
+    STATS = 6
+    STATS_REPLY = 7
+    PING = 8
+    PONG = 9
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+    SHM = 1      # payload is in shared memory named by meta["shm"]
+    PCM16 = 2    # samples are int16 (else float32)
+
+
+class FramingError(Exception):
+    """A frame violated the wire format (bad magic/version/type or lengths over the limits)."""
+
+
+@dataclass
+class Frame:
+    type: int
+    req_id: int
+    flags: int
+    meta: dict
+    payload: bytes | bytearray | memoryview
+
+
+def encode(mtype: int, req_id: int, meta: dict | None = None, payload=b"", flags: int = 0) -> list:
+    """Return the frame as a list of buffers for ``writer.writelines`` (payload is not copied)."""
+    m = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
+    plen = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+    return [HEADER.pack(MAGIC, VERSION, int(mtype), int(flags), 0, req_id, len(m), plen) + m, payload]
+
+
+def parse_header(b: bytes) -> tuple[int, int, int, int, int]:
+    """Validate a 28-byte header; returns (type, flags, req_id, meta_len, payload_len)."""
+    magic, ver, mtype, flags, _r, req_id, mlen, plen = HEADER.unpack(b)
+    if magic != MAGIC:
+        raise FramingError(f"bad magic {magic!r}")
+    if ver != VERSION:
+        raise FramingError(f"unsupported framing version {ver}")
+    if mtype not in MsgType._value2member_map_:
+        raise FramingError(f"unknown message type {mtype}")
+    if mlen > MAX_META or plen > MAX_PAYLOAD:
+        raise FramingError(f"frame too large (meta {mlen} B, payload {plen} B)")
+    return mtype, flags, req_id, mlen, plen
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Frame:
+    """Read one frame. Raises ``asyncio.IncompleteReadError`` at EOF, FramingError on garbage."""
+    mtype, flags, req_id, mlen, plen = parse_header(await reader.readexactly(HEADER_SIZE))
+    meta = {}
+    if mlen:
+        try:
+            meta = json.loads(await reader.readexactly(mlen))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise FramingError(f"metadata is not JSON: {e}") from None
+        if not isinstance(meta, dict):
+            raise FramingError("metadata must be a JSON object")
+    payload = await reader.readexactly(plen) if plen else b""
+    return Frame(mtype, req_id, flags, meta, payload)
+
+
+# ----------------------------------------------------------------- audio payloads
+def _unregister(name: str) -> None:
+    # Python < 3.13 registers attached segments with the resource tracker, which would
+    # unlink them (and warn) when this process exits; ownership is handled explicitly here.
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister("/" + name.lstrip("/"), "shared_memory")
+    except Exception:  # pragma: no cover
+        pass
+
+
+def unlink_shm(name: str) -> None:
+    """Remove a shared-memory segment by name; missing is fine."""
+    try:
+        shm = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    _unregister(shm.name)
+    shm.close()
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def pack_audio(samples: np.ndarray, shm_threshold: int) -> tuple[int, dict, object, str | None]:
+    """Prepare samples for a TRANSCRIBE frame.
+
+    Args:
+        samples: float32 [N] (or int16 [N]) mono samples.
+        shm_threshold: payloads larger than this many bytes go through shared memory.
+    Returns:
+        (flags, meta, payload, shm_name or None). The caller must :func:`unlink_shm` the
+        name once the reply has arrived (or the connection dropped).
+    """
+    a = np.ascontiguousarray(samples)
+    flags = Flag.PCM16 if a.dtype == np.int16 else Flag.NONE
+    if a.dtype not in (np.int16, np.float32):
+        a = a.astype(np.float32)
+    meta = {"n": int(a.size)}
+    if a.nbytes > shm_threshold:
+        shm = shared_memory.SharedMemory(create=True, size=max(1, a.nbytes))
+        _unregister(shm.name)
+        np.ndarray(a.shape, a.dtype, buffer=shm.buf)[:] = a
+        name = shm.name
+        shm.close()
+        meta["shm"] = name
+        return int(flags | Flag.SHM), meta, b"", name
+    return int(flags), meta, memoryview(a).cast("B"), None
+
+
+def unpack_audio(frame: Frame) -> np.ndarray:
+    """Samples of a TRANSCRIBE frame as float32 [N] (copied out of shared memory, which is unlinked)."""
+    n = int(frame.meta.get("n", -1))
+    dtype = np.int16 if frame.flags & Flag.PCM16 else np.float32
+    if frame.flags & Flag.SHM:
+        name = frame.meta.get("shm")
+        if not isinstance(name, str) or n < 0:
+            raise FramingError("SHM frame without shm name / sample count")
+        shm = shared_memory.SharedMemory(name=name)
+        _unregister(shm.name)
+        try:
+            if shm.size < n * np.dtype(dtype).itemsize:
+                raise FramingError("shared-memory segment smaller than the declared sample count")
+            a = np.ndarray((n,), dtype, buffer=shm.buf).copy()
+        finally:
+            shm.close()
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+    else:
+        if len(frame.payload) % np.dtype(dtype).itemsize:
+            raise FramingError("payload length is not a whole number of samples")
+        a = np.frombuffer(frame.payload, dtype=dtype).copy()  # writable (torch warns on read-only buffers)
+        if n >= 0 and a.size != n:
+            raise FramingError(f"payload holds {a.size} samples, metadata says {n}")
+    if dtype == np.int16:
+        return a.astype(np.float32) / 32768.0
+    return a
+
+
+# ------------------------------------------------------------ transcript transport
+def transcript_to_wire(t: Transcript) -> dict:
+    return {
+        "text": t.text, "language": t.language, "duration": t.duration, "model": t.model,
+        "segments": [[s.id, s.start, s.end, s.text, list(s.tokens), s.avg_logprob, s.no_speech_prob,
+                      s.compression_ratio, s.temperature, s.seek,
+                      [[w.word, w.start, w.end, w.probability] for w in s.words]] for s in t.segments],
+        "words": None if t.words is None else [[w.word, w.start, w.end, w.probability] for w in t.words],
+    }
+
+
+def transcript_from_wire(d: dict) -> Transcript:
+    segs = [Segment(id=s[0], start=s[1], end=s[2], text=s[3], tokens=s[4], avg_logprob=s[5],
+                    no_speech_prob=s[6], compression_ratio=s[7], temperature=s[8], seek=s[9],
+                    words=[Word(*w) for w in s[10]]) for s in d.get("segments", [])]
+    words = None if d.get("words") is None else [Word(*w) for w in d["words"]]
+    return Transcript(text=d["text"], language=d.get("language"), duration=d.get("duration", 0.0),
+                      segments=segs, words=words, model=d.get("model"))
+
+
+# ------------------------------------------------------------------ client side
+class EngineClient:
+    """A front end's persistent connection to the engine process.
+
+    Requests are multiplexed over one Unix socket by request id. When the connection
+    drops (engine died), every in-flight request fails at once with
+    :class:`EngineUnavailable` (HTTP 503) and the client reconnects in the background.
+    """
+
+    def __init__(self, path: str, *, shm_threshold: int = 1 << 20, metrics=None):
+        self.path = path
+        self.shm_threshold = shm_threshold
+        self.metrics = metrics
+        self.info: dict = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._task: asyncio.Task | None = None
+        self._connected = asyncio.Event()
+        self._closed = False
+        self.connects = 0
+
+    @property
+    def ready(self) -> bool:
+        return self._writer is not None and bool(self.info)
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._connect_loop(), name="flashasr-engine-client")
+
+    async def wait_ready(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task:
+            self._task.cancel()
+        if self._writer:
+            self._writer.close()
+        self._fail_all(EngineUnavailable("server shutting down"))
+
+    def _fail_all(self, err: Exception) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def _connect_loop(self) -> None:
+        delay = 0.05
+        while not self._closed:
+            try:
+                reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
+            except (FileNotFoundError, ConnectionRefusedError, OSError):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            try:
+                hello = await asyncio.wait_for(read_frame(reader), 30)
+                if hello.type != MsgType.HELLO:
+                    raise FramingError("engine did not greet with HELLO")
+                self.info = hello.meta
+                self._writer = writer
+                self.connects += 1
+                self._connected.set()
+                delay = 0.05
+                log.info("connected to engine pid %s (%s)", self.info.get("pid"), self.info.get("model"))
+                while True:
+                    f = await read_frame(reader)
+                    fut = self._pending.pop(f.req_id, None)
+                    if fut is None or fut.done():
+                        continue
+                    fut.set_result(f)
+            except (asyncio.IncompleteReadError, ConnectionError, FramingError, asyncio.TimeoutError, OSError) as e:
+                log.warning("engine connection lost: %s", e)
+            finally:
+                self._writer = None
+                self.info = {}
+                self._connected.clear()
+                writer.close()
+                self._fail_all(EngineUnavailable())
+            await asyncio.sleep(delay)
+
+    async def _request(self, mtype: int, meta: dict, payload=b"", flags: int = 0, timeout: float | None = None):
+        w = self._writer
+        if w is None:
+            raise EngineUnavailable()
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            w.writelines(encode(mtype, rid, meta, payload, flags))
+            await w.drain()
+            return await (asyncio.wait_for(fut, timeout) if timeout else fut)
+        except asyncio.CancelledError:
+            # the client went away: tell the engine to drop the work
+            if self._writer is w and not w.is_closing():
+                w.writelines(encode(MsgType.CANCEL, rid))
+            raise
+        except asyncio.TimeoutError:
+            if self._writer is w and not w.is_closing():
+                w.writelines(encode(MsgType.CANCEL, rid))
+            raise APIError("transcription timed out", status=504, code="timeout") from None
+        except (ConnectionError, OSError):
+            raise EngineUnavailable() from None
+        finally:
+            self._pending.pop(rid, None)
+
+    async def transcribe(self, samples: np.ndarray, *, language: str | None = None, word_timestamps: bool = False,
+                         priority: int = 2, coalesce_key: str | None = None,
+                         timeout: float | None = None) -> Transcript | None:
+        """Transcribe float32 [N] 16 kHz samples in the engine. Raises EngineUnavailable (503)."""
+        flags, meta, payload, shm = pack_audio(samples, self.shm_threshold)
+        meta.update(language=language, word_timestamps=bool(word_timestamps), priority=int(priority))
+        if coalesce_key is not None:
+            meta["key"] = coalesce_key
+        if self.metrics is not None:
+            self.metrics.inflight.inc()
+        try:
+            f = await self._request(MsgType.TRANSCRIBE, meta, payload, flags, timeout)
+        finally:
+            if shm:
+                unlink_shm(shm)
+            if self.metrics is not None:
+                self.metrics.inflight.dec()
+        if f.type == MsgType.ERROR:
+            m = f.meta
+            raise APIError(m.get("message", "engine error"), status=int(m.get("status", 500)),
+                           code=m.get("code", "internal_error"))
+        if f.meta.get("superseded"):
+            return None
+        return transcript_from_wire(f.meta)
+
+    async def stats(self, timeout: float = 2.0) -> bytes:
+        """Prometheus text exposition of the engine's metrics (empty if unavailable)."""
+        try:
+            f = await self._request(MsgType.STATS, {}, timeout=timeout)
+            return bytes(f.payload)
+        except Exception:  # noqa: BLE001
+            return b""

@@ -1,0 +1,375 @@
+"""Streaming transcription sessions (transport-independent core of ``/v1/realtime`` and ``/v1/stream``).
+
+A :class:`StreamSession` takes PCM16 audio at any declared rate, resamples it to 16 kHz
+(soxr streaming, HQ), optionally runs server VAD, keeps the current utterance's audio and
+emits OpenAI Realtime transcription events through an ``emit`` coroutine:
+
+* ``input_audio_buffer.speech_started`` / ``speech_stopped`` (server VAD),
+* ``input_audio_buffer.committed`` (end of speech, manual commit, or the utterance cap),
+* ``conversation.item.input_audio_transcription.delta``: partials at a configurable cadence
+  of new audio. Each partial re-transcribes the utterance so far; only words on which two
+  consecutive hypotheses agree are emitted (local agreement), so deltas concatenate,
+* ``conversation.item.input_audio_transcription.completed``: the final. It re-runs the
+  model on the *whole* utterance, so it equals the offline transcript of the same audio
+  (no word lost at packet boundaries or at the end),
+* ``...failed`` when the final could not be produced.
+
+Cost per stream is bounded: the utterance buffer holds at most ``max_utterance_s`` (a longer
+utterance is committed early), audio before speech is a ring of ``prefix_padding_ms`` + 1 s,
+and everything of an utterance is dropped once its final is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+
+import numpy as np
+
+from .errors import APIError
+from .scheduler import FINAL, PARTIAL
+
+log = logging.getLogger("flashasr.serve")
+
+SR = 16000
+MIN_RATE, MAX_RATE = 8000, 192000
+_ids = itertools.count(1)
+
+
+def check_rate(value) -> int:
+    """Validate a declared input sample rate (Hz); raises APIError(code=invalid_sample_rate)."""
+    try:
+        r = int(value)
+        if str(value).strip() not in (str(r), f"{r}.0"):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise APIError(f"sample rate must be an integer number of Hz, got {value!r}", code="invalid_sample_rate",
+                       param="sample_rate") from None
+    if not MIN_RATE <= r <= MAX_RATE:
+        raise APIError(f"sample rate {r} Hz is outside {MIN_RATE}..{MAX_RATE} Hz", code="invalid_sample_rate",
+                       param="sample_rate")
+    return r
+
+
+class Resampler:
+    """PCM16 bytes at ``rate`` Hz -> float32 [n] at 16 kHz, across packet boundaries.
+
+    Keeps an odd trailing byte for the next packet (a packet may split a sample).
+    soxr's streaming resampler carries its filter state, so packetizing does not change the
+    output (up to soxr's own latency, flushed by :meth:`flush`).
+    """
+
+    def __init__(self, rate: int):
+        self.rate = rate
+        self._odd = b""
+        self._rs = None
+        if rate != SR:
+            import soxr
+
+            self._rs = soxr.ResampleStream(rate, SR, 1, dtype="float32", quality="HQ")
+
+    def push(self, data: bytes) -> np.ndarray:
+        if self._odd:
+            data = self._odd + data
+            self._odd = b""
+        if len(data) % 2:
+            self._odd = data[-1:]
+            data = data[:-1]
+        x = np.frombuffer(data, dtype="<i2").astype(np.float32) * (1.0 / 32768.0)
+        if self._rs is not None and x.size:
+            x = self._rs.resample_chunk(x)
+        return x
+
+    def flush(self) -> np.ndarray:
+        if self._rs is None:
+            return np.zeros(0, np.float32)
+        return self._rs.resample_chunk(np.zeros(0, np.float32), last=True)
+
+    def reset(self) -> None:
+        self._odd = b""
+        if self._rs is not None:
+            self._rs.clear()
+
+
+class VadAdapter:
+    """Server VAD on 16 kHz float32 audio: wraps :class:`flashasr.audio.vad.StreamingVAD`.
+
+    ``process(x)`` returns ``[(kind, sample)]`` with kind ``"start"``/``"stop"`` and the
+    absolute 16 kHz sample index where speech starts (already minus the prefix padding)
+    or stops (plus the silence that confirmed the end).
+    """
+
+    def __init__(self, threshold: float, prefix_padding_ms: int, silence_duration_ms: int):
+        from ..audio.vad import StreamingVAD
+
+        self.vad = StreamingVAD(threshold=threshold, prefix_padding_ms=prefix_padding_ms,
+                                silence_duration_ms=silence_duration_ms)
+
+    def process(self, x: np.ndarray) -> list[tuple[str, int]]:
+        out = []
+        for ev in self.vad.feed(x) or ():
+            kind = "start" if "start" in ev.type else "stop"
+            out.append((kind, int(ev.sample)))
+        return out
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+class StreamSession:
+    """One live stream. ``emit(event: dict)`` is awaited for every server event.
+
+    Args:
+        backend: has ``async transcribe(samples, language=, priority=, coalesce_key=)``.
+        emit: coroutine sending one event dict to the client.
+        input_rate: Hz of the incoming PCM16 (resampled to 16 kHz when different).
+        vad: a :class:`VadAdapter` (server VAD) or None (commit manually).
+        partial_interval_ms: new audio between two partials (0: no partials).
+        max_utterance_s: utterance cap in seconds (longer: committed early).
+    """
+
+    def __init__(self, backend, emit, *, input_rate: int = 24000, vad=None, language: str | None = None,
+                 partial_interval_ms: float = 500.0, max_utterance_s: float = 30.0,
+                 prefix_padding_ms: int = 300, metrics=None):
+        self.id = f"sess_{uuid.uuid4().hex[:16]}"
+        self.backend = backend
+        self.emit = emit
+        self.resampler = Resampler(input_rate)
+        self.vad = vad
+        self.language = language
+        self.partial_interval = int(partial_interval_ms * SR / 1000)
+        self.max_utt = int(max_utterance_s * SR)
+        self.prefix = int(prefix_padding_ms * SR / 1000)
+        self.metrics = metrics
+        self.pos = 0                      # 16 kHz samples received so far (stream clock)
+        self._pre: deque = deque()        # (start_sample, chunk) before speech (VAD mode)
+        self._pre_n = 0
+        self._buf: list[np.ndarray] = []  # current utterance
+        self._buf_n = 0
+        self._buf_start = 0               # stream sample of the utterance's first sample
+        self.in_speech = False
+        self.item_id: str | None = None
+        self.prev_item: str | None = None
+        self._last_partial_n = 0
+        self._partial_task: asyncio.Task | None = None
+        self._prev_hyp: list[str] = []
+        self._emitted: list[str] = []
+        self._final_chain: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.closed = False
+
+    # ---------------------------------------------------------------- helpers
+    def _new_item(self) -> str:
+        return f"item_{uuid.uuid4().hex[:20]}"
+
+    def _ms(self, sample: int) -> int:
+        return int(round(sample * 1000 / SR))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def _start_utt(self, start_sample: int) -> None:
+        self._buf, self._buf_n = [], 0
+        self._buf_start = start_sample
+        self._last_partial_n = 0
+        self._prev_hyp, self._emitted = [], []
+        self.item_id = self._new_item()
+
+    def _append_utt(self, x: np.ndarray) -> None:
+        if x.size:
+            self._buf.append(x)
+            self._buf_n += x.size
+
+    def _take_utt(self) -> np.ndarray:
+        a = np.concatenate(self._buf) if self._buf else np.zeros(0, np.float32)
+        self._buf, self._buf_n = [], 0
+        return a
+
+    # ----------------------------------------------------------------- input
+    async def append_pcm16(self, data: bytes) -> None:
+        """Feed raw little-endian PCM16 mono bytes at the declared rate."""
+        x = self.resampler.push(data)
+        await self._feed(x)
+
+    async def _feed(self, x: np.ndarray) -> None:
+        if not x.size:
+            return
+        start = self.pos
+        self.pos += x.size
+        if self.vad is None:
+            if self.item_id is None:
+                self._start_utt(start)
+            self._append_utt(x)
+            if self._buf_n >= self.max_utt:
+                await self.commit(reason="max_utterance")
+            else:
+                self._maybe_partial()
+            return
+        events = self.vad.process(x)
+        # keep the pre-speech ring (enough for the prefix padding plus the VAD's decision delay)
+        self._pre.append((start, x))
+        self._pre_n += x.size
+        keep = self.prefix + SR
+        while self._pre and self._pre_n - self._pre[0][1].size >= keep:
+            self._pre_n -= self._pre.popleft()[1].size
+        if self.in_speech:
+            self._append_utt(x)
+        for kind, at in events:
+            if kind == "start" and not self.in_speech:
+                self.in_speech = True
+                at = max(at, self._pre[0][0] if self._pre else at, 0)
+                self._start_utt(at)
+                for s0, c in self._pre:  # audio from `at` up to now
+                    if s0 + c.size > at:
+                        self._append_utt(c[max(0, at - s0):])
+                await self.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": self._ms(at),
+                                 "item_id": self.item_id})
+            elif kind == "stop" and self.in_speech:
+                self.in_speech = False
+                await self.emit({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": self._ms(at),
+                                 "item_id": self.item_id})
+                await self.commit(reason="vad")
+        if self.in_speech:
+            if self._buf_n >= self.max_utt:
+                item_end = self._buf_start + self._buf_n
+                await self.commit(reason="max_utterance")
+                self._start_utt(item_end)  # speech goes on: a new item continues right after
+            else:
+                self._maybe_partial()
+
+    # ---------------------------------------------------------------- control
+    async def commit(self, reason: str = "client") -> str | None:
+        """Close the current utterance: emit ``committed`` and queue its final transcript."""
+        if reason == "client" and self.resampler.rate != SR:
+            tail = self.resampler.flush()  # soxr holds back a few ms: the end of speech must not be lost
+            self.resampler.reset()
+            if tail.size and self.item_id is not None:
+                self.pos += tail.size
+                self._append_utt(tail)
+        if self.item_id is None or self._buf_n == 0:
+            if reason == "client":
+                raise APIError("input audio buffer is empty: nothing to commit", code="input_audio_buffer_commit_empty")
+            self.item_id = None
+            return None
+        item, start = self.item_id, self._buf_start
+        audio = self._take_utt()
+        self.item_id = None
+        if self.vad is not None and reason == "client":
+            self.in_speech = False
+        if self._partial_task is not None:
+            self._partial_task.cancel()
+            self._partial_task = None
+        emitted = list(self._emitted)
+        await self.emit({"type": "input_audio_buffer.committed", "previous_item_id": self.prev_item,
+                         "item_id": item, "audio_start_ms": self._ms(start),
+                         "audio_end_ms": self._ms(start + audio.size)})
+        self.prev_item = item
+        prev = self._final_chain
+        self._final_chain = self._spawn(self._final(item, audio, emitted, prev))
+        return item
+
+    async def clear(self) -> None:
+        """Drop buffered audio (``input_audio_buffer.clear``)."""
+        self._buf, self._buf_n = [], 0
+        self.item_id = None
+        self.in_speech = False
+        self._pre.clear()
+        self._pre_n = 0
+        if self._partial_task is not None:
+            self._partial_task.cancel()
+            self._partial_task = None
+        await self.emit({"type": "input_audio_buffer.cleared"})
+
+    async def drain(self, timeout: float = 60.0) -> None:
+        """Wait until every queued final has been emitted."""
+        if self._final_chain is not None:
+            await asyncio.wait_for(asyncio.shield(self._final_chain), timeout)
+
+    async def close(self) -> None:
+        self.closed = True
+        for t in list(self._tasks):
+            t.cancel()
+
+    # ---------------------------------------------------------------- partials
+    def _maybe_partial(self) -> None:
+        if (self.partial_interval <= 0 or self._partial_task is not None
+                or self._buf_n - self._last_partial_n < self.partial_interval):
+            return
+        self._last_partial_n = self._buf_n
+        audio = np.concatenate(self._buf)
+        self._partial_task = self._spawn(self._partial(self.item_id, audio))
+
+    async def _partial(self, item: str, audio: np.ndarray) -> None:
+        try:
+            t0 = time.perf_counter()
+            t = await self.backend.transcribe(audio, language=self.language, priority=PARTIAL,
+                                              coalesce_key=self.id)
+            if self.metrics is not None:
+                self.metrics.stage.labels("partial").observe(time.perf_counter() - t0)
+            if t is None or item != self.item_id or self.closed:
+                return
+            hyp = _words(t.text)
+            agree = 0
+            for a, b in zip(self._prev_hyp, hyp):
+                if a != b:
+                    break
+                agree += 1
+            self._prev_hyp = hyp
+            if agree > len(self._emitted):
+                emitted_before = bool(self._emitted)
+                new = hyp[len(self._emitted):agree]
+                self._emitted = hyp[:agree]
+                await self.emit({"type": "conversation.item.input_audio_transcription.delta", "item_id": item,
+                                 "content_index": 0, "delta": (" " if emitted_before else "") + " ".join(new),
+                                 "audio_end_ms": self._ms(self._buf_start + audio.size)})
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 - a failed partial is not fatal; the final decides
+            log.debug("partial failed: %s", e)
+        finally:
+            if self._partial_task is asyncio.current_task():
+                self._partial_task = None
+
+    # ------------------------------------------------------------------ finals
+    async def _final(self, item: str, audio: np.ndarray, emitted: list[str], prev: asyncio.Task | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            t = await self.backend.transcribe(audio, language=self.language, priority=FINAL)
+            err = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            t, err = None, e
+        if prev is not None:  # finals leave in commit order
+            try:
+                await prev
+            except BaseException:  # noqa: BLE001
+                pass
+        if self.metrics is not None:
+            self.metrics.stage.labels("final").observe(time.perf_counter() - t0)
+            self.metrics.audio_seconds.labels("stream").inc(audio.size / SR)
+        if err is not None:
+            from .errors import error_body
+
+            _, body = error_body(err)
+            await self.emit({"type": "conversation.item.input_audio_transcription.failed", "item_id": item,
+                             "content_index": 0, "error": body["error"]})
+            return
+        text = t.text.strip()
+        words = _words(text)
+        if emitted and words[:len(emitted)] == emitted and len(words) > len(emitted):
+            await self.emit({"type": "conversation.item.input_audio_transcription.delta", "item_id": item,
+                             "content_index": 0, "delta": " " + " ".join(words[len(emitted):])})
+        elif not emitted and text:
+            await self.emit({"type": "conversation.item.input_audio_transcription.delta", "item_id": item,
+                             "content_index": 0, "delta": text})
+        await self.emit({"type": "conversation.item.input_audio_transcription.completed", "item_id": item,
+                         "content_index": 0, "transcript": text})
