@@ -201,13 +201,11 @@ class _Pipeline:
                 f"{self.label}: audio is longer than the limit of {self.max_duration:g} s "
                 f"(decoding passed {self.in_seconds:.1f} s)")
         mono = self.downmix(x, rate)
-        if self.check_finite:
+        if self.check_finite and not np.isfinite(np.dot(mono, mono)):  # one BLAS pass
             bad = ~np.isfinite(mono)
-            nb = int(bad.sum())
-            if nb:
-                mono = mono.copy()
-                mono[bad] = 0.0
-                self.nonfinite += nb
+            mono = mono.copy()
+            mono[bad] = 0.0
+            self.nonfinite += int(bad.sum())
         if self._rs is None:
             out.append(mono)
         else:
@@ -245,21 +243,21 @@ _PCM_DTYPES = {"u8": np.uint8, "s16": np.int16, "s32": np.int32, "s64": np.int64
                "flt": np.float32, "dbl": np.float64}
 
 
-def _frame_to_array(frame) -> np.ndarray:
-    """An ``av.AudioFrame`` -> float32 [C, n], integer PCM scaled to [-1, 1).
+def _frame_info(frame) -> tuple[np.dtype, bool, int, int]:
+    fmt = frame.format.name
+    planar = frame.format.is_planar
+    return np.dtype(_PCM_DTYPES[fmt[:-1] if planar else fmt]), planar, frame.layout.nb_channels, frame.samples
+
+
+def _frame_into(frame, out: np.ndarray) -> None:
+    """Write an ``av.AudioFrame`` as float32 into ``out`` [C, n] (integer PCM scaled to [-1, 1)).
 
     Reads the planes directly: PyAV 18's ``to_ndarray`` crashes on 8-channel planar
     frames (it builds one plane too many), so only the first C planes are touched.
     """
-    fmt = frame.format.name
-    planar = frame.format.is_planar
-    base = fmt[:-1] if planar else fmt
-    dtype = np.dtype(_PCM_DTYPES[base])
-    c = len(frame.layout.channels)
-    n = frame.samples
-    out = np.empty((c, n), np.float32)
+    dtype, planar, c, n = _frame_info(frame)
     if n == 0:
-        return out
+        return
     planes = frame.planes
     if planar:
         if len(planes) < c:
@@ -269,6 +267,13 @@ def _frame_to_array(frame) -> np.ndarray:
     else:
         a = np.frombuffer(planes[0], dtype, count=n * c).reshape(n, c)
         _to_float32(a.T, out=out)
+
+
+def _frame_to_array(frame) -> np.ndarray:
+    """An ``av.AudioFrame`` -> new float32 [C, n]."""
+    _, _, c, n = _frame_info(frame)
+    out = np.empty((c, n), np.float32)
+    _frame_into(frame, out)
     return out
 
 
@@ -396,8 +401,34 @@ class _ContainerSource:
             pass
 
     def blocks(self) -> Iterator[tuple[np.ndarray, int]]:
+        """Yields (float32 [C, n], rate): decoded frames gathered into blocks of ~0.25 s
+        (fewer, larger numpy/soxr calls; a frame is converted straight into its block)."""
         import av
 
+        acc: np.ndarray | None = None
+        fill = 0
+        acc_rate = 0
+        for frame in self._frames(av):
+            try:
+                _, _, c, n = _frame_info(frame)
+            except KeyError:
+                self.bad_frames += 1
+                continue
+            if n == 0:
+                continue
+            rate = frame.sample_rate
+            if acc is not None and (rate != acc_rate or c != acc.shape[0] or fill + n > acc.shape[1]):
+                yield acc[:, :fill], acc_rate
+                acc = None
+            if acc is None:
+                acc = np.empty((c, max(n, rate // 2)), np.float32)
+                fill, acc_rate = 0, rate
+            _frame_into(frame, acc[:, fill:fill + n])
+            fill += n
+        if acc is not None and fill:
+            yield acc[:, :fill], acc_rate
+
+    def _frames(self, av) -> Iterator[Any]:
         ctx = self.stream.codec_context
         done = False
         while not done:
@@ -410,14 +441,7 @@ class _ContainerSource:
                     except av.error.FFmpegError:
                         self.bad_packets += 1
                         continue
-                    for frame in frames:
-                        try:
-                            arr = _frame_to_array(frame)
-                        except (KeyError, ValueError):
-                            self.bad_frames += 1
-                            continue
-                        if arr.shape[1]:
-                            yield arr, frame.sample_rate
+                    yield from frames
                 done = True
             except av.error.FFmpegError:
                 # container-level damage: the demuxer raised; resume reading after it
@@ -427,11 +451,8 @@ class _ContainerSource:
         if self.demux_errors:
             # demux stopped early: flush the decoder's buffered frames ourselves
             try:
-                for frame in ctx.decode(None):
-                    arr = _frame_to_array(frame)
-                    if arr.shape[1]:
-                        yield arr, frame.sample_rate
-            except Exception:
+                yield from ctx.decode(None)
+            except av.error.FFmpegError:
                 pass
 
     def warnings(self, decoded_s: float) -> list[str]:

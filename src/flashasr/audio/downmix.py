@@ -76,8 +76,14 @@ class Downmixer:
             return x[0]
         if n == 0:
             return np.zeros(0, np.float32)
-        mean = x.mean(axis=0, dtype=np.float32)
-        e_ch = np.einsum("ij,ij->i", x, x, dtype=np.float64) / n
+        if c == 2:
+            mean = x[0] + x[1]
+            mean *= np.float32(0.5)
+        else:
+            mean = np.add.reduce(x, axis=0)
+            mean *= np.float32(1.0 / c)
+        # BLAS dot products: one pass per channel, no temporaries
+        e_ch = np.array([float(np.dot(x[i], x[i])) for i in range(c)]) / n
         e_m = float(np.dot(mean, mean)) / n
         if self._e_ch is None or self._e_ch.shape[0] != c:
             self._e_ch = e_ch

@@ -1,0 +1,476 @@
+"""flashasr.audio decoding: real clips, generated formats, raw PCM, numpy, bad inputs, memory."""
+
+from __future__ import annotations
+
+import io
+import tracemalloc
+import wave
+
+import av
+import numpy as np
+import pytest
+import soxr
+from conftest import AUDIO, manifest
+
+from flashasr.audio import (
+    AudioArgumentError,
+    AudioFileNotFoundError,
+    AudioTooLongError,
+    CorruptAudioError,
+    DecodedAudio,
+    EmptyAudioError,
+    NoAudioStreamError,
+    UnsupportedFormatError,
+    iter_audio,
+    load_audio,
+    probe,
+)
+from flashasr.audio.encode import encode_audio
+from flashasr.errors import AudioError, FlashASRError
+
+CLIPS = manifest() if (AUDIO / "manifest.jsonl").exists() else []
+
+
+def _sine(rate: int, seconds: float = 1.0, freq: float = 440.0, amp: float = 0.5) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return amp * np.sin(2 * np.pi * freq * t)
+
+
+def _peak_hz(y: np.ndarray, rate: int = 16000) -> float:
+    spec = np.abs(np.fft.rfft(y * np.hanning(len(y))))
+    return float(np.argmax(spec) * rate / len(y))
+
+
+def _rms(y: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.asarray(y, np.float64) ** 2)))
+
+
+def _native(path) -> tuple[np.ndarray, int]:
+    """Reference path: PyAV to_ndarray of a whole mono/stereo (<= 2 ch) file -> float64 [C, N]."""
+    with av.open(str(path)) as c:
+        frames = []
+        rate = None
+        for f in c.decode(audio=0):
+            a = f.to_ndarray()
+            rate = f.sample_rate
+            ch = len(f.layout.channels)
+            if not f.format.is_planar:
+                a = a.reshape(-1, ch).T
+            frames.append(a)
+        x = np.concatenate(frames, axis=1)
+    if x.dtype == np.int16:
+        x = x / 32768.0
+    elif x.dtype == np.int32:
+        x = x / 2147483648.0
+    return x.astype(np.float64), rate
+
+
+# ----------------------------------------------------------------------------- real clips
+
+
+@pytest.mark.parametrize("clip", CLIPS, ids=[c["id"] for c in CLIPS])
+def test_manifest_clip_decodes(clip):
+    d = load_audio(AUDIO / clip["path"])
+    assert isinstance(d, DecodedAudio)
+    assert d.sample_rate == 16000
+    assert d.samples.dtype == np.float32 and d.samples.ndim == 1
+    assert np.isfinite(d.samples).all()
+    assert d.duration == pytest.approx(len(d.samples) / 16000)
+    # ffprobe's duration counts mp3 encoder delay/padding that gapless decoding removes
+    # (up to ~2 frames: 0.13 s at 8 kHz), hence the absolute allowance for mp3.
+    tol = max(0.015 * clip["duration_s"], 0.15 if clip["format"] == "mp3" else 0.02)
+    assert abs(d.duration - clip["duration_s"]) <= tol, (d.duration, clip["duration_s"])
+    assert d.source_sample_rate == clip["sample_rate"]
+    assert d.source_channels == clip["channels"]
+    assert d.source_format.split("/")[0] == clip["format"].split("/")[0]
+    assert not [w for w in d.warnings if "skipped" in w or "truncated" in w], d.warnings
+    assert np.abs(d.samples).max() <= 1.5
+
+
+def test_bytes_filelike_path_agree():
+    p = AUDIO / "en" / "en-fleurs-003.ogg"
+    a = load_audio(p)
+    b = load_audio(p.read_bytes())
+    c = load_audio(io.BytesIO(p.read_bytes()))
+    d = load_audio(memoryview(bytearray(p.read_bytes())))
+    for x in (b, c, d):
+        np.testing.assert_array_equal(a.samples, x.samples)
+
+
+class _ReadOnly:
+    """A non-seekable binary stream (like a socket or pipe)."""
+
+    def __init__(self, data: bytes):
+        self._b = io.BytesIO(data)
+
+    def read(self, n=-1):
+        return self._b.read(n)
+
+
+def test_nonseekable_stream():
+    p = AUDIO / "en" / "en-fleurs-003.ogg"
+    a = load_audio(p)
+    b = load_audio(_ReadOnly(p.read_bytes()))
+    np.testing.assert_array_equal(a.samples, b.samples)
+
+
+def test_streaming_resample_matches_one_shot_reference():
+    """Fast path (frame-by-frame soxr stream) == simple path (whole array, soxr.resample)."""
+    p = AUDIO / "hard" / "hard-48k-fr-consulat.wav"
+    x, rate = _native(p)
+    ref = soxr.resample(x.mean(axis=0).astype(np.float32), rate, 16000, quality="HQ")
+    d = load_audio(p)
+    assert abs(len(ref) - len(d.samples)) <= 1
+    n = min(len(ref), len(d.samples))
+    assert np.abs(ref[:n] - d.samples[:n]).max() < 1e-5
+
+
+def test_probe_reads_headers_only():
+    info = probe(AUDIO / "hard" / "hard-8ch-m4a-channel-id.m4a")
+    assert info["channels"] == 8 and info["sample_rate"] == 48000
+    assert info["codec"] == "aac" and info["format"] == "m4a/aac"
+    assert info["duration"] == pytest.approx(8.05, abs=0.05)
+    info = probe(np.zeros((800, 2), np.int16), sample_rate=8000)
+    assert info["duration"] == pytest.approx(0.1) and info["channels"] == 2
+    info = probe(b"\0" * 3200, raw_format="s16le", sample_rate=16000)
+    assert info["duration"] == pytest.approx(0.1)
+
+
+# ----------------------------------------------------------------------------- generated formats
+
+
+PCM_CODECS = ["pcm_u8", "pcm_s16le", "pcm_s24le", "pcm_s32le", "pcm_f32le", "pcm_f64le",
+              "pcm_mulaw", "pcm_alaw"]
+# allowed max error vs the exact signal after resampling
+PCM_TOL = {"pcm_u8": 2e-2, "pcm_s16le": 1e-3, "pcm_s24le": 1e-3, "pcm_s32le": 1e-3,
+           "pcm_f32le": 1e-3, "pcm_f64le": 1e-3, "pcm_mulaw": 3e-2, "pcm_alaw": 3e-2}
+
+
+@pytest.mark.parametrize("codec", PCM_CODECS)
+@pytest.mark.parametrize("rate", [8000, 16000, 44100, 48000])
+def test_wav_pcm_widths(tmp_path, codec, rate):
+    sig = _sine(rate, 0.5, freq=300.0)
+    path = tmp_path / f"{codec}.wav"
+    encode_audio(sig, rate, path, format="wav", codec=codec)
+    d = load_audio(path)
+    assert d.source_sample_rate == rate and d.source_channels == 1
+    assert d.source_format == f"wav/{codec}"
+    assert len(d.samples) == round(0.5 * 16000)
+    ref = _sine(16000, 0.5, freq=300.0)
+    mid = slice(800, -800)  # the resampler's edges
+    assert np.abs(d.samples[mid] - ref[mid]).max() < PCM_TOL[codec]
+
+
+def test_wave_module_file(tmp_path):
+    sig = (_sine(22050, 1.0) * 32767).astype("<i2")
+    p = tmp_path / "w.wav"
+    with wave.open(str(p), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(22050)
+        w.writeframes(sig.tobytes())
+    d = load_audio(p)
+    assert d.duration == pytest.approx(1.0, abs=1e-3)
+    assert _peak_hz(d.samples) == pytest.approx(440, abs=2)
+    assert _rms(d.samples[1000:-1000]) == pytest.approx(0.5 / np.sqrt(2), rel=0.01)
+
+
+LOSSY = [
+    ("flac", "flac", 44100, 2, 0.001),
+    ("flac", "flac", 8000, 1, 0.001),
+    ("mp3", "libmp3lame", 44100, 1, 0.06),
+    ("mp3", "libmp3lame", 16000, 2, 0.06),
+    ("ogg", "libopus", 48000, 1, 0.06),
+    ("ogg", "vorbis", 44100, 2, 0.06),
+    ("webm", "libopus", 48000, 2, 0.06),
+    ("ipod", "aac", 44100, 1, 0.06),
+    ("aiff", "pcm_s16be", 32000, 1, 0.001),
+]
+
+
+@pytest.mark.parametrize("fmt,codec,rate,ch,rms_tol", LOSSY, ids=[f"{f}-{c}-{r}-{ch}" for f, c, r, ch, _ in LOSSY])
+def test_codecs_and_containers(fmt, codec, rate, ch, rms_tol):
+    sig = _sine(rate, 1.0)
+    data = encode_audio(np.stack([sig] * ch, 1) if ch > 1 else sig, rate, format=fmt, codec=codec)
+    d = load_audio(data)
+    assert d.source_sample_rate == rate and d.source_channels == ch
+    assert d.duration == pytest.approx(1.0, abs=0.03)  # aac/opus priming without an edit list
+    assert _peak_hz(d.samples) == pytest.approx(440, abs=3)
+    body = d.samples[2000:-2000]
+    assert _rms(body) == pytest.approx(0.5 / np.sqrt(2), rel=max(rms_tol, 0.01))
+
+
+# ----------------------------------------------------------------------------- raw PCM / numpy
+
+
+def test_raw_pcm_s16le_and_f32le():
+    rate = 8000
+    st = np.stack([_sine(rate, 1.0), _sine(rate, 1.0, amp=0.25)], 1)
+    s16 = np.round(st * 32767).astype("<i2")
+    a = load_audio(s16.tobytes(), raw_format="s16le", sample_rate=rate, channels=2)
+    b = load_audio(st.astype("<f4").tobytes(), raw_format="f32le", sample_rate=rate, channels=2)
+    c = load_audio(s16, sample_rate=rate)
+    assert a.source_format == "raw/s16le" and b.source_format == "raw/f32le"
+    assert a.source_channels == 2 and a.duration == pytest.approx(1.0)
+    np.testing.assert_array_equal(a.samples, c.samples)
+    assert np.abs(a.samples - b.samples).max() < 1e-3
+    # mean of the two in-phase channels: amplitude 0.375
+    assert _rms(a.samples[500:-500]) == pytest.approx(0.375 / np.sqrt(2), rel=0.01)
+    # from a file object and a path, with a trailing partial frame
+    d = load_audio(io.BytesIO(s16.tobytes() + b"\x01"), raw_format="s16le", sample_rate=rate, channels=2)
+    np.testing.assert_array_equal(d.samples, a.samples)
+    assert any("trailing" in w for w in d.warnings)
+
+
+def test_raw_pcm_bad_args():
+    with pytest.raises(AudioArgumentError):
+        load_audio(b"\0\0" * 100, raw_format="s16le")  # no sample_rate
+    with pytest.raises(AudioArgumentError):
+        load_audio(b"\0\0" * 100, raw_format="mp3", sample_rate=16000)
+    with pytest.raises(EmptyAudioError):
+        load_audio(b"", raw_format="s16le", sample_rate=16000)
+    with pytest.raises(EmptyAudioError):
+        load_audio(b"\0", raw_format="s16le", sample_rate=16000)  # not one whole sample
+
+
+@pytest.mark.parametrize("dtype,scale", [(np.int16, 32767), (np.int32, 2**31 - 1), (np.uint8, None),
+                                         (np.float32, 1.0), (np.float64, 1.0), (np.int8, 127)])
+def test_numpy_dtypes(dtype, scale):
+    sig = _sine(24000, 0.5)
+    if dtype is np.uint8:
+        arr = np.round(sig * 127 + 128).astype(np.uint8)
+    else:
+        arr = (np.round(sig * scale) if scale != 1.0 else sig).astype(dtype)
+    d = load_audio(arr, sample_rate=24000)
+    assert d.source_format == f"numpy/{np.dtype(dtype).name}"
+    ref = _sine(16000, 0.5)
+    tol = 2e-2 if np.dtype(dtype).itemsize == 1 else 1e-3
+    assert np.abs(d.samples[500:-500] - ref[500:-500]).max() < tol
+
+
+def test_numpy_multichannel_and_shapes():
+    sig = _sine(16000, 0.5)
+    nc = np.stack([sig, sig, sig], 1).astype(np.float32)  # [N, 3]
+    d = load_audio(nc, sample_rate=16000)
+    assert d.source_channels == 3 and len(d.samples) == 8000
+    np.testing.assert_allclose(d.samples, sig, atol=1e-6)  # mean of identical channels
+    with pytest.raises(AudioArgumentError, match=r"\[C, N\]"):
+        load_audio(nc.T.copy(), sample_rate=16000)
+    with pytest.raises(AudioArgumentError, match="sample_rate"):
+        load_audio(sig)
+    with pytest.raises(EmptyAudioError):
+        load_audio(np.zeros(0, np.float32), sample_rate=16000)
+    with pytest.raises(AudioArgumentError):
+        load_audio(np.zeros((2, 2, 2)), sample_rate=16000)
+
+
+def test_numpy_nonfinite_replaced():
+    x = _sine(16000, 0.5).astype(np.float32)
+    x[100] = np.nan
+    x[200] = np.inf
+    d = load_audio(x, sample_rate=16000)
+    assert np.isfinite(d.samples).all()
+    assert any("non-finite" in w for w in d.warnings)
+
+
+def test_target_rate_none_keeps_rate():
+    d = load_audio(_sine(22050, 0.2), sample_rate=22050, target_rate=None)
+    assert d.sample_rate == 22050 and len(d.samples) == 4410
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+def _assert_names(err, name: str):
+    assert isinstance(err.value, FlashASRError) and err.value.code
+    assert name in str(err.value)
+
+
+def test_empty_file(tmp_path):
+    p = tmp_path / "empty.wav"
+    p.write_bytes(b"")
+    with pytest.raises(EmptyAudioError) as e:
+        load_audio(p)
+    _assert_names(e, "empty.wav")
+    with pytest.raises(EmptyAudioError):
+        load_audio(b"")
+    with pytest.raises(EmptyAudioError):
+        load_audio(io.BytesIO(b""))
+
+
+def test_zero_length_wav(tmp_path):
+    p = tmp_path / "zero.wav"
+    with wave.open(str(p), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"")
+    with pytest.raises(EmptyAudioError) as e:
+        load_audio(p)
+    _assert_names(e, "zero.wav")
+    assert e.value.code == "empty_audio"
+
+
+def test_text_renamed_wav(tmp_path):
+    p = tmp_path / "notes.wav"
+    p.write_text("This is a text file, not audio.\n" * 20)
+    with pytest.raises((UnsupportedFormatError, NoAudioStreamError)) as e:
+        load_audio(p)
+    _assert_names(e, "notes.wav")
+
+
+def test_subtitle_file_has_no_audio_stream(tmp_path):
+    p = tmp_path / "subs.wav"
+    p.write_text("1\n00:00:01,000 --> 00:00:02,000\nhello\n\n")
+    with pytest.raises(NoAudioStreamError) as e:
+        load_audio(p)
+    _assert_names(e, "subs.wav")
+    assert "no audio stream" in str(e.value)
+
+
+def test_video_only_file():
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as o:
+        s = o.add_stream("mpeg4", rate=10)
+        s.width, s.height, s.pix_fmt = 64, 64, "yuv420p"
+        for i in range(3):
+            fr = av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24")
+            fr.pts = i
+            for pkt in s.encode(fr):
+                o.mux(pkt)
+        for pkt in s.encode(None):
+            o.mux(pkt)
+    with pytest.raises(NoAudioStreamError, match="video"):
+        load_audio(buf.getvalue())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_bytes(seed):
+    data = np.random.default_rng(seed).integers(0, 256, 20000, dtype=np.uint8).tobytes()
+    with pytest.raises((UnsupportedFormatError, CorruptAudioError, NoAudioStreamError)) as e:
+        load_audio(data)
+    assert isinstance(e.value, AudioError)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(AudioFileNotFoundError) as e:
+        load_audio(tmp_path / "nope.flac")
+    assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, AudioError)
+    _assert_names(e, "nope.flac")
+
+
+def test_truncated_mp3_gives_prefix():
+    p = AUDIO / "hard" / "hard-mp3-ls-1272-141231-0002.mp3"
+    data = p.read_bytes()
+    full = load_audio(data)
+    for frac in (0.1, 0.5, 0.9):
+        d = load_audio(data[: int(len(data) * frac)])
+        # constant bit rate: the prefix duration follows the byte fraction
+        assert d.duration == pytest.approx(full.duration * frac, rel=0.1, abs=0.15)
+        n = len(d.samples) - 2000  # the resampler tail differs at the cut
+        np.testing.assert_allclose(d.samples[:n], full.samples[:n], atol=1e-6)
+        assert any("truncated" in w for w in d.warnings), d.warnings
+
+
+def test_truncated_wav_gives_prefix():
+    p = AUDIO / "en" / "en-ls-61-70968-0002.wav"
+    data = p.read_bytes()
+    full = load_audio(data)
+    d = load_audio(data[: len(data) // 2 + 1])  # odd cut: half a sample
+    assert d.duration == pytest.approx(full.duration / 2, abs=0.02)
+    n = len(d.samples) - 200
+    np.testing.assert_allclose(d.samples[:n], full.samples[:n], atol=1e-6)
+
+
+def test_corrupted_middle_mp3_skips_and_warns():
+    data = bytearray((AUDIO / "hard" / "hard-mp3-ls-1272-141231-0002.mp3").read_bytes())
+    data[40000:42000] = np.random.default_rng(1).integers(0, 256, 2000, dtype=np.uint8).tobytes()
+    d = load_audio(bytes(data))
+    assert d.duration > 12.0  # only the damaged packets are lost
+    assert d.warnings
+
+
+class _CountingReader(io.BytesIO):
+    def __init__(self, data):
+        super().__init__(data)
+        self.bytes_read = 0
+
+    def read(self, n=-1):
+        b = super().read(n)
+        self.bytes_read += len(b)
+        return b
+
+
+def test_max_duration_raises_early():
+    data = (AUDIO / "long" / "long-silero-test-60s.wav").read_bytes()
+    r = _CountingReader(data)
+    with pytest.raises(AudioTooLongError) as e:
+        load_audio(r, max_duration=5.0)
+    assert e.value.code == "audio_too_long"
+    assert r.bytes_read < 0.25 * len(data)  # stopped soon after 5 s, not at the end
+    assert load_audio(data, max_duration=61.0).duration == pytest.approx(60.0, abs=0.01)
+    with pytest.raises(AudioTooLongError):
+        load_audio(np.zeros(16000 * 3, np.float32), sample_rate=16000, max_duration=2.0)
+    with pytest.raises(AudioTooLongError):
+        list(iter_audio(data, max_duration=5.0, block_seconds=1.0))
+
+
+# ----------------------------------------------------------------------------- iter_audio / memory
+
+
+def test_iter_audio_blocks_equal_load_audio():
+    p = AUDIO / "hard" / "hard-8k-harvard-list72.wav"
+    full = load_audio(p).samples
+    warns: list[str] = []
+    blocks = list(iter_audio(p, block_seconds=4.0, warnings=warns))
+    assert all(len(b) == 64000 for b in blocks[:-1]) and 0 < len(blocks[-1]) <= 64000
+    np.testing.assert_array_equal(np.concatenate(blocks), full)
+    assert warns == []
+
+
+def test_iter_audio_array_and_raw():
+    x = _sine(16000, 2.5).astype(np.float32)
+    blocks = list(iter_audio(x, sample_rate=16000, block_seconds=1.0))
+    assert [len(b) for b in blocks] == [16000, 16000, 8000]
+    raw = np.round(x * 32767).astype("<i2").tobytes()
+    blocks = list(iter_audio(raw, raw_format="s16le", sample_rate=16000, block_seconds=1.0))
+    assert sum(len(b) for b in blocks) == 40000
+
+
+def _write_long_wav(path, seconds: float, rate: int = 44100):
+    """~seconds of real speech (tiled) as 16-bit stereo WAV, written block by block."""
+    speech = load_audio(AUDIO / "en" / "en-ls-1272-141231-0002.wav", target_rate=rate).samples
+    pcm = np.round(np.clip(speech, -1, 1) * 32767).astype("<i2")
+    st = np.repeat(pcm[:, None], 2, axis=1).tobytes()
+    reps = int(np.ceil(seconds * rate / len(pcm)))
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        for _ in range(reps):
+            w.writeframes(st)
+    return reps * len(pcm) / rate
+
+
+def test_memory_bounded_on_long_input(tmp_path):
+    """10 min of 44.1 kHz stereo (106 MB of PCM): iter_audio stays near one block, load_audio
+    near its 16 kHz output (38 MB); neither holds the native-rate PCM."""
+    p = tmp_path / "long.wav"
+    seconds = _write_long_wav(p, 600)
+    out_bytes = seconds * 16000 * 4
+    tracemalloc.start()
+    try:
+        n = 0
+        for b in iter_audio(p, block_seconds=30.0):
+            n += len(b)
+        _, peak_iter = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        d = load_audio(p)
+        _, peak_load = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert n == len(d.samples)
+    assert d.duration == pytest.approx(seconds, abs=0.01)
+    block_bytes = 30 * 16000 * 4
+    assert peak_iter < 3 * block_bytes + 2_000_000, peak_iter
+    assert peak_load < 1.1 * out_bytes + 2_000_000, (peak_load, out_bytes)
