@@ -243,7 +243,7 @@ def _group(pieces: list[tuple[int, int]], max_len: int, min_len: int) -> list[tu
 
 
 def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_s: float = 30.0,
-                  min_segment_s: float = 3.0, method: str = "vad", overlap_s: float = 0.0,
+                  min_segment_s: float | None = None, method: str = "vad", overlap_s: float = 0.0,
                   threshold: float = 0.5, min_silence_s: float = 0.3, min_speech_s: float = 0.25,
                   pad_s: float = 0.2) -> list[tuple[int, int]]:
     """Cut a long mono signal into ranges an ASR model can take (Whisper: 30 s windows).
@@ -251,8 +251,10 @@ def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_
     Args:
         samples: float32 [N] mono at ``sample_rate``.
         max_segment_s: every range is at most this long (seconds).
-        min_segment_s: ``vad``: among the cut points that keep a range <= max, ranges at
-            least this long are preferred (fewer, fuller windows). ``fixed``: unused.
+        min_segment_s: ``vad``: among the cut points that keep a range <= max, those that
+            leave it at least this long are preferred (fewer, fuller windows; the longest
+            pause among them wins). Default ``max_segment_s / 2``, so ranges are at least
+            half full except the last one or where no pause exists. ``fixed``: unused.
         method: ``"vad"``: ranges cover every detected speech span (padded by ``pad_s``),
             consecutive spans are grouped and cut at the longest pause that keeps the range
             <= max; a span with no usable pause is cut at its least speech-like 32 ms frame
@@ -298,6 +300,8 @@ def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_
     pieces: list[tuple[int, int]] = []
     for s in segs:
         pieces.extend(_cut_long(s, max_len, p, sample_rate) if s[1] - s[0] > max_len else [s])
+    if min_segment_s is None:
+        min_segment_s = max_segment_s / 2
     return _group(pieces, max_len, int(min_segment_s * sample_rate))
 
 
