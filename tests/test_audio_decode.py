@@ -273,6 +273,16 @@ def test_numpy_nonfinite_replaced():
     assert any("non-finite" in w for w in d.warnings)
 
 
+def test_sample_rate_change_mid_stream():
+    """Two mp3 streams back to back (44.1 kHz then 48 kHz): both parts decode."""
+    a = encode_audio(_sine(44100, 1.0, amp=0.3), 44100, format="mp3")
+    b = encode_audio(_sine(48000, 2.0, amp=0.3), 48000, format="mp3")
+    d = load_audio(a + b)
+    assert d.duration == pytest.approx(3.0, abs=0.1)
+    assert any("sample rate changed" in w for w in d.warnings)
+    assert _rms(d.samples[16000:-16000]) == pytest.approx(0.3 / np.sqrt(2), rel=0.1)
+
+
 def test_target_rate_none_keeps_rate():
     d = load_audio(_sine(22050, 0.2), sample_rate=22050, target_rate=None)
     assert d.sample_rate == 22050 and len(d.samples) == 4410

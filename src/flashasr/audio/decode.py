@@ -708,7 +708,7 @@ def load_audio(source: Any, *, sample_rate: int | None = None, target_rate: int 
     est_s = d.declared or 60.0
     if max_duration is not None:
         est_s = min(est_s, max_duration)
-    est_s = min(est_s, 24 * 3600.0)
+    est_s = min(est_s, 3600.0)  # a bogus header must not reserve gigabytes; grow past 1 h
     rate_guess = target_rate or d.src_rate or 16000
     sink = _Sink(est_s * rate_guess * 1.01 + 4096)
     for piece in d.pieces():
