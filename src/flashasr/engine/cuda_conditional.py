@@ -215,13 +215,14 @@ class WhileLoopBuilder:
 
 
 @contextlib.contextmanager
-def allocate_to_graph_pool(graph: torch.cuda.CUDAGraph) -> Iterator[None]:
-    """Route this thread's CUDA allocations into ``graph``'s private pool (during capture).
+def allocate_to_graph_pool(pool) -> Iterator[None]:
+    """Route this thread's CUDA allocations into the graph memory pool ``pool`` (during capture).
 
-    Needed for allocations made on streams that capture into child graphs (WHILE bodies).
+    ``pool`` is the id from ``torch.cuda.graph_pool_handle()`` that the capture uses
+    (``torch.cuda.graph(g, pool=pool)``). Needed for allocations made on streams that capture
+    into child graphs (WHILE bodies), which PyTorch's own per-capture filter does not see.
     """
     dev = torch.cuda.current_device()
-    pool = graph.pool()
     begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
     if begin is None:
         begin = getattr(torch._C, "_cuda_beginAllocateToPool", None)

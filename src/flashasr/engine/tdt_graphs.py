@@ -185,6 +185,9 @@ class TDTGraphDecoder:
         p = next(iter(predictor.parameters())) if hasattr(predictor, "parameters") else None
         self.pred_dtype = p.dtype if p is not None else torch.float32
         self.state_batch_dims = self._find_state_batch_dims()
+        lstm = getattr(predictor, "lstm", None)
+        if isinstance(lstm, torch.nn.RNNBase):
+            lstm.flatten_parameters()  # one weight chunk for cuDNN (no re-packing per call)
 
     # ------------------------------------------------------------------ helpers
     def _find_state_batch_dims(self) -> list[int]:
@@ -322,8 +325,9 @@ class TDTGraphDecoder:
             self._warmup(s, st)
         stream, outer_body, inner_body = streams
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            with allocate_to_graph_pool(graph):
+        pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with allocate_to_graph_pool(pool):
                 builder = WhileLoopBuilder()
                 self._before(s)
                 with builder.loop(s.active_any, outer_body):
