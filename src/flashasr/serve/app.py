@@ -253,11 +253,8 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
                     raise APIError(f"temperature must be a number in [0, 1]; got {temp!r}", param="temperature")
             stream = (up.get("stream") or "").strip().lower() in _TRUE
             t1 = time.perf_counter()
-            from ..audio import load_audio
-
             loop = asyncio.get_running_loop()
-            wav = await loop.run_in_executor(state["pool"], lambda: load_audio(
-                up.file, target_rate=16000, max_duration=cfg.max_audio_s))
+            wav = await loop.run_in_executor(state["pool"], _decode, up)
         metrics.stage.labels("decode").observe(time.perf_counter() - t1)
         t2 = time.perf_counter()
         work = loop.create_task(backend().transcribe(wav.samples, language=language, word_timestamps=words,
@@ -280,6 +277,20 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
         if fmt in ("json", "verbose_json"):
             return Response(body, media_type="application/json")
         return PlainTextResponse(body)
+
+    def _decode(up):
+        """Container decode + resample to 16 kHz (runs in the CPU pool; PyAV and soxr release the GIL)."""
+        from ..audio import load_audio
+        from ..errors import AudioError
+
+        try:
+            return load_audio(up.file, target_rate=16000, max_duration=cfg.max_audio_s)
+        except AudioError as e:
+            msg = str(e)
+            if msg.startswith("<") and ">" in msg:  # name the upload, not our temp file object
+                msg = f"uploaded file {up.filename!r}" + msg[msg.index(">") + 1:]
+            err = AudioError(msg, code=e.code)
+            raise err from None
 
     async def _sse(transcript):
         pieces = [s.text for s in transcript.segments if s.text] or ([transcript.text] if transcript.text else [])
@@ -537,11 +548,11 @@ class _LazyVad:
         self.cfg = vad_cfg
         self._vad = None
 
-    def process(self, x):
+    def process(self, x, start: int):
         if self._vad is None:
             self._vad = VadAdapter(self.cfg["threshold"], self.cfg["prefix_padding_ms"],
                                    self.cfg["silence_duration_ms"])
-        return self._vad.process(x)
+        return self._vad.process(x, start)
 
 
 # ------------------------------------------------------------------ running
@@ -588,13 +599,29 @@ def frontend_main(cfg_dict: dict, path: str) -> None:
     """Entry point of an extra front-end worker process (multi mode, ``--workers`` > 1)."""
     cfg = ServeConfig.from_dict(cfg_dict)
     logging.basicConfig(level=cfg.log_level.upper())
+    _raise_fd_limit()
     sock = _listen_socket(cfg.host, cfg.port, reuse_port=True)
     _run_loop(_serve(cfg, create_app(cfg, _remote_factory(path)), sock))
+
+
+def _raise_fd_limit() -> None:
+    """Thousands of WebSockets need thousands of fds: lift the soft limit to the hard one."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # pragma: no cover
+        pass
 
 
 def run(cfg: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM in the configured process layout."""
     logging.basicConfig(level=cfg.log_level.upper())
+    _raise_fd_limit()
     if cfg.mode == "single":
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
         _run_loop(_serve(cfg, create_app(cfg), sock))

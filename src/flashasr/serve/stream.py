@@ -98,9 +98,10 @@ class Resampler:
 class VadAdapter:
     """Server VAD on 16 kHz float32 audio: wraps :class:`flashasr.audio.vad.StreamingVAD`.
 
-    ``process(x)`` returns ``[(kind, sample)]`` with kind ``"start"``/``"stop"`` and the
-    absolute 16 kHz sample index where speech starts (already minus the prefix padding)
-    or stops (plus the silence that confirmed the end).
+    ``process(x, start)`` (``start``: stream sample index of ``x[0]``) returns
+    ``[(kind, sample)]`` with kind ``"start"``/``"stop"`` and the absolute 16 kHz sample index
+    where speech starts (the VAD already moved it ``prefix_padding_ms`` earlier) or where the
+    trailing silence began. The Silero ONNX session is shared by all streams.
     """
 
     def __init__(self, threshold: float, prefix_padding_ms: int, silence_duration_ms: int):
@@ -108,17 +109,22 @@ class VadAdapter:
 
         self.vad = StreamingVAD(threshold=threshold, prefix_padding_ms=prefix_padding_ms,
                                 silence_duration_ms=silence_duration_ms)
+        self.offset: int | None = None
 
-    def process(self, x: np.ndarray) -> list[tuple[str, int]]:
-        out = []
-        for ev in self.vad.feed(x) or ():
-            kind = "start" if "start" in ev.type else "stop"
-            out.append((kind, int(ev.sample)))
-        return out
+    def process(self, x: np.ndarray, start: int) -> list[tuple[str, int]]:
+        if self.offset is None:
+            self.offset = start  # the VAD's clock starts at the first sample it sees
+        return [("start" if ev.type == "speech_started" else "stop", self.offset + int(round(ev.time * SR)))
+                for ev in self.vad.feed(x)]
 
 
 def _words(text: str) -> list[str]:
     return text.split()
+
+
+def _norm(word: str) -> str:
+    """Word identity for local agreement: case and surrounding punctuation do not count."""
+    return word.strip(".,!?;:\"'()[]-").lower()
 
 
 class StreamSession:
@@ -213,7 +219,7 @@ class StreamSession:
             else:
                 self._maybe_partial()
             return
-        events = self.vad.process(x)
+        events = self.vad.process(x, start)
         # keep the pre-speech ring (enough for the prefix padding plus the VAD's decision delay)
         self._pre.append((start, x))
         self._pre_n += x.size
@@ -319,7 +325,7 @@ class StreamSession:
             hyp = _words(t.text)
             agree = 0
             for a, b in zip(self._prev_hyp, hyp):
-                if a != b:
+                if _norm(a) != _norm(b):
                     break
                 agree += 1
             self._prev_hyp = hyp
@@ -337,6 +343,8 @@ class StreamSession:
         finally:
             if self._partial_task is asyncio.current_task():
                 self._partial_task = None
+                if item == self.item_id and not self.closed:
+                    self._maybe_partial()  # audio that arrived meanwhile: cadence = max(interval, model latency)
 
     # ------------------------------------------------------------------ finals
     async def _final(self, item: str, audio: np.ndarray, emitted: list[str], prev: asyncio.Task | None) -> None:
@@ -365,7 +373,8 @@ class StreamSession:
             return
         text = t.text.strip()
         words = _words(text)
-        if emitted and words[:len(emitted)] == emitted and len(words) > len(emitted):
+        if emitted and [_norm(w) for w in words[:len(emitted)]] == [_norm(w) for w in emitted] \
+                and len(words) > len(emitted):
             await self.emit({"type": "conversation.item.input_audio_transcription.delta", "item_id": item,
                              "content_index": 0, "delta": " " + " ".join(words[len(emitted):])})
         elif not emitted and text:

@@ -1,0 +1,420 @@
+"""Serving tests with real clients against a real `flashasr serve` (single-process mode, CPU, tiny.en).
+
+Clients: the official ``openai`` package (every response format, stream=True), a ``websockets``
+client speaking the Realtime transcription protocol and the binary mode, raw sockets for
+broken clients, and 2,000 concurrent WebSockets against the one front-end process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import resource
+import socket
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from websockets.asyncio.client import connect
+
+from conftest import AUDIO
+from test_serve_util import CLIP, CLIP_WORDS, Server, pcm16, silence, wav_bytes, words
+
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"), "--api-key", KEY, "--max-upload-mb", "2", "--max-audio-s", "30",
+               "--body-timeout-s", "2", "--partial-interval-ms", "500", "--ws-idle-timeout-s", "120")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline_text(client) -> str:
+    """The offline transcript of CLIP (json response format)."""
+    with open(CLIP, "rb") as f:
+        return client.audio.transcriptions.create(model="whisper-1", file=f).text
+
+
+def _create(client, data: bytes, name: str = "clip.wav", **kw):
+    return client.audio.transcriptions.create(model="whisper-1", file=(name, data), **kw)
+
+
+# ----------------------------------------------------------------------------- HTTP
+def test_openai_every_response_format(client, offline_text):
+    assert words(offline_text) == CLIP_WORDS
+    data = CLIP.read_bytes()
+    text = _create(client, data, response_format="text")
+    assert isinstance(text, str) and text.strip() == offline_text
+    srt = _create(client, data, response_format="srt")
+    assert srt.startswith("1\n00:00:00,000 --> 00:00:0") and words(srt.split("\n", 2)[2]) == CLIP_WORDS
+    vtt = _create(client, data, response_format="vtt")
+    assert vtt.startswith("WEBVTT") and "-->" in vtt and words(vtt.split("\n", 3)[3]) == CLIP_WORDS
+    v = _create(client, data, response_format="verbose_json", timestamp_granularities=["word", "segment"])
+    assert v.text == offline_text and v.language == "en" and abs(v.duration - 2.97) < 0.01
+    assert v.segments and v.segments[0].start >= 0 and v.segments[-1].end <= v.duration + 1e-6
+    assert [words(w.word)[0] for w in v.words] == CLIP_WORDS
+    assert all(0 <= w.start <= w.end <= v.duration + 1e-6 for w in v.words)
+    v2 = _create(client, data, response_format="verbose_json")  # no word granularity: no words
+    assert v2.text == offline_text and not getattr(v2, "words", None)
+    # prompt and temperature are accepted (and ignored: greedy decoding)
+    assert _create(client, data, prompt="Golden.", temperature=0.0, language="en").text == offline_text
+
+
+def test_openai_stream_sse(client, offline_text):
+    deltas, done = [], None
+    stream = _create(client, CLIP.read_bytes(), stream=True)
+    for ev in stream:
+        if ev.type == "transcript.text.delta":
+            deltas.append(ev.delta)
+        elif ev.type == "transcript.text.done":
+            done = ev.text
+    assert deltas and done == offline_text
+    assert "".join(deltas).strip() == offline_text
+
+
+def test_models_health_ready_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["whisper-tiny.en"]
+    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+    r = httpx.get(server.base + "/ready").json()
+    assert r["status"] == "ready" and r["mode"] == "single"
+    m = httpx.get(server.base + "/metrics").text
+    for name in ("flashasr_requests_total{", "flashasr_audio_seconds_total", "flashasr_engine_batch_size_bucket",
+                 "flashasr_engine_queue_depth", "flashasr_stage_seconds_bucket", "flashasr_active_streams"):
+        assert name in m, name
+    assert server.metric("flashasr_audio_seconds_total") > 0
+
+
+def test_auth(server):
+    r = httpx.post(server.base + "/v1/audio/transcriptions", files={"file": ("a.wav", CLIP.read_bytes())})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def _no_audio_stream_file() -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    c = av.open(buf, "w", format="matroska")
+    s = c.add_stream("mpeg4", rate=5)
+    s.width = s.height = 16
+    s.pix_fmt = "yuv420p"
+    for _ in range(3):
+        for p in s.encode(av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24")):
+            c.mux(p)
+    for p in s.encode():
+        c.mux(p)
+    c.close()
+    return buf.getvalue()
+
+
+def test_error_codes(client):
+    cases = [
+        (b"this is not audio at all, just text\n" * 10, {}, 400, "unsupported_format"),
+        (b"", {}, 400, "empty_audio"),
+        (_no_audio_stream_file(), {}, 400, "no_audio_stream"),
+        ((AUDIO / "long" / "long-silero-test-60s.wav").read_bytes(), {}, 400, "audio_too_long"),
+        (CLIP.read_bytes(), {"response_format": "docx"}, 400, "unsupported_response_format"),
+        (CLIP.read_bytes(), {"language": "english!"}, 400, "invalid_request"),
+        (CLIP.read_bytes(), {"temperature": 7}, 400, "invalid_request"),
+    ]
+    for data, kw, status, code in cases:
+        with pytest.raises(openai.APIStatusError) as ei:
+            _create(client, data, **kw)
+        e = ei.value
+        assert e.status_code == status and e.body["code"] == code, (code, e.body)
+        assert set(e.response.json()["error"]) == {"message", "type", "param", "code"}
+        assert e.body["type"] == "invalid_request_error" and e.body["message"]
+
+
+def test_upload_too_large_413(server, client):
+    big = CLIP.read_bytes() * 40  # ~3.8 MB > --max-upload-mb 2
+    with pytest.raises(openai.APIStatusError) as ei:
+        _create(client, big)
+    assert ei.value.status_code == 413 and ei.value.body["code"] == "file_too_large"
+
+    # chunked body without Content-Length: rejected while streaming, the server stays healthy
+    def gen():
+        for _ in range(64):
+            yield b"\0" * (64 << 10)
+
+    r = httpx.post(server.base + "/v1/audio/transcriptions", headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "multipart/form-data; boundary=xyz"},
+        content=(b"--xyz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n" + c
+                 for c in gen()), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
+
+
+def _raw(server, payload: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    s.sendall(payload)
+    return s
+
+
+def _head(length: int, boundary: str = "b0und") -> bytes:
+    return (f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def test_broken_clients_do_not_hurt_others(server, client, offline_text):
+    part = b"--b0und\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.wav\"\r\n\r\n"
+    data = CLIP.read_bytes()
+    # 1) disconnect mid-upload
+    s1 = _raw(server, _head(len(part) + len(data) + 100) + part + data[:20000])
+    s1.close()
+    # 2) disconnect after the upload, while the model works on it
+    body = part + data + b"\r\n--b0und--\r\n"
+    s2 = _raw(server, _head(len(body)) + body)
+    time.sleep(0.2)
+    s2.close()
+    # 3) slow client: body stalls longer than --body-timeout-s 2 -> 408
+    s3 = _raw(server, _head(len(part) + len(data) + 100) + part + data[:1000])
+    s3.settimeout(10)
+    reply = b""
+    while b'"timeout"' not in reply:
+        chunk = s3.recv(4096)
+        if not chunk:
+            break
+        reply += chunk
+    s3.close()
+    assert reply.startswith(b"HTTP/1.1 408") and b'"timeout"' in reply
+    # 4) malformed multipart
+    bad = b"--b0und\r\nthis is not a header line\r\n\r\nxx--b0und--"
+    r = httpx.post(server.base + "/v1/audio/transcriptions", content=bad, headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "multipart/form-data; boundary=b0und"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    r = httpx.post(server.base + "/v1/audio/transcriptions", files={"model": (None, "x")},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+    # everyone else is still served, correctly
+    assert _create(client, data).text == offline_text
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+# ------------------------------------------------------------------------ WebSocket
+def _ws_url(server, path: str) -> str:
+    return f"ws://127.0.0.1:{server.port}{path}"
+
+
+async def _events_until(ws, want: str, timeout: float = 60.0) -> list[dict]:
+    out = []
+    t_end = time.monotonic() + timeout
+    while True:
+        ev = json.loads(await asyncio.wait_for(ws.recv(), max(0.1, t_end - time.monotonic())))
+        out.append(ev)
+        if ev["type"] == want:
+            return out
+
+
+def _append(pcm: bytes) -> str:
+    return json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+
+
+def test_realtime_final_equals_offline(server, offline_text):
+    """Manual commit, 20 ms packets at real-time pace: partial deltas, then a final equal to offline."""
+    pcm = pcm16()
+
+    async def go():
+        async with connect(_ws_url(server, "/v1/realtime"), additional_headers={"Authorization": f"Bearer {KEY}"},
+                           subprotocols=["realtime"]) as ws:
+            first = json.loads(await ws.recv())
+            assert first["type"] == "transcription_session.created"
+            await ws.send(json.dumps({"type": "transcription_session.update", "session": {
+                "input_audio_format": "pcm16", "input_audio_sample_rate": 16000, "turn_detection": None,
+                "input_audio_transcription": {"model": "whisper-1", "language": "en"}}}))
+            upd = json.loads(await ws.recv())
+            assert upd["type"] == "transcription_session.updated" and upd["session"]["turn_detection"] is None
+            t0 = time.monotonic()
+            for i, off in enumerate(range(0, len(pcm), 640)):  # 20 ms = 320 samples = 640 bytes
+                await ws.send(_append(pcm[off:off + 640]))
+                await asyncio.sleep(max(0.0, t0 + (i + 1) * 0.02 - time.monotonic()))
+            # partials keep coming while the model catches up (each re-runs the utterance so far)
+            evs = await _events_until(ws, "conversation.item.input_audio_transcription.delta", timeout=60)
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            return evs + await _events_until(ws, "conversation.item.input_audio_transcription.completed")
+
+    evs = asyncio.run(go())
+    committed = [e for e in evs if e["type"] == "input_audio_buffer.committed"]
+    final = evs[-1]
+    assert len(committed) == 1 and final["item_id"] == committed[0]["item_id"]
+    assert committed[0]["audio_start_ms"] == 0 and committed[0]["audio_end_ms"] == 2970
+    assert final["transcript"] == offline_text
+    types = [e["type"] for e in evs]
+    assert types.index("conversation.item.input_audio_transcription.delta") < types.index(
+        "input_audio_buffer.committed")  # a partial came before the commit
+    deltas = [e["delta"] for e in evs if e["type"].endswith("transcription.delta")]
+    assert words("".join(deltas)) == CLIP_WORDS  # local agreement: deltas concatenate to the transcript
+    assert all(e.get("event_id") for e in evs)
+
+
+def test_realtime_server_vad(server, client):
+    """Server VAD: speech_started / speech_stopped / committed / completed; each final equals the
+    offline transcript of exactly the committed audio."""
+    stream = silence(0.6) + pcm16() + silence(1.2)
+
+    async def go():
+        async with connect(_ws_url(server, "/v1/realtime?sample_rate=16000"),
+                           additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
+                "input": {"format": {"type": "audio/pcm", "rate": 16000},
+                          "turn_detection": {"type": "server_vad", "silence_duration_ms": 500}}}}}))
+            assert json.loads(await ws.recv())["type"] == "session.updated"
+            for off in range(0, len(stream), 640):
+                await ws.send(_append(stream[off:off + 640]))
+            return await _events_until(ws, "conversation.item.input_audio_transcription.completed")
+
+    evs = asyncio.run(go())
+    types = [e["type"] for e in evs]
+    assert types.index("input_audio_buffer.speech_started") < types.index("input_audio_buffer.speech_stopped") \
+        < types.index("input_audio_buffer.committed") < types.index(
+        "conversation.item.input_audio_transcription.completed")
+    started = next(e for e in evs if e["type"] == "input_audio_buffer.speech_started")
+    stopped = next(e for e in evs if e["type"] == "input_audio_buffer.speech_stopped")
+    com = next(e for e in evs if e["type"] == "input_audio_buffer.committed")
+    assert 150 <= started["audio_start_ms"] <= 700 and 3000 <= stopped["audio_end_ms"] <= 3800
+    assert com["audio_start_ms"] == started["audio_start_ms"] and com["audio_end_ms"] >= stopped["audio_end_ms"]
+    a, b = com["audio_start_ms"] * 32, com["audio_end_ms"] * 32  # ms -> byte offsets of 16 kHz PCM16
+    offline = _create(client, wav_bytes(stream[a:b])).text
+    assert evs[-1]["transcript"] == offline and words(offline) == CLIP_WORDS
+
+
+def test_realtime_resamples_24k(server):
+    import soxr
+
+    x = np.frombuffer(pcm16(), "<i2").astype(np.float32) / 32768
+    y = np.clip(soxr.resample(x, 16000, 24000) * 32768, -32768, 32767).astype("<i2").tobytes()
+
+    async def go():
+        async with connect(_ws_url(server, "/v1/realtime"), additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            s = json.loads(await ws.recv())["session"]
+            assert s["input_audio_sample_rate"] == 24000  # OpenAI's pcm16 default
+            await ws.send(json.dumps({"type": "transcription_session.update", "session": {"turn_detection": None}}))
+            await ws.recv()
+            for off in range(0, len(y), 960):  # 20 ms at 24 kHz
+                await ws.send(_append(y[off:off + 960]))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            return await _events_until(ws, "conversation.item.input_audio_transcription.completed")
+
+    evs = asyncio.run(go())
+    com = next(e for e in evs if e["type"] == "input_audio_buffer.committed")
+    assert abs(com["audio_end_ms"] - 2970) <= 2  # all audio arrived (resampler flushed on commit)
+    assert words(evs[-1]["transcript"]) == CLIP_WORDS
+
+
+def test_binary_stream_final_equals_offline(server, offline_text):
+    pcm = pcm16()
+
+    async def go():
+        async with connect(_ws_url(server, "/v1/stream?sample_rate=16000&partial_interval_ms=0"),
+                           additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            off = 0
+            for n in [641, 639, 1, 999] * 10000:  # odd sizes: samples split across frames
+                if off >= len(pcm):
+                    break
+                await ws.send(pcm[off:off + n])
+                off += n
+            await ws.send(json.dumps({"type": "commit"}))
+            evs = await _events_until(ws, "conversation.item.input_audio_transcription.completed")
+            await ws.send(json.dumps({"type": "close"}))
+            await asyncio.wait_for(ws.wait_closed(), 10)
+            return evs
+
+    evs = asyncio.run(go())
+    assert evs[-1]["transcript"] == offline_text
+
+
+def test_stream_errors_keep_the_session(server):
+    async def go():
+        h = {"Authorization": f"Bearer {KEY}"}
+        async with connect(_ws_url(server, "/v1/realtime"), additional_headers=h) as ws:
+            await ws.recv()
+            codes = []
+            for msg in ["{not json", json.dumps({"type": "input_audio_buffer.append", "audio": "%%%"}),
+                        json.dumps({"type": "bogus.event"}), json.dumps([1, 2]),
+                        json.dumps({"type": "session.update", "session": {"input_audio_sample_rate": "abc"}}),
+                        json.dumps({"type": "session.update", "session": {"input_audio_sample_rate": 1000}}),
+                        json.dumps({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}),
+                        json.dumps({"type": "input_audio_buffer.commit"})]:
+                await ws.send(msg)
+                ev = json.loads(await ws.recv())
+                assert ev["type"] == "error", ev
+                codes.append(ev["error"]["code"])
+            await ws.send(b"\x00\x01")  # binary frame on the JSON protocol
+            codes.append(json.loads(await ws.recv())["error"]["code"])
+            await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+            assert json.loads(await ws.recv())["type"] == "input_audio_buffer.cleared"  # still alive
+        # wrong declared sample rate on the binary endpoint: error event, then close 1008
+        async with connect(_ws_url(server, "/v1/stream?sample_rate=44k"), additional_headers=h) as ws:
+            ev = json.loads(await ws.recv())
+            assert ev["error"]["code"] == "invalid_sample_rate"
+            await asyncio.wait_for(ws.wait_closed(), 5)
+            assert ws.close_code == 1008
+        # no key: refused
+        with pytest.raises(Exception):
+            async with connect(_ws_url(server, "/v1/stream")) as ws:
+                await ws.recv()
+        # client leaves while its final is being computed
+        async with connect(_ws_url(server, "/v1/stream?sample_rate=16000"), additional_headers=h) as ws:
+            await ws.recv()
+            await ws.send(pcm16())
+            await ws.send(json.dumps({"type": "commit"}))
+        return codes
+
+    codes = asyncio.run(go())
+    assert codes == ["invalid_json", "invalid_request", "unknown_event", "invalid_request", "invalid_sample_rate",
+                     "invalid_sample_rate", "unsupported_format", "input_audio_buffer_commit_empty", "invalid_request"]
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_2000_websockets_constant_threads(server):
+    """2,000 concurrent idle or trickling WebSockets on one front-end process: no thread per connection."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4500:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    n = 2000
+    h = {"Authorization": f"Bearer {KEY}"}
+    before = server.threads()
+    tick = silence(0.02)
+
+    async def go():
+        sem = asyncio.Semaphore(100)
+        conns = []
+
+        async def open_one(i):
+            path = "/v1/realtime" if i % 2 else "/v1/stream?sample_rate=16000&partial_interval_ms=0"
+            async with sem:
+                ws = await connect(_ws_url(server, path), additional_headers=h, open_timeout=60,
+                                   ping_interval=None)
+                ev = json.loads(await ws.recv())
+                assert ev["type"].endswith("session.created")
+                conns.append((i, ws))
+
+        await asyncio.gather(*(open_one(i) for i in range(n)))
+        during = [server.threads()]
+        for _ in range(3):  # the binary half trickles 20 ms of audio, the realtime half idles
+            await asyncio.gather(*(ws.send(tick) for i, ws in conns if i % 2 == 0))
+            await asyncio.sleep(0.3)
+            during.append(server.threads())
+        streams = server.metric("flashasr_active_streams")
+        await asyncio.gather(*(ws.close() for _, ws in conns))
+        return len(conns), during, streams
+
+    opened, during, streams = asyncio.run(go())
+    assert opened == n and streams == n
+    assert max(during) == before, (before, during)
+    assert httpx.get(server.base + "/health").status_code == 200
