@@ -6,6 +6,7 @@ Public API::
 
     from flashasr.audio import load_audio, iter_audio, probe, DecodedAudio
     from flashasr.audio import speech_segments, split_for_asr, StreamingVAD   # VAD (lazy)
+    from flashasr.audio import encode_audio                                   # tests/bench
 
 See docs/AUDIO.md.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from .decode import RAW_FORMATS, DecodedAudio, iter_audio, load_audio, probe
 from .downmix import Downmixer
+from .encode import encode_audio
 from .errors import (
     AudioArgumentError,
     AudioError,
@@ -43,6 +45,7 @@ __all__ = [
     "DecodedAudio",
     "RAW_FORMATS",
     "Downmixer",
+    "encode_audio",
     "speech_segments",
     "split_for_asr",
     "speech_probabilities",

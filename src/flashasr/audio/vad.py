@@ -332,9 +332,9 @@ class StreamingVAD:
 
     State per stream is bounded: < 576 samples of pending audio, the LSTM state (2 x 128
     floats) and a few counters (about 3 KB); the ONNX session is shared by all streams
-    (onnxruntime ``run`` is thread-safe). Cost: about 5 ms of one CPU core per second of
-    audio when fed in chunks under 32 ms (one ONNX call per frame), about 2.5 ms/s when
-    fed >= 0.5 s at a time (docs/AUDIO.md has the measured figures).
+    (onnxruntime ``run`` is thread-safe). Cost, measured on a loaded 2-core Xeon VM: about
+    6 ms of one CPU core per second of audio fed in 20 ms chunks (one ONNX call per 32 ms
+    frame), about 3 ms/s fed in 0.5 s chunks (bench/bench_cpu_audio.py, docs/AUDIO.md).
     """
 
     def __init__(self, *, threshold: float = 0.5, prefix_padding_ms: int = 300,
