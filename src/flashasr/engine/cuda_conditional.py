@@ -215,13 +215,23 @@ class WhileLoopBuilder:
 
 
 @contextlib.contextmanager
-def allocate_to_graph_pool(pool) -> Iterator[None]:
+def allocate_to_graph_pool(pool, strategy: str | None = None) -> Iterator[None]:
     """Route this thread's CUDA allocations into the graph memory pool ``pool`` (during capture).
 
-    ``pool`` is the id from ``torch.cuda.graph_pool_handle()`` that the capture uses
-    (``torch.cuda.graph(g, pool=pool)``). Needed for allocations made on streams that capture
-    into child graphs (WHILE bodies), which PyTorch's own per-capture filter does not see.
+    Call it inside ``torch.cuda.graph(g, pool=pool)``. PyTorch records allocations into the
+    pool only for streams whose capture id is the graph's; WHILE bodies are captured on other
+    streams with their own capture ids. Strategy ``"thread"`` (default) swaps PyTorch's
+    per-capture filter for a filter on this thread (all of whose allocations belong to the
+    capture), and leaves it for ``capture_end`` to remove. ``"none"`` does nothing: body
+    temporaries then come from the body streams' ordinary cache (what NeMo does).
+    Environment override: ``FLASHASR_WHILE_POOL``.
     """
+    import os
+
+    strategy = strategy or os.environ.get("FLASHASR_WHILE_POOL", "thread")
+    if strategy == "none":
+        yield
+        return
     dev = torch.cuda.current_device()
     begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
     if begin is None:
@@ -229,8 +239,6 @@ def allocate_to_graph_pool(pool) -> Iterator[None]:
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if begin is None or end is None:
         raise CudaGraphUnsupported("this torch build cannot route allocations to a graph pool")
-    begin(dev, pool)
-    try:
-        yield
-    finally:
-        end(dev, pool)
+    end(dev, pool)      # remove PyTorch's capture-id filter for this pool ...
+    begin(dev, pool)    # ... and record every allocation of this thread into it instead
+    yield               # capture_end() removes the entry
