@@ -168,7 +168,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
     async def ready():
         b = backend()
         if b.ready:
-            return {"status": "ready", "mode": b.mode, **b.info}
+            return {"status": "ready", "mode": b.mode, "frontend_pid": os.getpid(), **b.info}
         body = {"status": "loading", "mode": b.mode}
         if getattr(b, "error", None):
             body["error"] = b.error

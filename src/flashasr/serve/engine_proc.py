@@ -83,6 +83,7 @@ class EngineServer:
 
     async def _transcribe(self, f: Frame, writer: asyncio.StreamWriter) -> None:
         m = f.meta
+        self.metrics.active.inc()
         try:
             samples = unpack_audio(f)
             t = await self.scheduler.submit(samples, language=m.get("language"),
@@ -91,6 +92,7 @@ class EngineServer:
             reply = {"superseded": True} if t is None else transcript_to_wire(t)
             out = encode(MsgType.RESULT, f.req_id, reply)
         except asyncio.CancelledError:
+            self.metrics.active.dec()
             return
         except FlashASRError as e:
             out = encode(MsgType.ERROR, f.req_id, {"code": e.code, "message": e.message,
@@ -101,6 +103,7 @@ class EngineServer:
             log.exception("engine failure")
             out = encode(MsgType.ERROR, f.req_id, {"code": "internal_error", "status": 500,
                                                    "message": f"engine error ({type(e).__name__})"})
+        self.metrics.active.dec()
         if not writer.is_closing():
             writer.writelines(out)
             try:

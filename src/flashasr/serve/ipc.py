@@ -124,8 +124,8 @@ async def read_frame(reader: asyncio.StreamReader) -> Frame:
 
 # ----------------------------------------------------------------- audio payloads
 def _unregister(name: str) -> None:
-    # Python < 3.13 registers attached segments with the resource tracker, which would
-    # unlink them (and warn) when this process exits; ownership is handled explicitly here.
+    # Python < 3.13 registers every segment it creates with the resource tracker, which would
+    # unlink it (and warn) when this process exits; the receiver owns the unlink instead.
     try:
         from multiprocessing import resource_tracker
 
@@ -135,15 +135,11 @@ def _unregister(name: str) -> None:
 
 
 def unlink_shm(name: str) -> None:
-    """Remove a shared-memory segment by name; missing is fine."""
+    """Remove a shared-memory segment by name (sender-side clean-up); missing is fine."""
     try:
-        shm = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError:
-        return
-    _unregister(shm.name)
-    shm.close()
-    try:
-        shm.unlink()
+        import _posixshmem
+
+        _posixshmem.shm_unlink("/" + name.lstrip("/"))
     except FileNotFoundError:
         pass
 
@@ -182,8 +178,7 @@ def unpack_audio(frame: Frame) -> np.ndarray:
         name = frame.meta.get("shm")
         if not isinstance(name, str) or n < 0:
             raise FramingError("SHM frame without shm name / sample count")
-        shm = shared_memory.SharedMemory(name=name)
-        _unregister(shm.name)
+        shm = shared_memory.SharedMemory(name=name)  # registers with the resource tracker; unlink() unregisters
         try:
             if shm.size < n * np.dtype(dtype).itemsize:
                 raise FramingError("shared-memory segment smaller than the declared sample count")

@@ -1,0 +1,122 @@
+"""Unit tests of the engine <-> front-end wire framing, shared-memory hand-off and batch picking."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import numpy as np
+import pytest
+
+from flashasr.serve import ipc
+from flashasr.serve.scheduler import FINAL, OFFLINE, PARTIAL, BatchScheduler
+from flashasr.types import Segment, Transcript, Word
+
+
+async def _roundtrip(frames: list[list]) -> list[ipc.Frame]:
+    a, b = socket.socketpair()
+    _, w = await asyncio.open_connection(sock=a)
+    r, w2 = await asyncio.open_connection(sock=b, limit=1 << 20)
+    for f in frames:
+        w.writelines(f)
+    await w.drain()
+    out = [await ipc.read_frame(r) for _ in frames]
+    w.close()
+    w2.close()
+    return out
+
+
+def test_frames_inline_and_shared_memory():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(48000).astype(np.float32)
+    i16 = (rng.standard_normal(1000) * 3000).astype(np.int16)
+    f1, m1, p1, shm1 = ipc.pack_audio(x, shm_threshold=1 << 30)       # inline float32
+    f2, m2, p2, shm2 = ipc.pack_audio(x, shm_threshold=1024)          # shared memory
+    f3, m3, p3, shm3 = ipc.pack_audio(i16, shm_threshold=1 << 30)     # inline int16
+    assert shm1 is None and shm3 is None and shm2 is not None and p2 == b""
+    frames = [ipc.encode(ipc.MsgType.TRANSCRIBE, 7, dict(m1, language="en"), p1, f1),
+              ipc.encode(ipc.MsgType.TRANSCRIBE, 2**40, m2, p2, f2),
+              ipc.encode(ipc.MsgType.TRANSCRIBE, 9, m3, p3, f3),
+              ipc.encode(ipc.MsgType.PING, 10)]
+    got = asyncio.run(_roundtrip(frames))
+    assert [g.req_id for g in got] == [7, 2**40, 9, 10]
+    assert got[0].meta["language"] == "en" and len(got[0].payload) == x.nbytes
+    np.testing.assert_array_equal(ipc.unpack_audio(got[0]), x)
+    np.testing.assert_array_equal(ipc.unpack_audio(got[1]), x)       # read from shm, then unlinked
+    with pytest.raises(FileNotFoundError):
+        ipc.shared_memory.SharedMemory(name=shm2)
+    ipc.unlink_shm(shm2)                                              # sender's unlink: missing is fine
+    np.testing.assert_allclose(ipc.unpack_audio(got[2]), i16.astype(np.float32) / 32768)
+    assert got[3].type == ipc.MsgType.PING and got[3].meta == {} and got[3].payload == b""
+
+
+def test_malformed_frames_are_rejected():
+    good = ipc.encode(ipc.MsgType.PING, 1)[0]
+    for bad in (b"XX" + good[2:],                                       # magic
+                good[:2] + b"\x09" + good[3:],                          # version
+                good[:3] + b"\x63" + good[4:]):                         # type
+        with pytest.raises(ipc.FramingError):
+            ipc.parse_header(bad)
+    huge_meta = ipc.HEADER.pack(ipc.MAGIC, ipc.VERSION, 2, 0, 0, 1, ipc.MAX_META + 1, 0)
+    with pytest.raises(ipc.FramingError):
+        ipc.parse_header(huge_meta)
+    # metadata that is not a JSON object, payload/sample count mismatch, SHM frame without a name
+    notjson = ipc.HEADER.pack(ipc.MAGIC, ipc.VERSION, 2, 0, 0, 1, 3, 0) + b"{x}"
+    a, b = socket.socketpair()
+    a.sendall(notjson)
+    a.close()
+
+    async def read():
+        r, w = await asyncio.open_connection(sock=b)
+        try:
+            return await ipc.read_frame(r)
+        finally:
+            w.close()
+
+    with pytest.raises(ipc.FramingError):
+        asyncio.run(read())
+    with pytest.raises(ipc.FramingError):
+        ipc.unpack_audio(ipc.Frame(2, 1, 0, {"n": 5}, b"\0" * 16))
+    with pytest.raises(ipc.FramingError):
+        ipc.unpack_audio(ipc.Frame(2, 1, 0, {"n": 1}, b"\0" * 3))
+    with pytest.raises(ipc.FramingError):
+        ipc.unpack_audio(ipc.Frame(2, 1, int(ipc.Flag.SHM), {"n": 4}, b""))
+
+
+def test_transcript_wire_roundtrip():
+    w = [Word(" a", 0.0, 0.5, 0.9), Word(" b", 0.5, 1.0, None)]
+    t = Transcript("a b", "en", 1.0, [Segment(0, 0.0, 1.0, " a b", [1, 2], -0.1, 0.01, 1.2, 0.0, 0, w)], w,
+                   "m")
+    assert ipc.transcript_from_wire(ipc.transcript_to_wire(t)) == t
+
+
+def test_scheduler_priorities_packing_and_coalescing():
+    class NoModel:  # the picking logic runs without any model call
+        sample_rate = 16000
+
+    async def go():
+        s = BatchScheduler(NoModel(), max_batch=3)
+        s._wake = asyncio.Event()
+        z = lambda n: np.zeros(n, np.float32)  # noqa: E731
+        tasks = [asyncio.ensure_future(s.submit(z(n), priority=OFFLINE)) for n in (1000, 90000, 1100, 50000, 1200)]
+        tasks.append(asyncio.ensure_future(s.submit(z(10), priority=PARTIAL, coalesce_key="s1")))
+        tasks.append(asyncio.ensure_future(s.submit(z(20), priority=PARTIAL, coalesce_key="s1")))
+        tasks.append(asyncio.ensure_future(s.submit(z(5), priority=FINAL)))
+        await asyncio.sleep(0)
+        assert await asyncio.wait_for(tasks[5], 1) is None  # superseded partial
+        picks = []
+        while True:
+            b = s._pick()
+            if not b:
+                break
+            picks.append([(it.priority, it.samples.size) for it in b])
+        for t in tasks:
+            t.cancel()
+        await s.stop()
+        return picks
+
+    picks = asyncio.run(go())
+    assert picks[0] == [(FINAL, 5)] and picks[1] == [(PARTIAL, 20)]
+    # offline: the oldest item anchors the batch, the closest lengths join it
+    assert picks[2] == [(OFFLINE, 1000), (OFFLINE, 1100), (OFFLINE, 1200)]
+    assert picks[3] == [(OFFLINE, 90000), (OFFLINE, 50000)]

@@ -1,0 +1,128 @@
+"""Multi-process mode: one engine process + 2 front-end workers over Unix sockets (real tiny.en).
+
+Covers the shared-memory path, a garbage client on the engine socket, and engine death:
+in-flight requests get 503 (none hangs), the engine restarts, service resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from websockets.asyncio.client import connect
+
+from conftest import AUDIO
+from test_serve_util import CLIP, CLIP_WORDS, Server, pcm16, words
+
+KEY = "k"
+
+
+def _shm() -> set:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multi")
+    s = Server(tmp, "--mode", "multi", "--workers", "2", "--api-key", KEY, "--shm-threshold-kb", "64",
+               "--engine-socket", str(tmp / "engine.sock"))
+    s.engine_socket = tmp / "engine.sock"
+    yield s
+    s.stop()
+
+
+def _client(s):
+    return openai.OpenAI(base_url=s.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_multi_workers_and_shared_memory(multi):
+    before = _shm()
+    pids = {httpx.get(multi.base + "/ready").json()["frontend_pid"] for _ in range(30)}
+    assert len(pids) == 2 and multi.proc.pid in pids  # two front-end processes share the port
+    engine = {httpx.get(multi.base + "/ready").json()["pid"] for _ in range(4)}
+    assert len(engine) == 1 and not engine & pids  # ... and one separate engine process
+    # 2.97 s = 190 KB of float32 > --shm-threshold-kb 64: the audio crosses through shared memory
+    t = _client(multi).audio.transcriptions.create(model="whisper-1", file=CLIP.open("rb"))
+    assert words(t.text) == CLIP_WORDS
+    assert _shm() <= before  # every segment was unlinked
+
+
+def test_multi_stream_through_engine(multi):
+    async def go():
+        async with connect(f"ws://127.0.0.1:{multi.port}/v1/stream?sample_rate=16000&partial_interval_ms=0",
+                           additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            await ws.recv()
+            pcm = pcm16()
+            for off in range(0, len(pcm), 640):
+                await ws.send(pcm[off:off + 640])
+            await ws.send(json.dumps({"type": "commit"}))
+            while True:
+                ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                if ev["type"].endswith("completed"):
+                    return ev["transcript"]
+
+    assert words(asyncio.run(go())) == CLIP_WORDS
+
+
+def test_garbage_on_engine_socket(multi):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(str(multi.engine_socket))
+    s.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\xff" * 100)
+    got = b""
+    while True:  # HELLO, then the engine drops this connection (bad magic)
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    s.close()
+    assert got[:2] == b"FA"
+    t = _client(multi).audio.transcriptions.create(model="whisper-1", file=CLIP.open("rb"), response_format="text")
+    assert words(t) == CLIP_WORDS
+
+
+def test_engine_death_gives_503_and_restarts(multi):
+    info = httpx.get(multi.base + "/ready").json()
+    old_pid = info["pid"]
+    long_clip = (AUDIO / "long" / "long-silero-test-60s.wav").read_bytes()
+    result = {}
+
+    def work():
+        try:
+            _client(multi).audio.transcriptions.create(model="whisper-1", file=("long.wav", long_clip))
+            result["status"] = 200
+        except openai.APIStatusError as e:
+            result["status"], result["code"] = e.status_code, e.body.get("code")
+        result["t"] = time.monotonic()
+
+    th = threading.Thread(target=work)
+    th.start()
+    t_end = time.monotonic() + 60
+    while multi.metric("flashasr_engine_requests_active") < 1:  # the long request reached the engine
+        assert time.monotonic() < t_end and th.is_alive()
+        time.sleep(0.05)
+    os.kill(old_pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    th.join(30)
+    assert not th.is_alive(), "in-flight request hung after the engine died"
+    assert result["status"] == 503 and result["code"] == "engine_unavailable"
+    assert result["t"] - t_kill < 5
+    # the engine comes back (new process) and service resumes
+    t_end = time.monotonic() + 120
+    while True:
+        r = httpx.get(multi.base + "/ready")
+        if r.status_code == 200 and r.json()["pid"] != old_pid:
+            break
+        assert time.monotonic() < t_end, r.text
+        time.sleep(0.2)
+    t = _client(multi).audio.transcriptions.create(model="whisper-1", file=CLIP.open("rb"))
+    assert words(t.text) == CLIP_WORDS
+    assert multi.metric("flashasr_engine_restarts") in (0.0, 1.0)  # counted by the supervising worker only
