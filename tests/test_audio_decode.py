@@ -362,6 +362,20 @@ def test_random_bytes(seed):
     assert isinstance(e.value, AudioError)
 
 
+def test_lists_referring_to_other_files_are_refused(tmp_path):
+    """An uploaded ffconcat list / HLS playlist must not make FFmpeg read other files."""
+    wav = AUDIO / "en" / "en-jfk-inaugural.wav"
+    concat = f"ffconcat version 1.0\nfile '{wav}'\n".encode()
+    hls = (f"#EXTM3U\n#EXT-X-TARGETDURATION:20\n#EXTINF:11.0,\nfile://{wav}\n#EXT-X-ENDLIST\n").encode()
+    for data in (concat, hls):
+        with pytest.raises(UnsupportedFormatError):
+            load_audio(data)
+        p = tmp_path / "list.txt"
+        p.write_bytes(data)
+        with pytest.raises(UnsupportedFormatError):
+            load_audio(p)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(AudioFileNotFoundError) as e:
         load_audio(tmp_path / "nope.flac")

@@ -308,15 +308,21 @@ def _open_container(source: Any, label: str):
             raise AudioFileNotFoundError(f"{label}: no such file")
         if os.path.isdir(path):
             raise AudioArgumentError(f"{label}: is a directory, not an audio file")
+        if not os.access(path, os.R_OK):
+            raise AudioError(f"{label}: permission denied", code="permission_denied")
         if os.path.getsize(path) == 0:
             raise EmptyAudioError(f"{label}: file is empty (0 bytes)")
         target = path
+        # only local files (no http/tcp/... from playlists or concat lists inside the file)
+        opts = {"protocol_whitelist": "file"}
     elif isinstance(source, (bytes, bytearray, memoryview)):
         if len(memoryview(source).cast("B")) == 0:
             raise EmptyAudioError(f"{label}: input is empty (0 bytes)")
         target = io.BytesIO(source)
+        opts = {"protocol_whitelist": "none"}  # untrusted bytes may not open anything else
     elif hasattr(source, "read"):
         target = source
+        opts = {"protocol_whitelist": "none"}
         try:
             if source.seekable():
                 pos = source.tell()
@@ -331,11 +337,13 @@ def _open_container(source: Any, label: str):
             f"unsupported audio source type {type(source).__name__}: pass a path, bytes, a binary "
             "file object or a numpy array")
     try:
-        container = av.open(target, mode="r", metadata_errors="ignore")
+        container = av.open(target, mode="r", metadata_errors="ignore", container_options=opts)
     except av.error.FileNotFoundError as e:
         raise AudioFileNotFoundError(f"{label}: no such file") from e
-    except av.error.PermissionError as e:
-        raise AudioError(f"{label}: permission denied", code="permission_denied") from e
+    except (av.error.PermissionError, av.error.ArgumentError) as e:
+        # e.g. an ffconcat list / playlist that refers to other files or URLs
+        raise UnsupportedFormatError(
+            f"{label}: refused: refers to other files or URLs, or is not an audio file ({_why(e)})") from e
     except av.error.EOFError as e:
         raise EmptyAudioError(f"{label}: no data (end of file while reading the header)") from e
     except av.error.FFmpegError as e:
