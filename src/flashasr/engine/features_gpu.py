@@ -1,0 +1,192 @@
+"""Batched log-mel features on the GPU (same torch code runs on CPU), and pinned uploads.
+
+Two variants, each equal to the model family's CPU reference path:
+
+* :class:`NemoLogMel` - Parakeet / NeMo ``AudioToMelSpectrogramPreprocessor`` (pre-emphasis,
+  centred zero-padded STFT, power, Slaney mel, ``log(x + guard)``, per-feature mean/std over
+  the valid frames, padded frames set to 0). Reference:
+  :class:`flashasr.models.parakeet.preprocessor.MelPreprocessor` (NeMo 3.0.0 notes (a)).
+* :class:`WhisperLogMel` - OpenAI Whisper ``log_mel_spectrogram`` (reflect-padded STFT with a
+  periodic Hann window, last frame dropped, ``log10(max(mel, 1e-10))``, clamp to ``max - 8``,
+  ``(x + 4) / 4``), batched: the ``max`` is taken per item over that item's own frames.
+  Reference: :func:`flashasr.models.whisper.features.log_mel_spectrogram`.
+
+Neither variant synchronises with the host (no ``.item()``), so both can be captured in a CUDA
+graph with static shapes. :class:`PinnedUploader` stages numpy waveforms in a reusable pinned
+host buffer and copies them to the device with ``non_blocking=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import AudioError
+
+_NORM_EPS = 1e-5  # NeMo normalize_batch: added to the std
+
+
+class NemoLogMel(torch.nn.Module):
+    """NeMo/Parakeet log-mel: waveform ``[B, N]`` float32 16 kHz + lengths ``[B]`` (samples) ->
+    ``features [B, n_mels, 1 + N // hop]`` float32 and ``feature_lengths [B]`` int64
+    (``(len + 2 * (n_fft // 2) - n_fft) // hop``). Frames at or beyond a row's length are 0.
+
+    Build it from a Parakeet preprocessor with :meth:`from_preprocessor` (shares its ``fb`` and
+    ``window`` values) so both paths use identical constants.
+    """
+
+    def __init__(self, fb: torch.Tensor, window: torch.Tensor, *, n_fft: int = 512, hop: int = 160,
+                 preemph: float | None = 0.97, mag_power: float = 2.0, guard: float = 2.0 ** -24,
+                 guard_type: str = "add", normalize: str | None = "per_feature", pad_value: float = 0.0,
+                 log: bool = True):
+        super().__init__()
+        fb = fb.float()
+        self.register_buffer("fb", fb.reshape(fb.shape[-2], fb.shape[-1]).clone())  # [n_mels, n_fft//2+1]
+        self.register_buffer("window", window.float().clone())
+        self.n_fft, self.hop, self.win_length = int(n_fft), int(hop), int(window.numel())
+        self.preemph, self.mag_power = preemph, float(mag_power)
+        self.guard, self.guard_type, self.log = float(guard), guard_type, bool(log)
+        self.normalize, self.pad_value = normalize, float(pad_value)
+
+    @classmethod
+    def from_preprocessor(cls, pre) -> "NemoLogMel":
+        """From :class:`flashasr.models.parakeet.preprocessor.MelPreprocessor`."""
+        cfg = pre.cfg
+        if getattr(cfg, "pad_to", 0):
+            raise AudioError("NemoLogMel does not implement pad_to > 0", code="unsupported_features")
+        return cls(pre.fb, pre.window, n_fft=pre.n_fft, hop=pre.hop_length, preemph=cfg.preemph,
+                   mag_power=cfg.mag_power, guard=pre._guard(), guard_type=cfg.log_zero_guard_type,
+                   normalize=cfg.normalize, pad_value=cfg.pad_value, log=cfg.log)
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Valid feature frames for ``lengths`` samples (NeMo ``get_seq_len``)."""
+        pad = (self.n_fft // 2) * 2
+        return torch.div(lengths.long() + pad - self.n_fft, self.hop, rounding_mode="floor").clamp(min=0)
+
+    @torch.no_grad()
+    def forward(self, audio: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = audio.float()
+        B, N = x.shape
+        lengths = lengths.to(device=x.device, dtype=torch.long)
+        flen = self.output_lengths(lengths)
+        if self.preemph is not None and N > 1:
+            x = torch.cat([x[:, :1], x[:, 1:] - self.preemph * x[:, :-1]], dim=1)
+        x = x * (torch.arange(N, device=x.device)[None, :] < lengths[:, None])
+        spec = torch.stft(x, n_fft=self.n_fft, hop_length=self.hop, win_length=self.win_length,
+                          window=self.window, center=True, pad_mode="constant", return_complex=True)
+        spec = torch.view_as_real(spec)
+        mag = spec.pow(2).sum(-1).sqrt()
+        if self.mag_power != 1.0:
+            mag = mag.pow(self.mag_power)
+        mel = torch.matmul(self.fb, mag)  # [B, n_mels, T]
+        if self.log:
+            mel = torch.log(mel + self.guard) if self.guard_type == "add" else torch.log(mel.clamp(min=self.guard))
+        T = mel.shape[-1]
+        tm = (torch.arange(T, device=x.device)[None, :] < flen[:, None])[:, None, :]  # [B, 1, T]
+        if self.normalize in ("per_feature", "all_features"):
+            dims = (2,) if self.normalize == "per_feature" else (1, 2)
+            cnt = flen.to(mel.dtype).view(B, 1, 1) * (1 if self.normalize == "per_feature" else mel.shape[1])
+            mean = torch.where(tm, mel, 0.0).sum(dims, keepdim=True) / cnt
+            var = torch.where(tm, mel - mean, 0.0).pow(2).sum(dims, keepdim=True) / (cnt - 1.0)
+            std = var.sqrt()
+            std = torch.where(torch.isnan(std), 0.0, std) + _NORM_EPS
+            mel = (mel - mean) / std
+        mel = torch.where(tm, mel, self.pad_value)
+        return mel, flen
+
+
+class WhisperLogMel(torch.nn.Module):
+    """Whisper log-mel, batched: ``audio [B, N]`` + ``lengths [B]`` -> ``[B, n_mels, (N + padding) // 160]``.
+
+    Row ``b`` equals the reference on ``audio[b, :lengths[b]]`` with the same ``padding`` for its
+    first ``(lengths[b] + padding) // 160`` frames (its own frames), provided the reflect padding
+    at its end sees zeros, i.e. ``padding >= 200`` samples or ``lengths[b] == N``; the ``max - 8``
+    clamp uses only those frames. Later frames hold the value of silence.
+    """
+
+    def __init__(self, n_mels: int = 80, n_fft: int = 400, hop: int = 160):
+        super().__init__()
+        from ..models.whisper.features import mel_filterbank
+
+        self.register_buffer("fb", torch.from_numpy(mel_filterbank(n_mels)))
+        self.register_buffer("window", torch.hann_window(n_fft, periodic=True, dtype=torch.float32))
+        self.n_fft, self.hop = int(n_fft), int(hop)
+
+    @torch.no_grad()
+    def forward(self, audio: torch.Tensor, lengths: torch.Tensor, padding: int = 0) -> torch.Tensor:
+        x = audio.float()
+        B, N = x.shape
+        lengths = lengths.to(device=x.device, dtype=torch.long)
+        x = x * (torch.arange(N, device=x.device)[None, :] < lengths[:, None])
+        if padding > 0:
+            x = F.pad(x, (0, padding))
+        if x.shape[1] <= self.n_fft // 2:
+            x = F.pad(x, (0, self.n_fft // 2 + 1 - x.shape[1]))
+        spec = torch.stft(x, self.n_fft, self.hop, window=self.window, center=True, pad_mode="reflect",
+                          return_complex=True)
+        power = spec[..., :-1].abs() ** 2
+        mel = self.fb @ power
+        log_spec = mel.clamp(min=1e-10).log10()
+        T = log_spec.shape[-1]
+        own = (torch.arange(T, device=x.device)[None, :] < ((lengths + padding) // self.hop)[:, None])[:, None, :]
+        mx = torch.where(own, log_spec, -math.inf).amax(dim=(1, 2), keepdim=True)
+        log_spec = torch.maximum(log_spec, mx - 8.0)
+        return (log_spec + 4.0) / 4.0
+
+
+class PinnedUploader:
+    """Pads a list of 1-D float32 waveforms into a reusable pinned host buffer and copies it to
+    ``device`` asynchronously (``non_blocking=True``).
+
+    ``upload(waveforms, batch=None, samples=None)`` returns ``(audio [B', N'] float32 on device,
+    lengths [B'] int64 on device)`` with ``B' = batch or len(waveforms)`` and
+    ``N' = samples or max length`` (rows/samples beyond the inputs are zero). The host buffer is
+    reused only after the previous copy finished (an event guards it).
+    """
+
+    def __init__(self, device: str | torch.device = "cuda"):
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self._buf: torch.Tensor | None = None
+        self._len: torch.Tensor | None = None
+        self._event = None
+
+    def upload(self, waveforms: Sequence[np.ndarray], batch: int | None = None,
+               samples: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(waveforms)
+        B = batch or n
+        N = samples or max((len(w) for w in waveforms), default=0)
+        if n > B or any(len(w) > N for w in waveforms):
+            raise AudioError(f"{n} waveforms (longest {max(map(len, waveforms))} samples) do not fit "
+                             f"a [{B}, {N}] batch", code="batch_too_small")
+        if self._event is not None:
+            self._event.synchronize()
+        need = B * N
+        if self._buf is None or self._buf.numel() < need or self._len.numel() < B:
+            self._buf = torch.empty(max(need, 1), dtype=torch.float32, pin_memory=self.pin)
+            self._len = torch.empty(max(B, 1), dtype=torch.long, pin_memory=self.pin)
+        host = self._buf[:need].view(B, N)
+        hn = host.numpy()
+        ln = self._len[:B].numpy()
+        ln[:] = 0
+        for i, w in enumerate(waveforms):
+            hn[i, : len(w)] = w
+            hn[i, len(w):] = 0.0
+            ln[i] = len(w)
+        hn[n:] = 0.0
+        if self.device.type == "cuda":
+            audio = host.to(self.device, non_blocking=True)
+            lengths = self._len[:B].to(self.device, non_blocking=True)
+        else:
+            audio, lengths = host.clone(), self._len[:B].clone()
+        if self.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return audio, lengths
+
+
+__all__ = ["NemoLogMel", "WhisperLogMel", "PinnedUploader"]

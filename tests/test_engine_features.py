@@ -1,0 +1,90 @@
+"""Engine GPU features: batched NeMo / Whisper log-mel equal the models' CPU reference paths.
+
+The same torch code runs on CPU here (CI) and on CUDA (``gpu`` tests on the device machine).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PARAKEET_FIXTURES
+from flashasr.engine.features_gpu import NemoLogMel, PinnedUploader, WhisperLogMel
+
+TINY = PARAKEET_FIXTURES / "tiny-tdt"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from flashasr.models.parakeet.model import ParakeetASR
+
+    return ParakeetASR.from_nemo(TINY / "model.nemo")
+
+
+def _check_nemo(device, tiny):
+    z = np.load(TINY / "reference.npz")
+    audio = torch.from_numpy(z["audio"]).to(device)
+    lengths = torch.from_numpy(z["audio_lengths"]).to(device)
+    mel = NemoLogMel.from_preprocessor(tiny.preprocessor).to(device)
+    feats, flen = mel(audio, lengths)
+    assert flen.cpu().tolist() == z["feature_lengths"].tolist()
+    ref = z["features"]
+    assert feats.shape == ref.shape
+    got = feats.cpu().numpy()
+    for b, n in enumerate(z["feature_lengths"]):
+        np.testing.assert_allclose(got[b, :, :n], ref[b, :, :n], rtol=1e-4, atol=5e-4)
+        assert np.all(got[b, :, n:] == 0.0)
+    # equals the Parakeet preprocessor (CPU reference path) on every frame
+    want, wlen = tiny.preprocessor(audio.cpu(), lengths.cpu())
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
+    # a row alone == the same row in the padded batch (valid frames)
+    one, _ = mel(audio[1:2, : int(lengths[1])], lengths[1:2])
+    np.testing.assert_allclose(one[0].cpu().numpy(), got[1, :, : one.shape[-1]], rtol=1e-4, atol=1e-4)
+
+
+def test_nemo_logmel_matches_fixture_and_reference_cpu(tiny):
+    _check_nemo("cpu", tiny)
+
+
+def _check_whisper(device):
+    from flashasr.models.whisper.features import N_SAMPLES, log_mel_spectrogram
+
+    rng = np.random.default_rng(0)
+    z = np.load(TINY / "reference.npz")
+    waves = [z["audio"][b, : z["audio_lengths"][b]] for b in range(4)] + [rng.standard_normal(3000).astype(np.float32) * 0.1]
+    up = PinnedUploader(device)
+    audio, lengths = up.upload(waves)
+    for n_mels in (80, 128):
+        for padding in (N_SAMPLES, 400):
+            got = WhisperLogMel(n_mels).to(device)(audio, lengths, padding=padding).cpu()
+            for b, w in enumerate(waves):
+                ref = log_mel_spectrogram(w, n_mels, padding=padding)
+                n = ref.shape[-1]
+                assert n == (len(w) + padding) // 160
+                torch.testing.assert_close(got[b, :, :n], ref, rtol=1e-4, atol=2e-4)
+
+
+def test_whisper_logmel_batched_matches_reference_cpu():
+    _check_whisper("cpu")
+
+
+def test_uploader_pads_and_reuses_buffer():
+    up = PinnedUploader("cpu")
+    a, la = up.upload([np.ones(5, np.float32), np.full(3, 2.0, np.float32)], batch=4, samples=8)
+    assert a.shape == (4, 8) and la.tolist() == [5, 3, 0, 0]
+    assert a[0].tolist() == [1] * 5 + [0] * 3 and a[1].tolist() == [2] * 3 + [0] * 5 and a[2:].abs().sum() == 0
+    b, lb = up.upload([np.full(2, 7.0, np.float32)], batch=4, samples=8)
+    assert b[0].tolist() == [7, 7] + [0] * 6 and b[1:].abs().sum() == 0 and lb.tolist() == [2, 0, 0, 0]
+    assert a[0].tolist() == [1] * 5 + [0] * 3  # earlier result not clobbered
+    from flashasr.errors import AudioError
+
+    with pytest.raises(AudioError):
+        up.upload([np.ones(9, np.float32)], batch=1, samples=8)
+
+
+@pytest.mark.gpu
+def test_features_gpu_match_cpu(tiny):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check_nemo("cuda", tiny)
+    _check_whisper("cuda")
