@@ -251,3 +251,26 @@ def test_streaming_state_bounded_and_reset():
     assert v.time == 0 and not v.speaking
     with pytest.raises(AudioArgumentError):
         StreamingVAD(sample_rate=8000)
+
+
+# ----------------------------------------------------------------------------- long inputs
+
+
+def test_iter_asr_chunks_matches_whole_file_split(long_speech, tmp_path):
+    from flashasr.audio import encode_audio, iter_asr_chunks
+
+    p = tmp_path / "long.flac"
+    encode_audio(long_speech, 16000, p, format="flac")
+    full = load_audio(p).samples
+    chunks = list(iter_asr_chunks(p, block_seconds=40.0))  # several decode blocks
+    ranges = [(s, s + len(c)) for s, c in chunks]
+    _check_split(ranges, len(full), 30 * 16000)
+    for s, c in chunks:
+        np.testing.assert_array_equal(c, full[s:s + len(c)])
+    # same cuts as split_for_asr on the whole signal, up to the VAD restarting per buffer
+    whole = split_for_asr(full)
+    assert len(ranges) == len(whole)
+    for (a, b), (c, d) in zip(ranges, whole):
+        assert abs(a - c) < 0.5 * 16000 and abs(b - d) < 0.5 * 16000
+    fixed = list(iter_asr_chunks(p, method="fixed", block_seconds=40.0, overlap_s=5.0))
+    assert [(s, s + len(c)) for s, c in fixed] == split_for_asr(full, method="fixed", overlap_s=5.0)

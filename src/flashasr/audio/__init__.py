@@ -6,6 +6,7 @@ Public API::
 
     from flashasr.audio import load_audio, iter_audio, probe, DecodedAudio
     from flashasr.audio import speech_segments, split_for_asr, StreamingVAD   # VAD (lazy)
+    from flashasr.audio import iter_asr_chunks   # long inputs: decode + VAD split, bounded memory
     from flashasr.audio import encode_audio                                   # tests/bench
 
 See docs/AUDIO.md.
@@ -27,7 +28,8 @@ from .errors import (
     UnsupportedFormatError,
 )
 
-_VAD_NAMES = {"speech_segments", "split_for_asr", "StreamingVAD", "VADEvent", "speech_probabilities"}
+_VAD_NAMES = {"speech_segments", "split_for_asr", "iter_asr_chunks", "StreamingVAD", "VADEvent",
+              "speech_probabilities"}
 
 
 def __getattr__(name):  # lazy: importing the VAD loads onnxruntime
@@ -48,6 +50,7 @@ __all__ = [
     "encode_audio",
     "speech_segments",
     "split_for_asr",
+    "iter_asr_chunks",
     "speech_probabilities",
     "StreamingVAD",
     "VADEvent",

@@ -305,6 +305,74 @@ def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_
     return _group(pieces, max_len, int(min_segment_s * sample_rate))
 
 
+def iter_asr_chunks(source, *, max_segment_s: float = 30.0, method: str = "vad",
+                    block_seconds: float = 300.0, overlap_s: float = 0.0,
+                    warnings: list[str] | None = None, **kwargs):
+    """Stream ASR-sized pieces of an input of any length with bounded memory.
+
+    Decodes ``source`` with :func:`flashasr.audio.iter_audio` (16 kHz) and cuts it like
+    :func:`split_for_asr` (same ``method``, ``max_segment_s``, ``overlap_s``; further
+    keyword arguments such as ``threshold`` or ``min_segment_s`` go to it, and
+    ``sample_rate`` / ``raw_format`` / ``channels`` / ``max_duration`` to the decoder).
+
+    Yields:
+        ``(start_sample, samples)``: the global 16 kHz sample index of ``samples[0]`` and a
+        float32 [n] copy, n <= ``max_segment_s`` * 16000; in order, non-overlapping for
+        ``vad``. Add ``start_sample / 16000`` to local timestamps.
+
+    Memory: one decode block (``block_seconds``) plus at most ``2 * max_segment_s`` of held
+    back audio. The last ``max_segment_s`` of each buffer is held back and re-cut with the
+    next block, so a range is only emitted once the audio after it is known; VAD restarts
+    (fresh LSTM state) at each held-back start, which lies at a speech onset minus padding.
+    """
+    from .decode import iter_audio
+
+    dec_keys = {"sample_rate", "raw_format", "channels", "max_duration"}
+    dec_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in dec_keys}
+    rate = VAD_RATE
+    max_len = int(max_segment_s * rate)
+    if method == "fixed":
+        step = max(1, max_len - int(round(overlap_s * rate)))
+    buf = np.zeros(0, np.float32)
+    start = 0  # global index of buf[0]
+    blocks = iter_audio(source, target_rate=rate, block_seconds=block_seconds, warnings=warnings, **dec_kw)
+    final = False
+    while not final:
+        nxt = next(blocks, None)
+        if nxt is None:
+            final = True
+        else:
+            buf = np.concatenate([buf, nxt]) if buf.shape[0] else nxt
+            if buf.shape[0] < 3 * max_len:
+                continue
+        if buf.shape[0] == 0:
+            break
+        if method == "fixed":
+            a = 0
+            while a < buf.shape[0] and (final or a + max_len <= buf.shape[0]):
+                b = min(buf.shape[0], a + max_len)
+                yield start + a, buf[a:b].copy()
+                if b == buf.shape[0] and final:
+                    break
+                a += step
+            buf, start = buf[a:], start + a
+            continue
+        ranges = split_for_asr(buf, rate, max_segment_s=max_segment_s, method=method, **kwargs)
+        guard = buf.shape[0] - max_len
+        cut = None
+        for a, b in ranges:
+            if not final and b >= guard:
+                break
+            yield start + a, buf[a:b].copy()
+            cut = b
+        if final:
+            break
+        if cut is None:
+            held = [a for a, b in ranges if b >= guard]
+            cut = min(held[0], guard) if held else guard
+        buf, start = buf[cut:].copy(), start + cut
+
+
 @dataclass
 class VADEvent:
     """A StreamingVAD event.
@@ -456,5 +524,6 @@ class StreamingVAD:
         return events
 
 
-__all__ = ["speech_probabilities", "speech_segments", "split_for_asr", "StreamingVAD", "VADEvent",
+__all__ = ["speech_probabilities", "speech_segments", "split_for_asr", "iter_asr_chunks", "StreamingVAD",
+           "VADEvent",
            "FRAME_S", "VAD_RATE"]
