@@ -498,3 +498,26 @@ def test_memory_bounded_on_long_input(tmp_path):
     block_bytes = 30 * 16000 * 4
     assert peak_iter < 3 * block_bytes + 2_000_000, peak_iter
     assert peak_load < 1.1 * out_bytes + 2_000_000, (peak_load, out_bytes)
+
+
+def test_spooled_upload_and_threads():
+    """The server passes SpooledTemporaryFile uploads and decodes in a thread pool."""
+    import concurrent.futures as cf
+    import tempfile
+
+    paths = [AUDIO / "en" / n for n in ("en-fleurs-000.ogg", "en-jfk-inaugural.wav",
+                                         "en-ls-2412-153948-0000.flac")]
+    paths += [AUDIO / "hard" / n for n in ("hard-m4a-44k-jfk.m4a", "hard-mp3-stereo-silero.mp3",
+                                           "hard-stereo-44k-jfk.flac")]
+    ref = [load_audio(p).samples for p in paths]
+
+    def spooled(p):
+        f = tempfile.SpooledTemporaryFile(max_size=100_000)
+        f.write(p.read_bytes())
+        f.seek(0)
+        return load_audio(f).samples
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(spooled, paths * 2))
+    for a, b in zip(ref * 2, got):
+        np.testing.assert_array_equal(a, b)

@@ -274,3 +274,19 @@ def test_iter_asr_chunks_matches_whole_file_split(long_speech, tmp_path):
         assert abs(a - c) < 0.5 * 16000 and abs(b - d) < 0.5 * 16000
     fixed = list(iter_asr_chunks(p, method="fixed", block_seconds=40.0, overlap_s=5.0))
     assert [(s, s + len(c)) for s, c in fixed] == split_for_asr(full, method="fixed", overlap_s=5.0)
+
+
+def test_streaming_vad_concurrent_streams_share_session():
+    """Many streams in threads (shared ONNX session) give the same events as one at a time."""
+    import concurrent.futures as cf
+
+    clips = [_load(r) for r in ("en/en-jfk-inaugural.wav", "hard/hard-8k-harvard-list72.wav",
+                                "en/en-ls-1272-141231-0002.wav", "hard/hard-noise-no-speech-8s.wav")]
+
+    def run(x):
+        return [(e.type, e.time) for e in _stream(x, [320])[1]]
+
+    ref = [run(x) for x in clips]
+    with cf.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(run, clips * 2))
+    assert got == ref * 2
