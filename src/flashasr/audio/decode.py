@@ -243,37 +243,59 @@ _PCM_DTYPES = {"u8": np.uint8, "s16": np.int16, "s32": np.int32, "s64": np.int64
                "flt": np.float32, "dbl": np.float64}
 
 
+_FMT_CACHE: dict[str, tuple[np.dtype, bool, float, float]] = {}
+
+
+def _fmt(name: str) -> tuple[np.dtype, bool, float, float]:
+    """sample format name -> (dtype, planar, offset, scale) for int->float conversion."""
+    got = _FMT_CACHE.get(name)
+    if got is None:
+        planar = name.endswith("p") and name[:-1] in _PCM_DTYPES
+        dtype = np.dtype(_PCM_DTYPES[name[:-1] if planar else name])  # KeyError: unknown format
+        off, scale = _int_scale(dtype) if dtype.kind in "iu" else (0.0, 1.0)
+        got = _FMT_CACHE[name] = (dtype, planar, off, scale)
+    return got
+
+
 def _frame_info(frame) -> tuple[np.dtype, bool, int, int]:
-    fmt = frame.format.name
-    planar = frame.format.is_planar
-    return np.dtype(_PCM_DTYPES[fmt[:-1] if planar else fmt]), planar, frame.layout.nb_channels, frame.samples
+    dtype, planar, _, _ = _fmt(frame.format.name)
+    return dtype, planar, frame.layout.nb_channels, frame.samples
 
 
-def _frame_into(frame, out: np.ndarray) -> None:
-    """Write an ``av.AudioFrame`` as float32 into ``out`` [C, n] (integer PCM scaled to [-1, 1)).
+def _frame_into(frame, out: np.ndarray, c: int, n: int) -> None:
+    """Write an ``av.AudioFrame`` (c channels, n samples) as float32 into ``out`` [c, n]
+    (integer PCM scaled to [-1, 1)).
 
     Reads the planes directly: PyAV 18's ``to_ndarray`` crashes on 8-channel planar
     frames (it builds one plane too many), so only the first C planes are touched.
     """
-    dtype, planar, c, n = _frame_info(frame)
-    if n == 0:
-        return
+    dtype, planar, off, scale = _fmt(frame.format.name)
     planes = frame.planes
     if planar:
         if len(planes) < c:
             raise UnsupportedFormatError(f"planar audio with {c} channels is not supported")
-        for i in range(c):
-            _to_float32(np.frombuffer(planes[i], dtype, count=n), out=out[i])
+        srcs = [np.frombuffer(planes[i], dtype, count=n) for i in range(c)]
     else:
-        a = np.frombuffer(planes[0], dtype, count=n * c).reshape(n, c)
-        _to_float32(a.T, out=out)
+        a = np.frombuffer(planes[0], dtype, count=n * c)
+        srcs = [a] if c == 1 else [a.reshape(n, c).T]
+        out = out if c > 1 else out[0]
+    for i, src in enumerate(srcs):
+        dst = out[i] if planar else out
+        if off:
+            np.add(src, off, out=dst, casting="unsafe")
+            dst *= scale
+        elif scale != 1.0:
+            np.multiply(src, scale, out=dst, casting="unsafe")
+        else:
+            dst[...] = src
 
 
 def _frame_to_array(frame) -> np.ndarray:
     """An ``av.AudioFrame`` -> new float32 [C, n]."""
     _, _, c, n = _frame_info(frame)
     out = np.empty((c, n), np.float32)
-    _frame_into(frame, out)
+    if n:
+        _frame_into(frame, out, c, n)
     return out
 
 
@@ -409,7 +431,7 @@ class _ContainerSource:
             pass
 
     def blocks(self) -> Iterator[tuple[np.ndarray, int]]:
-        """Yields (float32 [C, n], rate): decoded frames gathered into blocks of ~0.25 s
+        """Yields (float32 [C, n], rate): decoded frames gathered into blocks of ~0.5 s
         (fewer, larger numpy/soxr calls; a frame is converted straight into its block)."""
         import av
 
@@ -431,7 +453,7 @@ class _ContainerSource:
             if acc is None:
                 acc = np.empty((c, max(n, rate // 2)), np.float32)
                 fill, acc_rate = 0, rate
-            _frame_into(frame, acc[:, fill:fill + n])
+            _frame_into(frame, acc[:, fill:fill + n], c, n)
             fill += n
         if acc is not None and fill:
             yield acc[:, :fill], acc_rate
