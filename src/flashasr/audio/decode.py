@@ -18,7 +18,6 @@ PyAV's decode and soxr's resample release the GIL, so a thread pool scales over 
 from __future__ import annotations
 
 import io
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -288,15 +287,6 @@ def _frame_into(frame, out: np.ndarray, c: int, n: int) -> None:
             np.multiply(src, scale, out=dst, casting="unsafe")
         else:
             dst[...] = src
-
-
-def _frame_to_array(frame) -> np.ndarray:
-    """An ``av.AudioFrame`` -> new float32 [C, n]."""
-    _, _, c, n = _frame_info(frame)
-    out = np.empty((c, n), np.float32)
-    if n:
-        _frame_into(frame, out, c, n)
-    return out
 
 
 def _codec_name(stream) -> str:
