@@ -244,3 +244,26 @@ def test_bad_arguments_raise_clear_errors(synth_dir):
         with pytest.raises(FlashASRError) as e:
             run_job([synth_dir], HashModel(), None, **({"fmt": "text"} | kw))
         assert e.value.code == "invalid_request"
+
+
+def test_real_model_batched_equals_per_file(tmp_path):
+    """tiny.en: three clips in one cross-file batch give the same outputs as one by one."""
+    from flashasr.models.registry import cached_model
+
+    m = cached_model(None, "cpu")
+    clips = [AUDIO / "en/en-ls-61-70968-0002.wav", AUDIO / "hard/hard-short-cards-ten-of-clubs.wav",
+             AUDIO / "en/en-vctk-p225-001.wav"]
+    r1 = run_job(clips, m, tmp_path / "one", "verbose_json", batch_size=1)
+    r3 = run_job(clips, m, tmp_path / "three", "verbose_json", batch_size=3, batch_wait_s=30)
+    assert r1.n_batches == 3 and r3.n_batches == 1
+    o1, o3 = _outputs(tmp_path / "one"), _outputs(tmp_path / "three")
+    assert len(o1) == 3 and o1.keys() == o3.keys()
+    # the model contract: same text and tokens, times within one 20 ms frame (log-probs
+    # may differ in the last float bits between batch shapes)
+    for k in o1:
+        a, b = json.loads(o1[k]), json.loads(o3[k])
+        assert a["text"] == b["text"] and a["duration"] == b["duration"]
+        assert [s["tokens"] for s in a["segments"]] == [s["tokens"] for s in b["segments"]]
+        for sa, sb in zip(a["segments"], b["segments"]):
+            assert abs(sa["start"] - sb["start"]) <= 0.02 and abs(sa["end"] - sb["end"]) <= 0.02
+    assert "golden fortune" in json.loads(o1["en-ls-61-70968-0002.verbose.json"])["text"].lower()

@@ -98,7 +98,7 @@ def _install_sigterm() -> None:
 def cmd_transcribe(args: argparse.Namespace) -> int:
     """``flashasr transcribe``: see :func:`build_parser` for the options."""
     from .jobs import InputError, expand_inputs, run_job
-    from .models.registry import load_model
+    from .models.registry import cached_model
 
     try:
         items = expand_inputs(args.inputs)
@@ -109,14 +109,14 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         _err("error: [no_inputs] no audio files found in the given inputs")
         return EXIT_USAGE
     try:
-        model = load_model(args.model, device=args.device)
+        model = cached_model(args.model, args.device)  # in-process callers reuse a loaded model
     except FlashASRError as e:
         _err(f"error: [{e.code}] cannot load model {args.model or 'tiny.en'}: {e}")
         return EXIT_USAGE
 
     several = len(items) > 1
     order = {str(it.path): k for k, it in enumerate(items)}
-    ready: dict[int, str | None] = {}
+    ready: dict[int, tuple[str, str | None]] = {}
     next_out = [0]
 
     def on_result(res) -> None:

@@ -145,8 +145,9 @@ def duplicate_groups(clips: list[dict]) -> dict[str, str]:
 
     Two rules, both from the manifest: (1) ``notes`` saying "<...> version of <id>" of a clip
     in the manifest (e.g. "MP3 version of en-ls-1272-141231-0002"); (2) the same non-empty
-    normalised reference in the same language (the same recording in several containers,
-    e.g. the three JFK files and the four "one two three" files). The representative is
+    normalised reference in the same language and the same duration within max(0.15 s, 2 %)
+    (the same recording in several containers, e.g. the three JFK files and the four
+    "one two three" files; two VCTK speakers reading the same sentence stay apart). The representative is
     the first clip of its group in manifest order (or the one rule 1 points to).
     """
     ids = {c["id"] for c in clips}
@@ -172,17 +173,26 @@ def duplicate_groups(clips: list[dict]) -> dict[str, str]:
         m = _VERSION_OF.search(c.get("notes") or "")
         if m and m.group(1).rstrip(".") in ids:
             union(m.group(1).rstrip("."), c["id"])
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple, list[dict]] = {}
     for c in clips:
         ref = c.get("reference")
         if not ref:
             continue
         key = (c.get("language"), normalize(ref, c.get("language")))
-        if key in seen:
-            union(seen[key], c["id"])
-        else:
-            seen[key] = c["id"]
+        for o in seen.get(key, []):
+            if _same_length(o, c):
+                union(o["id"], c["id"])
+                break
+        seen.setdefault(key, []).append(c)
     return {c["id"]: find(c["id"]) for c in clips}
+
+
+def _same_length(a: dict, b: dict) -> bool:
+    """Durations within max(0.15 s, 2 %): a re-encoding, not another speaker reading the same text."""
+    da, db = a.get("duration_s"), b.get("duration_s")
+    if da is None or db is None:
+        return False
+    return abs(float(da) - float(db)) <= max(0.15, 0.02 * max(float(da), float(db)))
 
 
 def select_clips(clips: list[dict], *, categories: list[str] | None = None, language: str | None = None,

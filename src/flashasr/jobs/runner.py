@@ -18,6 +18,8 @@ Pipeline (one job)::
   order, long before the job ends).
 * Batched results equal per-file results because every piece is transcribed on its
   own by the model contract of :meth:`ASRModel.transcribe_batch`.
+* A file no longer than one piece is sent whole (VAD only decides whether it holds
+  speech; without speech it gets an empty transcript and no model call).
 """
 
 from __future__ import annotations
@@ -357,6 +359,10 @@ def run_job(
         else:
             pieces = [(int(a), int(b)) for a, b in split(samples, sr, seg_max, segmentation)]
             pieces = [(max(0, a), min(int(samples.size), b)) for a, b in pieces if b > a]
+            if pieces and samples.size <= int(seg_max * sr):
+                # A file that fits in one window goes in whole (as without segmentation):
+                # VAD only decides whether it holds speech at all.
+                pieces = [(0, int(samples.size))]
         c2 = time.thread_time()
         return _Prepared(item, samples, pieces, t0, c1 - c0, c2 - c1)
 

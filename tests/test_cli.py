@@ -1,0 +1,253 @@
+"""End-to-end tests of ``flashasr transcribe`` with the real embedded tiny.en on CPU.
+
+Subprocess runs (``python -m flashasr.cli``) cover the real entry point, exit codes,
+Ctrl-C and SIGKILL + resume. In-process ``main([...])`` runs share one loaded model whose
+results are memoised per waveform (the model is deterministic), so rendering the same
+clip in five formats costs one model call: this keeps the suite fast on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import AUDIO
+from flashasr.cli import main
+
+GOLDEN = AUDIO / "en/en-ls-61-70968-0002.wav"      # "A GOLDEN FORTUNE AND A HAPPY LIFE", 2.97 s
+STELLA = AUDIO / "en/en-vctk-p225-001.wav"  # "Please call Stella."
+SHORT = [AUDIO / p for p in ("hard/hard-short-yes.wav", "hard/hard-short-no.wav",
+                             "hard/hard-short-cards-ten-of-clubs.wav", "en/en-vctk-p225-001.wav")]
+ENV = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
+
+
+class _Memo:
+    """Wraps the real model; identical waveforms are transcribed once."""
+
+    def __init__(self, m):
+        self._m = m
+        self._memo = {}
+        self.calls = 0
+
+    def __getattr__(self, k):
+        return getattr(self._m, k)
+
+    def transcribe_batch(self, waves, *, language=None, word_timestamps=False):
+        import hashlib
+
+        keys = [(hashlib.sha1(w.tobytes()).hexdigest(), language, word_timestamps) for w in waves]
+        todo = [k for k in range(len(waves)) if keys[k] not in self._memo]
+        if todo:
+            self.calls += 1
+            outs = self._m.transcribe_batch([waves[k] for k in todo], language=language,
+                                            word_timestamps=word_timestamps)
+            for k, o in zip(todo, outs):
+                self._memo[keys[k]] = o
+        import copy
+
+        return [copy.deepcopy(self._memo[k]) for k in keys]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _memo_model():
+    from flashasr.models import registry
+
+    memo = _Memo(registry.cached_model(None, "cpu"))
+    orig = registry.cached_model
+    registry.cached_model = lambda spec=None, device="cpu", dtype=None: (
+        memo if spec in (None, "tiny.en") and device == "cpu" else orig(spec, device, dtype))
+    yield memo
+    registry.cached_model = orig
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "flashasr.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=ENV)
+
+
+def _words(s: str) -> str:
+    return " ".join(re.sub(r"[^a-z' ]", " ", s.lower()).split())
+
+
+def test_subprocess_text_to_stdout():
+    r = _cli("transcribe", GOLDEN)
+    assert r.returncode == 0, r.stderr
+    assert _words(r.stdout) == "a golden fortune and a happy life"
+    assert "speed factor" in r.stderr and "files      ok 1" in r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["text", "json", "srt", "vtt", "verbose_json"])
+def test_each_format_to_output_dir(fmt, tmp_path, capsys):
+    rc = main(["transcribe", str(STELLA), "--format", fmt, "--output-dir", str(tmp_path), "--quiet"])
+    assert rc == 0
+    ext = {"text": "txt", "json": "json", "srt": "srt", "vtt": "vtt", "verbose_json": "verbose.json"}[fmt]
+    out = (tmp_path / f"{STELLA.stem}.{ext}").read_text(encoding="utf-8")
+    want = "please call stella"
+    if fmt == "text":
+        assert _words(out) == want
+    elif fmt == "json":
+        assert _words(json.loads(out)["text"]) == want
+    elif fmt == "verbose_json":
+        d = json.loads(out)
+        assert _words(d["text"]) == want and abs(d["duration"] - 2.05) < 0.02
+        assert d["segments"] and all(0 <= s["start"] <= s["end"] <= d["duration"] for s in d["segments"])
+    else:
+        ts = r"\d\d:\d\d:\d\d[,.]\d\d\d --> \d\d:\d\d:\d\d[,.]\d\d\d"
+        assert re.search(ts, out), out
+        if fmt == "vtt":
+            assert out.startswith("WEBVTT")
+        else:
+            assert out.startswith("1\n")
+        assert want in _words(re.sub(ts, " ", out).replace("WEBVTT", ""))
+    summ = [json.loads(l) for l in (tmp_path / "summary.jsonl").read_text().splitlines()]
+    assert len(summ) == 1 and summ[0]["status"] == "ok" and summ[0]["output"] == f"{STELLA.stem}.{ext}"
+    assert summ[0]["duration"] == pytest.approx(2.05, abs=0.02) and summ[0]["processing_s"] > 0
+
+
+def test_bad_files_in_a_directory(tmp_path, capsys):
+    d = tmp_path / "in"
+    (d / "a").mkdir(parents=True)
+    (d / "b").mkdir()
+    shutil.copy(GOLDEN, d / "a/clip.wav")
+    shutil.copy(STELLA, d / "b/clip.wav")                       # same base name, other folder
+    (d / "zero.wav").write_bytes(b"")                        # zero bytes
+    (d / "notaudio.mp3").write_text("just some text, not audio\n")
+    (d / "corrupt.flac").write_bytes(b"fLaC" + os.urandom(3000))
+    import numpy as np
+    import wave
+    with wave.open(str(d / "empty.wav"), "wb") as w:          # valid header, no samples
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+    (d / "readme.txt").write_text("ignored: not an audio extension")
+    locked = d / "locked.wav"
+    shutil.copy(GOLDEN, locked)
+    os.chmod(locked, 0)
+    out = tmp_path / "out"
+    try:
+        rc = main(["transcribe", str(d), "-o", str(out), "--batch-size", "4"])
+    finally:
+        os.chmod(locked, 0o644)
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert _words((out / "a/clip.txt").read_text()) == "a golden fortune and a happy life"
+    assert _words((out / "b/clip.txt").read_text()) == "please call stella"
+    bad = ["zero.wav", "notaudio.mp3", "corrupt.flac", "empty.wav"]
+    root = os.geteuid() == 0  # root reads a chmod-000 file anyway: then it must simply succeed
+    if not root:
+        bad.append("locked.wav")
+    fail_lines = [l for l in err.splitlines() if l.startswith("failed: ")]
+    assert len(fail_lines) == len(bad), err
+    for name in bad:
+        line = next(l for l in fail_lines if name in l)
+        assert re.search(r"\[[a-z_]+\]", line), line  # names the error code
+    summ = {Path(r["path"]).name if "/" not in r["key"] else r["key"]: r
+            for r in map(json.loads, (out / "summary.jsonl").read_text().splitlines())}
+    assert summ["a/clip"]["status"] == "ok" and summ["b/clip"]["status"] == "ok"
+    assert summ["locked"]["status"] == ("ok" if root else "failed") if "locked" in summ else True
+    assert "readme" not in summ and not (out / "readme.txt").exists()
+    assert not [p for p in out.rglob("*") if "tmp" in p.name]
+
+
+def _outputs(out: Path) -> dict[str, str]:
+    return {p.relative_to(out).as_posix(): p.read_text() for p in sorted(out.rglob("*.srt"))}
+
+
+def _ok_lines(out: Path) -> int:
+    try:
+        lines = (out / "summary.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    n = 0
+    for l in lines:
+        try:
+            n += json.loads(l)["status"] == "ok"
+        except (json.JSONDecodeError, KeyError):
+            pass
+    return n
+
+
+def _start(out: Path):
+    return subprocess.Popen([sys.executable, "-m", "flashasr.cli", "transcribe", *map(str, SHORT), "-f", "srt",
+                             "-o", str(out), "--batch-size", "1", "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def _wait_for_outputs(p, out: Path, n: int, timeout=90.0):
+    t0 = time.time()
+    while _ok_lines(out) < n:
+        assert p.poll() is None, p.communicate()
+        assert time.time() - t0 < timeout, "no output appeared"
+        time.sleep(0.02)
+
+
+def test_interrupt_and_kill_then_resume_equals_uninterrupted(tmp_path):
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    out = tmp_path / "job"
+    # 1. Ctrl-C after the first output: clean stop, exit 130, finished outputs kept
+    p = _start(out)
+    _wait_for_outputs(p, out, 1)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "interrupted" in err
+    done_after_int = _ok_lines(out)
+    assert 1 <= done_after_int < len(SHORT)
+    # 2. re-run, SIGKILL at a random moment after at least one more output exists
+    p = _start(out)
+    _wait_for_outputs(p, out, done_after_int + 1)
+    time.sleep(rnd.uniform(0.0, 0.4))
+    p.kill()
+    p.wait(timeout=30)
+    assert _ok_lines(out) < len(SHORT), f"finished before the kill (seed {seed})"
+    # 3. re-run to completion: skips what is done
+    r = _cli("transcribe", *SHORT, "-f", "srt", "-o", out, "--batch-size", "1")
+    assert r.returncode == 0, r.stderr
+    skipped = int(re.search(r"skipped \(already done\) (\d+)", r.stderr).group(1))
+    assert skipped >= done_after_int + 1, (r.stderr, seed)
+    # 4. the uninterrupted reference run
+    ref = tmp_path / "ref"
+    assert main(["transcribe", *map(str, SHORT), "-f", "srt", "-o", str(ref), "--quiet"]) == 0
+    assert _outputs(out) == _outputs(ref) and len(_outputs(ref)) == len(SHORT)
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("processing_s", "input_mtime_ns")}
+    s_out = [strip(json.loads(l)) for l in (out / "summary.jsonl").read_text().splitlines()]
+    s_ref = [strip(json.loads(l)) for l in (ref / "summary.jsonl").read_text().splitlines()]
+    assert s_out == s_ref
+    assert not [q for q in out.rglob("*") if "tmp" in q.name]
+
+
+def test_manifest_input_and_language(tmp_path, capsys):
+    (tmp_path / "sub").mkdir()
+    shutil.copy(STELLA, tmp_path / "sub/stella.wav")
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"audio_filepath": "sub/stella.wav", "language": "en"}) + "\n"
+                 + json.dumps({"path": str(GOLDEN), "text": "ignored"}) + "\n")
+    rc = main(["transcribe", str(m), "-f", "json", "-o", str(tmp_path / "o"), "--quiet"])
+    assert rc == 0
+    assert _words(json.loads((tmp_path / "o/sub/stella.json").read_text())["text"]) == \
+        "please call stella"
+    assert _words(json.loads((tmp_path / f"o/{GOLDEN.stem}.json").read_text())["text"]) == \
+        "a golden fortune and a happy life"
+    # stdout mode with several inputs: a header line per file, in input order
+    rc = main(["transcribe", str(m), "--quiet"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0 and lines[0] == "==> sub/stella.wav <==" and lines[2] == f"==> {GOLDEN} <=="
+
+
+def test_usage_errors(tmp_path, capsys):
+    assert main(["transcribe", str(tmp_path / "missing.wav")]) == 2
+    assert "input_not_found" in capsys.readouterr().err
+    (tmp_path / "e").mkdir()
+    assert main(["transcribe", str(tmp_path / "e")]) == 2
+    assert "no_inputs" in capsys.readouterr().err
+    assert main(["transcribe", str(GOLDEN), "--model", str(tmp_path / "nomodel")]) == 2
+    assert "model" in capsys.readouterr().err
