@@ -156,7 +156,7 @@ class _Sink:
 
 
 class _Pipeline:
-    """downmix -> max_duration check -> non-finite check -> soxr stream resample."""
+    """max_duration check -> non-finite check -> downmix -> soxr stream resample."""
 
     def __init__(self, target_rate: int | None, max_duration: float | None, label: str,
                  check_finite: bool = False):
@@ -199,12 +199,14 @@ class _Pipeline:
             raise AudioTooLongError(
                 f"{self.label}: audio is longer than the limit of {self.max_duration:g} s "
                 f"(decoding passed {self.in_seconds:.1f} s)")
+        if self.check_finite:  # before the downmix, whose running energies NaN would poison
+            rows = x if x.ndim == 2 else x[None]
+            for row in rows:
+                if not np.isfinite(np.dot(row, row)):  # one BLAS pass per channel
+                    bad = ~np.isfinite(row)
+                    self.nonfinite += int(bad.sum())
+                    row[bad] = 0.0  # x is always a buffer of ours (never the caller's array)
         mono = self.downmix(x, rate)
-        if self.check_finite and not np.isfinite(np.dot(mono, mono)):  # one BLAS pass
-            bad = ~np.isfinite(mono)
-            mono = mono.copy()
-            mono[bad] = 0.0
-            self.nonfinite += int(bad.sum())
         if self._rs is None:
             out.append(mono)
         else:
