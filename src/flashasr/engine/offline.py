@@ -1,0 +1,190 @@
+"""Offline Parakeet-TDT engine: many waveforms in memory -> token ids / frames / durations.
+
+Pipeline per batch (inputs sorted by length and packed into encoder profiles)::
+
+    numpy float32 16 kHz --PinnedUploader--> GPU [B, N]
+        --EncoderProfiles (CUDA graph: log-mel -> FastConformer -> joint encoder projection)-->
+        [B, T, J] --TDTGraphDecoder (full-graph label looping)--> tokens, frames, durations
+
+Stage times are wall-clock with a device synchronisation at each stage boundary (the decoder
+synchronises at its end anyway); ``OfflineOutput.timings`` splits the wall time. Inputs longer than the largest profile run
+eagerly at their own shape (logged); empty inputs give empty results.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..errors import AudioError
+from .features_gpu import PinnedUploader
+from .profiles import EncoderProfiles, Profile, choose_profiles
+from .tdt_graphs import DecodeMode, TDTGraphDecoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OfflineItem:
+    """Result for one input: token ids, emission frames and durations (encoder frames of
+    ``frame_seconds``), and the decoded text (when the model has a tokenizer)."""
+
+    token_ids: list[int]
+    token_frames: list[int]
+    token_durations: list[int]
+    text: str | None = None
+
+
+@dataclass
+class OfflineOutput:
+    """Results in input order; ``timings`` in seconds: ``host_prep`` (padding into pinned memory),
+    ``upload``, ``encoder`` (features + encoder + projection), ``decoder`` (incl. device->host
+    copy and Python lists), ``total`` (wall), ``text`` (tokenizer, outside ``total``); ``audio_seconds``; ``batches`` = list
+    of (profile batch, profile seconds, rows) actually run; ``decoder_modes`` used."""
+
+    items: list[OfflineItem]
+    timings: dict = field(default_factory=dict)
+    audio_seconds: float = 0.0
+    batches: list = field(default_factory=list)
+    decoder_modes: dict = field(default_factory=dict)
+
+    @property
+    def speed_factor(self) -> float:
+        """Audio seconds per wall second (RTFx)."""
+        return self.audio_seconds / max(1e-12, self.timings.get("total", 0.0))
+
+
+class OfflineParakeetEngine:
+    """Batched offline transcription of in-memory waveforms with a Parakeet-TDT model.
+
+    Args:
+        model: :class:`flashasr.models.parakeet.model.ParakeetASR` (on the target device).
+        profiles: encoder profiles (default :func:`~flashasr.engine.profiles.choose_profiles`).
+        dtype: encoder dtype (bf16 on CUDA by default; norms stay float32).
+        decoder_dtype: predictor/joint dtype (default float32).
+        decoder_mode: preferred :class:`~flashasr.engine.tdt_graphs.DecodeMode`.
+        use_graphs / compile: see :class:`~flashasr.engine.profiles.EncoderProfiles`.
+        with_text: decode token ids to text with the model's tokenizer.
+    """
+
+    def __init__(self, model, *, profiles: Sequence[Profile] | None = None, dtype: torch.dtype | None = None,
+                 decoder_dtype: torch.dtype = torch.float32, decoder_mode: DecodeMode | str = DecodeMode.FULL_GRAPH,
+                 use_graphs: bool = True, compile: bool = False, with_text: bool = True):
+        self.model = model
+        self.device = next(model.encoder.parameters()).device
+        model.predictor.to(decoder_dtype)
+        model.joint.to(decoder_dtype)
+        self.encoder = EncoderProfiles(model, profiles or choose_profiles(), dtype=dtype, project=True,
+                                       use_graphs=use_graphs, compile=compile)
+        self.decoder = TDTGraphDecoder(model.predictor, model.joint, mode=decoder_mode)
+        self.uploader = PinnedUploader(self.device)
+        self.with_text = with_text
+        self.sample_rate = int(getattr(model, "sample_rate", 16000))
+        self.frame_seconds = float(getattr(model, "frame_seconds", 0.08))
+        # like ParakeetASR: inputs shorter than one encoder frame (80 ms) give an empty result
+        self.min_samples = int(model.preprocessor.hop_length * model.encoder.cfg.subsampling_factor)
+
+    def plan(self, lengths: Sequence[int]) -> list[tuple[Profile | None, list[int]]]:
+        """Group input indices into batches (inputs shorter than one encoder frame are left out:
+        their result is empty): sorted by length (longest first); each batch is the
+        longest run of consecutive inputs that the cheapest fitting profile holds. Inputs longer
+        than every profile form single-row batches with profile None (eager)."""
+        order = sorted((i for i in range(len(lengths)) if lengths[i] >= self.min_samples),
+                       key=lambda i: -lengths[i])
+        max_samples = max(p.samples for p in self.encoder.profiles)
+        plan, i = [], 0
+        while i < len(order):
+            n0 = lengths[order[i]]
+            if n0 > max_samples:
+                plan.append((None, [order[i]]))
+                i += 1
+                continue
+            # largest batch among profiles that hold the longest remaining input
+            cands = [p for p in self.encoder.profiles if p.samples >= n0]
+            big = max(cands, key=lambda p: (p.batch, -p.samples))
+            idx = order[i: i + big.batch]
+            plan.append((self.encoder.select(len(idx), n0), idx))
+            i += len(idx)
+        return plan
+
+    def warmup(self, lengths: Sequence[int] | None = None) -> None:
+        """Capture encoder profiles (all, or those ``lengths`` would use) and decoder graphs."""
+        plan = self.plan(lengths) if lengths is not None else [(p, [0] * p.batch) for p in self.encoder.profiles]
+        seen = set()
+        for p, idx in plan:
+            if p is None or p in seen:
+                continue
+            seen.add(p)
+            self.encoder.warmup([p])
+            t_enc = int(round(p.seconds / self.frame_seconds)) + 1
+            self.decoder.capture(p.batch if lengths is None else len(idx), t_enc)
+
+    @torch.no_grad()
+    def transcribe_arrays(self, waveforms: Sequence[np.ndarray]) -> OfflineOutput:
+        """Transcribe float32 16 kHz mono waveforms (numpy ``[N]`` each); results in input order.
+
+        Raises:
+            AudioError: an input is not a 1-D float array.
+        """
+        waves = []
+        for i, w in enumerate(waveforms):
+            a = np.asarray(w)
+            if a.ndim != 1 or not np.issubdtype(a.dtype, np.floating):
+                raise AudioError(f"input {i}: expected a 1-D float waveform, got shape {a.shape} dtype {a.dtype}")
+            waves.append(np.ascontiguousarray(a, dtype=np.float32))
+        lengths = [len(w) for w in waves]
+        cuda = self.device.type == "cuda"
+        items: list[OfflineItem | None] = [None] * len(waves)
+        t = {"host_prep": 0.0, "upload": 0.0, "encoder": 0.0, "decoder": 0.0}
+        batches, modes = [], {}
+
+        def sync():
+            if cuda:
+                torch.cuda.synchronize()
+
+        sync()
+        t_start = time.perf_counter()
+        for prof, idx in self.plan(lengths):
+            h0 = time.perf_counter()
+            rows = [waves[i] for i in idx]
+            if prof is None:
+                log.info("input of %.1f s is longer than every encoder profile: running eagerly",
+                         lengths[idx[0]] / self.sample_rate)
+            audio, alen = self.uploader.upload(rows)
+            h1 = time.perf_counter()
+            sync()
+            h2 = time.perf_counter()
+            if prof is None:
+                f, flen = self.encoder.forward_eager(audio, alen)
+            else:
+                f, flen = self.encoder.run(audio, alen, prof)
+            sync()
+            h3 = time.perf_counter()
+            res = self.decoder.decode(f, flen, projected=True)  # ends with the device->host copy
+            h4 = time.perf_counter()
+            t["host_prep"] += h1 - h0
+            t["upload"] += h2 - h1
+            t["encoder"] += h3 - h2
+            t["decoder"] += h4 - h3
+            modes[res.mode] = modes.get(res.mode, 0) + 1
+            for k, i in enumerate(idx):
+                items[i] = OfflineItem(res.token_ids[k], res.token_frames[k], res.token_durations[k])
+            batches.append((prof.batch if prof else None, prof.seconds if prof else None, len(idx)))
+        for i, it in enumerate(items):
+            if it is None:  # shorter than one encoder frame
+                items[i] = OfflineItem([], [], [])
+        t["total"] = time.perf_counter() - t_start
+        if self.with_text and getattr(self.model, "tokenizer", None) is not None:
+            t0 = time.perf_counter()
+            for it in items:
+                it.text = self.model.tokenizer.decode(it.token_ids)
+            t["text"] = time.perf_counter() - t0
+        return OfflineOutput(items, t, sum(lengths) / self.sample_rate, batches, modes)
+
+
+__all__ = ["OfflineParakeetEngine", "OfflineOutput", "OfflineItem"]

@@ -1,0 +1,91 @@
+"""Offline engine: batched, profiled, graph-decoded results equal the model's own path.
+
+CPU (eager encoder, torch decoder) on the NeMo tiny fixture and real clips; the ``gpu`` test
+runs the CUDA-graph path on the device machine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PARAKEET_FIXTURES
+from flashasr.engine.offline import OfflineParakeetEngine
+from flashasr.engine.profiles import Profile
+from flashasr.models.parakeet.decoder import greedy_tdt_reference
+
+TINY = PARAKEET_FIXTURES / "tiny-tdt"
+
+
+def _model(device="cpu"):
+    from flashasr.models.parakeet.model import ParakeetASR
+
+    return ParakeetASR.from_nemo(TINY / "model.nemo", device=device)
+
+
+def _inputs():
+    z = np.load(TINY / "reference.npz")
+    waves = [z["audio"][b, : z["audio_lengths"][b]] for b in range(4)]
+    rng = np.random.default_rng(1)
+    waves += [waves[3][:40000], waves[2][5000:9000], np.zeros(0, np.float32), waves[1][:1000],
+              (rng.standard_normal(50000) * 0.05).astype(np.float32)]
+    return z, waves
+
+
+def _reference(model, waves):
+    out = []
+    for w in waves:
+        if len(w) < 1280:
+            out.append(([], [], []))
+            continue
+        audio = torch.from_numpy(w)[None]
+        feats, flen = model.preprocessor(audio, torch.tensor([len(w)]))
+        enc, elen = model.encoder(feats, flen, channels_last=True)
+        h = greedy_tdt_reference(enc, elen, model.predictor, model.joint, model.durations, model.blank_id, 10)[0]
+        out.append((h.token_ids, h.token_frames, h.token_durations))
+    return out
+
+
+def test_offline_engine_cpu_equals_per_input_reference():
+    z, waves = _inputs()
+    model = _model()
+    ref = _reference(model, waves)
+    eng = OfflineParakeetEngine(model, profiles=[Profile(2, 1.0), Profile(4, 4.0), Profile(3, 6.0)])
+    out = eng.transcribe_arrays(waves)
+    got = [(it.token_ids, it.token_frames, it.token_durations) for it in out.items]
+    assert got == ref
+    for b in range(4):  # and NeMo's own decoding of the fixture
+        assert got[b][0] == z[f"item{b}_token_ids"].tolist()
+    assert out.items[6].token_ids == [] and out.items[0].text == str(z["texts"][0])
+    assert out.audio_seconds == pytest.approx(sum(map(len, waves)) / 16000)
+    assert set(out.timings) >= {"host_prep", "upload", "encoder", "decoder", "total"}
+    # 9.1 s input is longer than every profile -> eager batch of its own
+    assert (None, None, 1) in out.batches
+    assert sum(n for *_, n in out.batches) == len(waves) - 2  # empty and 1000-sample inputs skipped
+
+
+def test_offline_engine_rejects_bad_input():
+    from flashasr.errors import AudioError
+
+    eng = OfflineParakeetEngine(_model(), profiles=[Profile(2, 2.0)])
+    with pytest.raises(AudioError):
+        eng.transcribe_arrays([np.zeros((2, 100), np.float32)])
+    with pytest.raises(AudioError):
+        eng.transcribe_arrays([np.zeros(100, np.int16)])
+
+
+@pytest.mark.gpu
+def test_offline_engine_gpu_graphs_equal_reference():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    z, waves = _inputs()
+    ref = _reference(_model(), waves)
+    model = _model("cuda")
+    eng = OfflineParakeetEngine(model, profiles=[Profile(2, 1.0), Profile(4, 4.0), Profile(8, 10.0)],
+                                dtype=torch.float32)
+    for _ in range(2):
+        out = eng.transcribe_arrays(waves)
+        got = [(it.token_ids, it.token_frames, it.token_durations) for it in out.items]
+        assert got == ref
+        assert out.decoder_modes == {"full_graph": len(out.batches)}
