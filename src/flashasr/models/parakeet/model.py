@@ -64,6 +64,45 @@ class ParakeetModule(nn.Module):
                               cfg.joint_activation, cfg.max_symbols)
 
 
+@torch.no_grad()
+def random_init(net: "ParakeetModule", seed: int = 0) -> None:
+    """Fill every parameter/buffer in place (on its device and dtype) with a seeded random init.
+
+    Weights of Linear/Conv/LSTM/Embedding: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PyTorch's
+    default bound); biases the same bound; norm weights 1 + small noise, norm biases small noise;
+    ``pos_bias_u/v`` small noise; BatchNorm running mean 0 / var 1; the blank embedding row 0.
+    """
+    dev = next(net.parameters()).device
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(int(seed))
+    for mod_name, mod in net.named_modules():
+        if mod_name.startswith("preprocessor"):
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            if isinstance(mod, (nn.LayerNorm, nn.BatchNorm1d, nn.GroupNorm)):
+                p.uniform_(-0.1, 0.1, generator=gen)
+                if pname == "weight":
+                    p.add_(1.0)
+            elif pname.startswith("pos_bias"):
+                p.uniform_(-0.1, 0.1, generator=gen)
+            else:
+                if isinstance(mod, nn.LSTM):
+                    fan_in = mod.hidden_size
+                elif isinstance(mod, nn.Embedding):
+                    fan_in = 1
+                elif pname == "bias":
+                    fan_in = mod.weight[0].numel()
+                else:
+                    fan_in = p[0].numel()
+                bound = 1.0 / (fan_in ** 0.5)
+                p.uniform_(-bound, bound, generator=gen)
+        if isinstance(mod, nn.BatchNorm1d):
+            mod.running_mean.zero_()
+            mod.running_var.fill_(1.0)
+            mod.num_batches_tracked.zero_()
+    net.predictor.embed.weight[net.predictor.blank_id].zero_()
+
+
 def _fallback_split(samples: np.ndarray, sr: int, max_s: float) -> list[tuple[int, int]]:
     """Cut into pieces <= ``max_s`` seconds at the quietest 10 ms frame of each window's last 30 %."""
     n = len(samples)
@@ -151,16 +190,25 @@ class ParakeetASR(ASRModel):
     @classmethod
     def from_config(cls, cfg: dict, tokenizer=None, *, device: str = "cpu", dtype=None, seed: int = 0,
                     name: str = "parakeet-random") -> "ParakeetASR":
-        """Random weights (seeded) for a NeMo-layout config dict; ``tokenizer`` None -> a
-        :class:`DummyTokenizer` with the config's vocabulary size."""
+        """Random weights (seeded) for a NeMo-layout config dict.
+
+        The modules are created on the meta device and filled directly on ``device`` in
+        ``dtype`` (:func:`random_init`), so even the 0.6B model builds in seconds.
+        ``tokenizer`` None -> a :class:`DummyTokenizer` with the config's vocabulary size.
+        Same ``seed``, device and dtype -> same weights.
+        """
         pc = ParakeetConfig.from_dict(cfg)
-        torch.manual_seed(seed)
-        net = ParakeetModule(pc)
-        with torch.no_grad():
-            net.predictor.embed.weight[pc.blank_id].zero_()
+        dt = parse_dtype(dtype)
+        with torch.device("meta"):
+            net = ParakeetModule(pc)
+        net = net.to_empty(device=device)
+        for m in (net.encoder, net.predictor, net.joint):
+            m.to(dtype=dt)
+        random_init(net, seed)
+        net.preprocessor.load_state_dict(MelPreprocessor(pc.preprocessor).state_dict())
         if tokenizer is None:
             tokenizer = DummyTokenizer(pc.vocab_size)
-        return cls(pc, net, tokenizer, device=device, dtype=dtype, name=name)
+        return cls(pc, net, tokenizer, device=device, dtype=dt, name=name)
 
     @classmethod
     def from_nemo(cls, path, *, device: str = "cpu", dtype=None) -> "ParakeetASR":
@@ -230,13 +278,14 @@ class ParakeetASR(ASRModel):
     def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
         order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))
         hyps: list[Hypothesis | None] = [None] * len(pieces)
-        min_n = self.preprocessor.hop_length
+        # shorter than one encoder frame (80 ms for v2/v3): nothing to decode -> empty hypothesis
+        min_n = self.preprocessor.hop_length * self.cfg.encoder.subsampling_factor
         for s in range(0, len(order), self.batch_size):
             idx = order[s: s + self.batch_size]
             run = [i for i in idx if len(pieces[i]) >= min_n]
             for i in idx:
                 if len(pieces[i]) < min_n:
-                    hyps[i] = Hypothesis()  # shorter than one feature frame: nothing to decode
+                    hyps[i] = Hypothesis()
             if not run:
                 continue
             audio, lengths = self._pad_batch([pieces[i] for i in run])
@@ -297,7 +346,8 @@ class ParakeetASR(ASRModel):
                             word_timestamps: bool = False) -> Transcript:
         """Transcribe one recording of any length (see :class:`~flashasr.models.base.ASRModel`).
 
-        Audio shorter than one feature frame (10 ms) gives an empty transcript. Recordings longer
+        Audio shorter than one encoder frame (hop x subsampling = 80 ms for v2/v3) gives an empty
+        transcript. Recordings longer
         than ``max_segment_seconds`` are cut at pauses; timestamps stay global.
         """
         return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps)[0]

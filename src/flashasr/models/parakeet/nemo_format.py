@@ -187,4 +187,42 @@ def load_mapped_state(module: torch.nn.Module, state: dict, source: str) -> None
     module.load_state_dict({k: v for k, v in state.items()}, strict=False)
 
 
-__all__ = ["NemoArchive", "read_nemo", "nemo_to_ours", "load_mapped_state"]
+def ours_to_nemo(state: dict, joint_out_index: int) -> dict:
+    """Inverse of :func:`nemo_to_ours` (our module keys -> NeMo state-dict keys)."""
+    out = {}
+    for k, v in state.items():
+        if k.startswith("preprocessor."):
+            out["preprocessor.featurizer." + k[len("preprocessor."):]] = v
+        elif k.startswith("predictor.embed."):
+            out["decoder.prediction.embed." + k[len("predictor.embed."):]] = v
+        elif k.startswith("predictor.lstm."):
+            out["decoder.prediction.dec_rnn.lstm." + k[len("predictor.lstm."):]] = v
+        elif k.startswith("joint.out."):
+            out[f"joint.joint_net.{joint_out_index}." + k[len("joint.out."):]] = v
+        else:
+            out[k] = v
+    return out
+
+
+def write_nemo(path: str | os.PathLike, config: dict, state_dict: dict, artifacts: dict[str, bytes] | None = None,
+               compress: bool = False) -> None:
+    """Write a ``.nemo`` archive the way NeMo does (members ``./model_config.yaml``,
+    ``./model_weights.ckpt``, ``./<artifact>``); ``compress`` writes the pre-1.7 gzip form.
+    ``state_dict`` must already use NeMo key names (see :func:`ours_to_nemo`)."""
+    import yaml
+
+    def add(tar, name, data: bytes):
+        info = tarfile.TarInfo("./" + name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, buf)
+    with tarfile.open(path, "w:gz" if compress else "w:") as tar:
+        add(tar, CONFIG_NAME, yaml.safe_dump(config, allow_unicode=True, sort_keys=False).encode("utf-8"))
+        add(tar, WEIGHTS_NAME, buf.getvalue())
+        for name, data in (artifacts or {}).items():
+            add(tar, name, data)
+
+
+__all__ = ["NemoArchive", "read_nemo", "nemo_to_ours", "ours_to_nemo", "load_mapped_state", "write_nemo"]
