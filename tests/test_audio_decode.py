@@ -87,6 +87,31 @@ def test_manifest_clip_decodes(clip):
     assert np.abs(d.samples).max() <= 1.5
 
 
+SAME_RECORDING = [  # (variant, 16 kHz original): other rate / codec / channels of one recording
+    ("hard/hard-stereo-44k-timit.wav", "en/en-timit-ldc93s1.wav"),
+    ("hard/hard-8k-timit.wav", "en/en-timit-ldc93s1.wav"),
+    ("hard/hard-48k-es-arenas.wav", "multi/es-picovoice-arenas.wav"),
+    ("hard/hard-32k-de-portal.wav", "multi/de-picovoice-portal.wav"),
+    ("hard/hard-mp3-ls-1272-141231-0002.mp3", "en/en-ls-1272-141231-0002.wav"),
+    ("hard/hard-flac-ls-1272-141231-0002.flac", "en/en-ls-1272-141231-0002.wav"),
+    ("hard/hard-stereo-44k-jfk.flac", "en/en-jfk-inaugural.wav"),
+    ("hard/hard-m4a-44k-jfk.m4a", "en/en-jfk-inaugural.wav"),
+]
+
+
+@pytest.mark.parametrize("variant,orig", SAME_RECORDING, ids=[v.split("/")[1] for v, _ in SAME_RECORDING])
+def test_same_recording_decodes_aligned(variant, orig):
+    """Resampling, downmix, mp3/aac priming removal keep time alignment (lag 0) and the
+    waveform (correlation > 0.99) against the 16 kHz version of the same recording."""
+    x = load_audio(AUDIO / variant).samples.astype(np.float64)
+    y = load_audio(AUDIO / orig).samples.astype(np.float64)
+    assert abs(len(x) - len(y)) <= 0.01 * len(y)
+    n = min(len(x), len(y)) - 40
+    corr = {lag: np.corrcoef(x[20 + lag:20 + lag + n], y[20:20 + n])[0, 1] for lag in range(-20, 21)}
+    assert max(corr, key=corr.get) == 0, corr
+    assert corr[0] > 0.99
+
+
 def test_bytes_filelike_path_agree():
     p = AUDIO / "en" / "en-fleurs-003.ogg"
     a = load_audio(p)
