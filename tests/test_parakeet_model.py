@@ -477,3 +477,26 @@ def test_dtype_bf16_encoder_close_to_fp32(tiny, clips):
         assert float(err) < 3e-2
     with pytest.raises(ModelLoadError, match="dtype"):
         load_parakeet(NEMO, dtype="int8")
+
+
+def test_subsampling_splits_huge_batches_identically(tiny):
+    ref = np.load(TINY / "reference.npz")
+    f, n = torch.from_numpy(ref["features"]), torch.from_numpy(ref["feature_lengths"])
+    sub = tiny.encoder.pre_encode
+    with torch.no_grad():
+        a, la = sub(f.transpose(1, 2), n)
+        old = sub.max_conv_elements
+        try:
+            sub.max_conv_elements = 2_000_000  # forces chunks of 2 items
+            b, lb = sub(f.transpose(1, 2), n)
+        finally:
+            sub.max_conv_elements = old
+    assert torch.equal(la, lb)
+    assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
+
+
+def test_bf16_model_keeps_decoder_in_float32(clips):
+    m = load_parakeet(NEMO, dtype="bfloat16")
+    assert m.encoder.layers[0].self_attn.linear_q.weight.dtype == torch.bfloat16
+    assert m.joint.enc.weight.dtype == torch.float32 and m.predictor.lstm.weight_hh_l0.dtype == torch.float32
+    assert isinstance(m.transcribe_waveform(clips[2]).text, str)

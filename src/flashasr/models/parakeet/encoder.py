@@ -64,8 +64,22 @@ class DwStridingSubsampling(nn.Module):
             L = torch.div(L + 2 - 3, 2, rounding_mode="floor") + 1
         return L
 
+    # largest conv activation per call; bigger batches are split (PyTorch's 32-bit indexing limit,
+    # NeMo's subsampling_conv_chunking_factor does the same); items are independent.
+    max_conv_elements = 2 ** 31 - 1
+
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [B, T, F]``, ``lengths [B]`` -> ``[B, T', d_model]``, ``[B]`` int64."""
+        B, T, Fq = x.shape
+        C = self.conv[0].out_channels
+        per_item = C * ((T + 1) // 2 + 1) * ((Fq + 1) // 2 + 1)
+        if B > 1 and B * per_item > self.max_conv_elements:
+            step = max(1, self.max_conv_elements // max(per_item, 1))
+            outs = [self._forward(x[i:i + step], lengths[i:i + step]) for i in range(0, B, step)]
+            return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        return self._forward(x, lengths)
+
+    def _forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.unsqueeze(1)
         L = lengths.long()
         for layer in self.conv:

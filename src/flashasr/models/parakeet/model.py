@@ -152,7 +152,8 @@ class ParakeetASR(ASRModel):
     Attributes (besides :class:`~flashasr.models.base.ASRModel`'s): ``net`` (the
     :class:`ParakeetModule`), ``preprocessor``, ``encoder``, ``predictor`` (:class:`TDTPredictor`),
     ``joint`` (:class:`TDTJoint`), ``blank_id`` (= V), ``durations``, ``num_classes_with_blank``
-    (= V + 1), ``max_symbols_per_step``, ``frame_seconds`` (0.08 for v2/v3), ``dtype``,
+    (= V + 1), ``max_symbols_per_step``, ``frame_seconds`` (0.08 for v2/v3), ``dtype`` (of the
+    encoder; the preprocessor computes in float32, the predictor and joint are kept float32),
     ``decoding`` ("label_looping" or "reference"), ``long_audio_method`` ("vad"/"fixed"),
     ``batch_size`` (pieces per encoder batch).
     """
@@ -182,8 +183,11 @@ class ParakeetASR(ASRModel):
             net.to(device=device)
         except (RuntimeError, AssertionError) as e:
             raise ModelLoadError(f"cannot move the model to device {device!r}: {e}", code="invalid_device") from e
-        for m in (net.encoder, net.predictor, net.joint):
-            m.to(dtype=self.dtype)
+        net.encoder.to(dtype=self.dtype)
+        # prediction and joint networks stay float32 (small; keeps greedy decisions stable in
+        # bf16/fp16 runs); the encoder output is cast to float32 before the joint projection
+        net.predictor.to(dtype=torch.float32)
+        net.joint.to(dtype=torch.float32)
         net.eval()
 
     # -- construction -------------------------------------------------------------------------
@@ -202,8 +206,7 @@ class ParakeetASR(ASRModel):
         with torch.device("meta"):
             net = ParakeetModule(pc)
         net = net.to_empty(device=device)
-        for m in (net.encoder, net.predictor, net.joint):
-            m.to(dtype=dt)
+        net.encoder.to(dtype=dt)
         random_init(net, seed)
         net.preprocessor.load_state_dict(MelPreprocessor(pc.preprocessor).state_dict())
         if tokenizer is None:
@@ -272,6 +275,7 @@ class ParakeetASR(ASRModel):
     def decode(self, enc: torch.Tensor, enc_lengths: torch.Tensor) -> list[Hypothesis]:
         """Greedy TDT decoding of ``[B, T_enc, d]`` (label looping by default)."""
         fn = greedy_tdt_label_looping if self.decoding == "label_looping" else greedy_tdt_reference
+        enc = enc.to(self.joint.enc.weight.dtype)
         return fn(enc, enc_lengths, self.predictor, self.joint, self.durations, self.blank_id,
                   self.max_symbols_per_step)
 
