@@ -204,6 +204,25 @@ def bench_vad(seconds: float, repeats: int) -> dict:
         t = cpu_time(stream, repeats)
         out[f"streaming_vad_{chunk_ms}ms_chunks"] = round(t / dur * 3600, 2)
 
+    # many live streams, 20 ms chunks: per-stream feed() vs one batched feed_many() per tick
+    streams, k = 32, 320
+    xs = x[: 16000 * 10]
+
+    def per_stream():
+        vs = [StreamingVAD() for _ in range(streams)]
+        for i in range(0, len(xs), k):
+            for v in vs:
+                v.feed(xs[i:i + k])
+
+    def batched():
+        vs = [StreamingVAD() for _ in range(streams)]
+        for i in range(0, len(xs), k):
+            StreamingVAD.feed_many([(v, xs[i:i + k]) for v in vs])
+
+    for name, fn in (("feed", per_stream), ("feed_many", batched)):
+        t = cpu_time(fn, 1)
+        out[f"streaming_vad_{streams}_streams_20ms_{name}"] = round(t / (streams * len(xs) / 16000) * 3600, 2)
+
     data = os.path.join(os.path.dirname(silero_vad.__file__), "data")
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1

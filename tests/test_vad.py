@@ -290,3 +290,30 @@ def test_streaming_vad_concurrent_streams_share_session():
     with cf.ThreadPoolExecutor(4) as ex:
         got = list(ex.map(run, clips * 2))
     assert got == ref * 2
+
+
+def test_feed_many_equals_individual_feeds():
+    """Batched multi-stream VAD (stock model, batch of states) == per-stream feed()."""
+    clips = [_load(r)[: 16000 * 12] for r in ("en/en-jfk-inaugural.wav", "hard/hard-8k-harvard-list72.wav",
+                                               "en/en-ls-1272-141231-0002.wav", "hard/hard-noise-no-speech-8s.wav")]
+    ref = [[(e.type, e.time, e.emitted_at) for e in _stream(x, [320])[1]] for x in clips]
+    rng = np.random.default_rng(1)
+    vads = [StreamingVAD() for _ in clips]
+    pos = [0] * len(clips)
+    got = [[] for _ in clips]
+    while any(p < len(x) for p, x in zip(pos, clips)):
+        items, who = [], []
+        for i, x in enumerate(clips):
+            if pos[i] < len(x) and rng.random() < 0.8:  # streams deliver irregularly
+                k = int(rng.integers(1, 1200))
+                items.append((vads[i], x[pos[i]:pos[i] + k]))
+                who.append(i)
+                pos[i] += k
+        for i, ev in zip(who, StreamingVAD.feed_many(items)):
+            got[i] += ev
+    for i, v in enumerate(vads):
+        got[i] += v.flush()
+    assert [[(e.type, e.time, e.emitted_at) for e in g] for g in got] == ref
+    assert sum(len(r) for r in ref) >= 6
+    with pytest.raises(AudioArgumentError):
+        StreamingVAD.feed_many([(vads[0], clips[0][:10]), (vads[0], clips[0][:10])])

@@ -40,6 +40,7 @@ FRAME_S = FRAME / VAD_RATE
 _MAX_FRAMES_PER_CALL = 512  # 16.4 s of audio per ONNX call
 
 _session = None
+_batch_session = None
 _session_lock = threading.Lock()
 
 
@@ -66,6 +67,24 @@ def _get_session():
                 so.log_severity_level = 3
                 _session = ort.InferenceSession(_model_path(), so, providers=["CPUExecutionProvider"])
     return _session
+
+
+def _get_batch_session():
+    """The stock ``silero_vad.onnx`` (batch of streams, one frame each; state [2, B, 128] =
+    stacked (h, c) of the sequence model, so both give identical probabilities)."""
+    global _batch_session
+    if _batch_session is None:
+        with _session_lock:
+            if _batch_session is None:
+                import onnxruntime as ort
+
+                so = ort.SessionOptions()
+                so.intra_op_num_threads = 1
+                so.inter_op_num_threads = 1
+                so.log_severity_level = 3
+                _batch_session = ort.InferenceSession(_model_path("silero_vad.onnx"), so,
+                                                      providers=["CPUExecutionProvider"])
+    return _batch_session
 
 
 def _run_frames(frames_with_ctx: np.ndarray, h: np.ndarray, c: np.ndarray):
@@ -403,6 +422,9 @@ class StreamingVAD:
     (onnxruntime ``run`` is thread-safe). Cost, measured on a loaded 2-core Xeon VM: about
     6 ms of one CPU core per second of audio fed in 20 ms chunks (one ONNX call per 32 ms
     frame), about 3 ms/s fed in 0.5 s chunks (bench/bench_cpu_audio.py, docs/AUDIO.md).
+    A server with many live streams should call :meth:`feed_many` once per tick: it batches
+    the frames of all streams into one ONNX call per frame position (~3x cheaper per stream
+    for 32 streams fed 20 ms chunks, same events).
     """
 
     def __init__(self, *, threshold: float = 0.5, prefix_padding_ms: int = 300,
@@ -440,42 +462,84 @@ class StreamingVAD:
         """Seconds of audio fed so far (including pending samples)."""
         return (self.frames * FRAME + self._fill - self._pad) / VAD_RATE
 
+    def _take_frames(self, chunk: np.ndarray) -> np.ndarray:
+        """Append a chunk; return the completed frames with their context, float32 [T, 576]."""
+        x = np.asarray(chunk, np.float32).reshape(-1)
+        n = x.shape[0]
+        k = min(FRAME - self._fill, n)
+        whole = (n - k) // FRAME if self._fill + k == FRAME else 0
+        t = (1 if self._fill + k == FRAME else 0) + whole
+        out = np.empty((t, CONTEXT + FRAME), np.float32)
+        self._buf[CONTEXT + self._fill:CONTEXT + self._fill + k] = x[:k]
+        self._fill += k
+        if self._fill < FRAME:
+            return out  # T = 0
+        out[0] = self._buf
+        pos = k
+        if whole:
+            out[1:, CONTEXT:] = x[pos:pos + whole * FRAME].reshape(whole, FRAME)
+            out[1:, :CONTEXT] = out[:-1, -CONTEXT:]
+            pos += whole * FRAME
+        self._buf[:CONTEXT] = out[-1, -CONTEXT:]
+        rest = n - pos
+        self._buf[CONTEXT:CONTEXT + rest] = x[pos:]
+        self._fill = rest
+        return out
+
     def feed(self, chunk: np.ndarray) -> list[VADEvent]:
         """Process a float32 [n] 16 kHz chunk (any n >= 0); returns the events it decided."""
-        x = np.asarray(chunk, np.float32).reshape(-1)
         events: list[VADEvent] = []
-        pos = 0
-        n = x.shape[0]
-        # complete the pending frame first
-        if self._fill:
-            k = min(FRAME - self._fill, n)
-            self._buf[CONTEXT + self._fill:CONTEXT + self._fill + k] = x[:k]
-            self._fill += k
-            pos = k
-            if self._fill < FRAME:
-                return events
-            self._process(self._buf[None, :].copy(), events)
-            self._buf[:CONTEXT] = self._buf[-CONTEXT:]
-            self._fill = 0
-        whole = (n - pos) // FRAME
-        if whole:
-            block = np.empty((whole, CONTEXT + FRAME), np.float32)
-            block[:, CONTEXT:] = x[pos:pos + whole * FRAME].reshape(whole, FRAME)
-            block[0, :CONTEXT] = self._buf[:CONTEXT]
-            if whole > 1:
-                block[1:, :CONTEXT] = block[:-1, -CONTEXT:]
-            for t0 in range(0, whole, _MAX_FRAMES_PER_CALL):
-                self._process(block[t0:t0 + _MAX_FRAMES_PER_CALL], events)
-            self._buf[:CONTEXT] = block[-1, -CONTEXT:]
-            pos += whole * FRAME
-        rest = n - pos
-        if rest:
-            self._buf[CONTEXT:CONTEXT + rest] = x[pos:]
-            self._fill = rest
+        frames = self._take_frames(chunk)
+        for t0 in range(0, frames.shape[0], _MAX_FRAMES_PER_CALL):
+            self._process(frames[t0:t0 + _MAX_FRAMES_PER_CALL], events)
         return events
 
+    @staticmethod
+    def feed_many(items) -> list[list[VADEvent]]:
+        """Feed many streams at once: ``items`` = [(StreamingVAD, chunk), ...] (distinct
+        streams). Returns each stream's events, in order.
+
+        The completed frames of all streams are batched into one ONNX call per frame
+        position (the stock Silero model with a batch of states), which costs about a third
+        of per-stream calls when many live streams each deliver a frame or two per tick.
+        Identical probabilities and events as calling :meth:`feed` on each stream.
+        """
+        vads = [v for v, _ in items]
+        if len({id(v) for v in vads}) != len(vads):
+            raise AudioArgumentError("feed_many: each stream may appear only once per call")
+        frames = [v._take_frames(c) for v, c in items]
+        probs: list[list[np.ndarray]] = [[] for _ in items]
+        depth = max((f.shape[0] for f in frames), default=0)
+        sr = np.array(VAD_RATE, np.int64)
+        for r in range(depth):
+            idx = [i for i, f in enumerate(frames) if f.shape[0] > r]
+            batch = np.stack([frames[i][r] for i in idx])
+            state = np.empty((2, len(idx), 128), np.float32)
+            for j, i in enumerate(idx):
+                state[0, j] = vads[i]._h[0, 0]
+                state[1, j] = vads[i]._c[0, 0]
+            p, state = _get_batch_session().run(None, {"input": batch, "state": state, "sr": sr})
+            p = np.asarray(p, np.float32).reshape(-1)
+            for j, i in enumerate(idx):
+                vads[i]._h = state[0:1, j:j + 1].copy()
+                vads[i]._c = state[1:2, j:j + 1].copy()
+                probs[i].append(p[j:j + 1])
+        out = []
+        for v, ps in zip(vads, probs):
+            events: list[VADEvent] = []
+            if ps:
+                v._apply(np.concatenate(ps), events)
+            out.append(events)
+        return out
+
     def _process(self, block: np.ndarray, events: list[VADEvent]) -> None:
+        if block.shape[0] == 0:
+            return
         probs, self._h, self._c = _run_frames(block, self._h, self._c)
+        self._apply(probs, events)
+
+    def _apply(self, probs: np.ndarray, events: list[VADEvent]) -> None:
+        """The server_vad state machine over per-frame probabilities."""
         for p in probs:
             t = self.frames
             self.frames += 1
