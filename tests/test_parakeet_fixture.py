@@ -156,3 +156,16 @@ def test_word_timestamps_match_nemo_transcribe(model, ref, meta):
         # segments break after sentence punctuation
         for s in t.segments[:-1]:
             assert s.text.rstrip()[-1] in ".?!"
+
+
+def test_pad_min_seconds_reproduces_nemo_transcribe(model, ref, meta):
+    """With NeMo transcribe()'s 1 s minimum padding the 0.7 s clip gives transcribe()'s text."""
+    wav0 = _items(ref)[0]
+    model.pad_min_seconds = 1.0
+    try:
+        t = model.transcribe_waveform(wav0, word_timestamps=True)
+    finally:
+        model.pad_min_seconds = 0.0
+    assert t.text == meta["transcribe_texts"][0] != ref["texts"][0]
+    assert t.duration == pytest.approx(0.7)
+    assert all(0.0 <= w.start <= w.end <= 0.7 for w in t.words)

@@ -155,7 +155,9 @@ class ParakeetASR(ASRModel):
     (= V + 1), ``max_symbols_per_step``, ``frame_seconds`` (0.08 for v2/v3), ``dtype`` (of the
     encoder; the preprocessor computes in float32, the predictor and joint are kept float32),
     ``decoding`` ("label_looping" or "reference"), ``long_audio_method`` ("vad"/"fixed"),
-    ``batch_size`` (pieces per encoder batch).
+    ``batch_size`` (pieces per encoder batch), ``pad_min_seconds`` (default 0: pieces shorter
+    than this are zero-padded half left / half right first, as NeMo ``transcribe()`` does with
+    1.0 s; timestamps stay relative to the unpadded audio, clamped to it).
     """
 
     family = "parakeet"
@@ -174,6 +176,7 @@ class ParakeetASR(ASRModel):
         self.long_audio_method = "vad"
         self.decoding = "label_looping"
         self.batch_size = 16
+        self.pad_min_seconds = 0.0
         self.blank_id = cfg.blank_id
         self.durations = list(cfg.durations)
         self.num_classes_with_blank = cfg.vocab_size + 1
@@ -321,10 +324,20 @@ class ParakeetASR(ASRModel):
         sr = self.sample_rate
         spans: list[list[tuple[int, int]]] = []
         pieces: list[np.ndarray] = []
+        min_len = int(round(self.pad_min_seconds * sr))
+        shifts: list[int] = []
         for w in waves:
             sp = split_long_audio(w, sr, self.max_segment_seconds, self.long_audio_method)
             spans.append(sp)
-            pieces.extend(w[a:b] for a, b in sp)
+            for a, b in sp:
+                piece = w[a:b]
+                left = 0
+                if len(piece) < min_len:  # NeMo transcribe(): zero-pad short clips, half each side
+                    left = (min_len - len(piece)) // 2
+                    piece = np.concatenate([np.zeros(left, np.float32), piece,
+                                            np.zeros(min_len - len(piece) - left, np.float32)])
+                pieces.append(piece)
+                shifts.append(left)
         hyps = self._decode_pieces(pieces)
         out, k = [], 0
         for w, sp in zip(waves, spans):
@@ -332,6 +345,7 @@ class ParakeetASR(ASRModel):
             texts, words_all, segs = [], [], []
             for a, _b in sp:
                 h = hyps[k]
+                a = a - shifts[k]
                 k += 1
                 text = self.tokenizer.decode(h.token_ids)
                 if text.strip():
