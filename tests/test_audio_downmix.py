@@ -107,3 +107,20 @@ def test_eight_channel_file_not_silent():
     assert d.source_channels == 8
     segs = speech_segments(d.samples)
     assert sum(b - a for a, b in segs) > 3.0  # the channel announcements are all there
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_lfe_left_out_of_51_downmix(fmt):
+    """5.1: speech on the centre, a loud 40 Hz tone on LFE; the LFE stays out of the mean."""
+    s = _speech(48000)[: 48000 * 3]
+    n = len(s)
+    tone = 0.8 * np.sin(2 * np.pi * 40 * np.arange(n) / 48000)
+    x = np.zeros((n, 6))
+    x[:, 2] = s  # FC
+    x[:, 3] = tone  # LFE
+    data = encode_audio(x, 48000, format=fmt, codec="flac" if fmt == "flac" else "pcm_s16le", layout="5.1")
+    d = load_audio(data)
+    assert d.source_channels == 6
+    ref = load_audio(s, sample_rate=48000).samples / 5  # mean of the 5 non-LFE channels
+    m = min(len(ref), len(d.samples))
+    np.testing.assert_allclose(d.samples[:m], ref[:m], atol=2e-4)

@@ -263,9 +263,27 @@ def _frame_info(frame) -> tuple[np.dtype, bool, int, int]:
     return dtype, planar, frame.layout.nb_channels, frame.samples
 
 
-def _frame_into(frame, out: np.ndarray, c: int, n: int) -> None:
-    """Write an ``av.AudioFrame`` (c channels, n samples) as float32 into ``out`` [c, n]
-    (integer PCM scaled to [-1, 1)).
+_LFE = {"LFE", "LFE2", "LFE3"}
+_KEEP_CACHE: dict[str, list[int] | None] = {}
+
+
+def _kept_channels(frame, c: int) -> list[int] | None:
+    """Channel indices that enter the downmix: all but LFE (low-frequency effects, no speech;
+    FFmpeg's own downmix also leaves it out by default) for layouts of more than 2 channels.
+    None means all channels."""
+    if c <= 2:
+        return None
+    key = frame.layout.name
+    if key not in _KEEP_CACHE:
+        names = [ch.name for ch in frame.layout.channels]
+        keep = [i for i, nm in enumerate(names) if nm not in _LFE]
+        _KEEP_CACHE[key] = keep if 0 < len(keep) < c else None
+    return _KEEP_CACHE[key]
+
+
+def _frame_into(frame, out: np.ndarray, c: int, n: int, keep: list[int] | None = None) -> None:
+    """Write an ``av.AudioFrame`` (c channels, n samples) as float32 into ``out``
+    [len(keep) or c, n] (integer PCM scaled to [-1, 1)); ``keep`` selects channels.
 
     Reads the planes directly: PyAV 18's ``to_ndarray`` crashes on 8-channel planar
     frames (it builds one plane too many), so only the first C planes are touched.
@@ -275,11 +293,14 @@ def _frame_into(frame, out: np.ndarray, c: int, n: int) -> None:
     if planar:
         if len(planes) < c:
             raise UnsupportedFormatError(f"planar audio with {c} channels is not supported")
-        srcs = [np.frombuffer(planes[i], dtype, count=n) for i in range(c)]
+        srcs = [np.frombuffer(planes[i], dtype, count=n) for i in (keep if keep is not None else range(c))]
     else:
         a = np.frombuffer(planes[0], dtype, count=n * c)
-        srcs = [a] if c == 1 else [a.reshape(n, c).T]
-        out = out if c > 1 else out[0]
+        if c == 1:
+            srcs, out = [a], out[0]
+        else:
+            a = a.reshape(n, c)
+            srcs = [(a if keep is None else a[:, keep]).T]
     for i, src in enumerate(srcs):
         dst = out[i] if planar else out
         if off:
@@ -415,6 +436,7 @@ class _ContainerSource:
         self.packets = 0
         self.rate = self.stream.codec_context.sample_rate or self.stream.rate or 0
         self.channels = self.stream.codec_context.channels or 0
+        self.frame_channels: int | None = None  # channel count of the first decoded frame
 
     def close(self) -> None:
         try:
@@ -439,13 +461,17 @@ class _ContainerSource:
             if n == 0:
                 continue
             rate = frame.sample_rate
-            if acc is not None and (rate != acc_rate or c != acc.shape[0] or fill + n > acc.shape[1]):
+            if self.frame_channels is None:
+                self.frame_channels = c
+            keep = _kept_channels(frame, c)
+            ck = c if keep is None else len(keep)
+            if acc is not None and (rate != acc_rate or ck != acc.shape[0] or fill + n > acc.shape[1]):
                 yield acc[:, :fill], acc_rate
                 acc = None
             if acc is None:
-                acc = np.empty((c, max(n, rate // 2)), np.float32)
+                acc = np.empty((ck, max(n, rate // 2)), np.float32)
                 fill, acc_rate = 0, rate
-            _frame_into(frame, acc[:, fill:fill + n], c, n)
+            _frame_into(frame, acc[:, fill:fill + n], c, n, keep)
             fill += n
         if acc is not None and fill:
             yield acc[:, :fill], acc_rate
@@ -677,7 +703,10 @@ class _Decode:
         """Checks that something was decoded; returns warnings."""
         if self.pipe.first_rate is not None:
             self.src_rate = self.pipe.first_rate
-            self.src_channels = self.pipe.first_channels or self.src_channels
+            if self.container is not None:  # the pipeline may not see LFE channels
+                self.src_channels = self.container.frame_channels or self.src_channels
+            else:
+                self.src_channels = self.pipe.first_channels or self.src_channels
         if n_out == 0:
             if self.container is not None:
                 self.container.check_nothing_decoded()

@@ -30,7 +30,7 @@ _DEFAULT_CODEC = {
 
 def encode_audio(samples: np.ndarray, sample_rate: int, dest: Any = None, *, format: str = "wav",
                  codec: str | None = None, sample_fmt: str | None = None,
-                 bit_rate: int | None = None) -> bytes | None:
+                 bit_rate: int | None = None, layout: str | None = None) -> bytes | None:
     """Write ``samples`` (float [N] or [N, C], nominally in [-1, 1]) as an audio file.
 
     Args:
@@ -44,6 +44,7 @@ def encode_audio(samples: np.ndarray, sample_rate: int, dest: Any = None, *, for
             ``pcm_s32le``, ``pcm_f32le``, ``pcm_f64le``, ``pcm_mulaw``, ``pcm_alaw``.
         sample_fmt: encoder input sample format (default: the encoder's first one).
         bit_rate: bits per second for lossy codecs.
+        layout: FFmpeg channel layout name (``"5.1"``, ``"7.1"``); default mono/stereo/``"Nc"``.
     Returns:
         The encoded bytes when ``dest`` is None, else None.
     """
@@ -55,7 +56,7 @@ def encode_audio(samples: np.ndarray, sample_rate: int, dest: Any = None, *, for
     n, c = x.shape
     codec = codec or _DEFAULT_CODEC.get(format, "pcm_s16le")
     target = io.BytesIO() if dest is None else (os.fspath(dest) if isinstance(dest, (str, os.PathLike)) else dest)
-    layout = {1: "mono", 2: "stereo"}.get(c, f"{c}c")
+    layout = layout or {1: "mono", 2: "stereo"}.get(c, f"{c}c")
     with av.open(target, mode="w", format=format) as out:
         # "strict": FFmpeg's native vorbis encoder is marked experimental
         st = out.add_stream(codec, rate=sample_rate, options={"strict": "experimental"})
