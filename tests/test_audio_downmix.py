@@ -6,10 +6,29 @@ import numpy as np
 import pytest
 import soxr
 from conftest import AUDIO
-from test_audio_decode import _native
 
 from flashasr.audio import Downmixer, load_audio
 from flashasr.audio.encode import encode_audio
+
+
+def _native(path) -> tuple[np.ndarray, int]:
+    """Reference path: PyAV ``to_ndarray`` of a whole (<= 2 channel) file -> float64 [C, N]."""
+    import av
+
+    with av.open(str(path)) as c:
+        frames, rate = [], None
+        for f in c.decode(audio=0):
+            a = f.to_ndarray()
+            rate = f.sample_rate
+            if not f.format.is_planar:
+                a = a.reshape(-1, len(f.layout.channels)).T
+            frames.append(a)
+        x = np.concatenate(frames, axis=1)
+    if x.dtype == np.int16:
+        x = x / 32768.0
+    elif x.dtype == np.int32:
+        x = x / 2147483648.0
+    return x.astype(np.float64), rate
 
 
 def _speech(rate=16000):
