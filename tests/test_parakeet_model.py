@@ -500,3 +500,40 @@ def test_bf16_model_keeps_decoder_in_float32(clips):
     assert m.encoder.layers[0].self_attn.linear_q.weight.dtype == torch.bfloat16
     assert m.joint.enc.weight.dtype == torch.float32 and m.predictor.lstm.weight_hh_l0.dtype == torch.float32
     assert isinstance(m.transcribe_waveform(clips[2]).text, str)
+
+
+def test_four_hour_request_plumbing(tiny, monkeypatch):
+    """A 4 h single request: 240 pieces of <= 60 s, global timestamps up to 14,400 s.
+
+    The per-piece decode is stubbed (one token "▁a" at each piece's first frame) so the test is
+    fast; the real path is covered by test_long_audio_is_split_with_global_timestamps and the
+    slow end-to-end test below. ``np.zeros`` pages are never touched, so memory stays small."""
+    from flashasr.models.parakeet.decoder import Hypothesis
+
+    n = 4 * 3600 * 16000
+    wav = np.zeros(n, dtype=np.float32)
+    seen = []
+
+    def fake_decode(pieces):
+        seen.extend(len(p) for p in pieces)
+        return [Hypothesis([2], [0], [1]) for _ in pieces]
+
+    monkeypatch.setattr(tiny, "_decode_pieces", fake_decode)
+    monkeypatch.setattr(tiny, "long_audio_method", "fixed")
+    t = tiny.transcribe_waveform(wav, word_timestamps=True)
+    assert len(seen) == 240 and max(seen) <= 60 * 16000 and sum(seen) == n
+    assert t.duration == 14400.0 and len(t.words) == 240
+    assert [w.start for w in t.words] == [60.0 * k for k in range(240)]
+    assert t.words[-1].end == pytest.approx(14340.08) and t.text == " ".join(["a"] * 240)
+
+
+@pytest.mark.slow
+def test_one_hour_real_audio_end_to_end(tiny):
+    from flashasr.audio import load_audio
+
+    clip = load_audio(AUDIO / "long" / "long-silero-test-60s.wav").samples
+    wav = np.resize(clip, 3600 * 16000).astype(np.float32)
+    t = tiny.transcribe_waveform(wav, word_timestamps=True)
+    assert t.duration == 3600.0 and t.words[-1].end > 3500.0
+    assert all(0 <= w.start <= w.end <= 3600.0 for w in t.words)
+    assert [w.start for w in t.words] == sorted(w.start for w in t.words)
