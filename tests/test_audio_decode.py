@@ -155,6 +155,9 @@ def test_probe_reads_headers_only():
     assert info["channels"] == 8 and info["sample_rate"] == 48000
     assert info["codec"] == "aac" and info["format"] == "m4a/aac"
     assert info["duration"] == pytest.approx(8.05, abs=0.05)
+    f = io.BytesIO((AUDIO / "en" / "en-fleurs-003.ogg").read_bytes())
+    assert probe(f)["format"] == "ogg/opus" and f.tell() == 0
+    assert load_audio(f).duration == pytest.approx(5.766, abs=0.02)  # still decodable
     info = probe(np.zeros((800, 2), np.int16), sample_rate=8000)
     assert info["duration"] == pytest.approx(0.1) and info["channels"] == 2
     info = probe(b"\0" * 3200, raw_format="s16le", sample_rate=16000)

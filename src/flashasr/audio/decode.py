@@ -829,7 +829,8 @@ def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None
 
     ``duration`` is what the header declares (for mp3 without a Xing header FFmpeg estimates
     it from the bit rate; a truncated file may declare more than it holds). Arrays and raw
-    PCM need ``sample_rate`` (and ``raw_format``/``channels``). Raises as :func:`load_audio`.
+    PCM need ``sample_rate`` (and ``raw_format``/``channels``). A seekable file object is
+    seeked back to where it was (a non-seekable one is consumed). Raises as :func:`load_audio`.
     """
     label = _label(source)
     if raw_format is not None:
@@ -844,6 +845,12 @@ def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None
         return {"duration": a.shape[0] / sample_rate, "sample_rate": int(sample_rate),
                 "channels": int(a.shape[1]), "codec": a.dtype.name,
                 "format": f"numpy/{a.dtype.name}", "bit_rate": None}
+    pos = None
+    if hasattr(source, "read"):
+        try:
+            pos = source.tell() if source.seekable() else None
+        except (AttributeError, OSError, ValueError):
+            pos = None
     src = _ContainerSource(source, label)
     try:
         br = src.stream.codec_context.bit_rate or src.container.bit_rate or None
@@ -852,6 +859,8 @@ def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None
                 "bit_rate": int(br) if br else None}
     finally:
         src.close()
+        if pos is not None:  # a seekable file object is left where it was
+            source.seek(pos)
 
 
 __all__ = ["DecodedAudio", "load_audio", "iter_audio", "probe", "RAW_FORMATS"]
