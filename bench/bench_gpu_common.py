@@ -98,3 +98,54 @@ def write_result(name: str, payload: dict) -> Path:
     if extra:
         Path(extra, out.name).write_text(out.read_text())
     return out
+
+
+V3_YAML_CANDIDATES = [REPO / ".devdata" / "shared" / "fixtures" / "parakeet" / "parakeet-tdt-0.6b-v3.yaml",
+                      REPO.parent / "shared" / "fixtures" / "parakeet" / "parakeet-tdt-0.6b-v3.yaml"]
+
+
+def build_v3_model(device="cuda", seed=0):
+    """Random-weight Parakeet-TDT 0.6B v3 (float32 weights; engines convert in place)."""
+    from flashasr.models.parakeet.config import build_random_parakeet
+
+    path = next(p for p in V3_YAML_CANDIDATES if p.exists())
+    return build_random_parakeet(path, device=device, dtype="float32", seed=seed)
+
+
+@torch.no_grad()
+def calibrate_joint(model, f_proj, lengths, target_tps=3.5, frame_s=0.08, iters=10):
+    """Give a random joint realistic output statistics, in place: token/blank rows x4, duration
+    biases DUR_BIAS, blank bias bisected so greedy decoding of ``f_proj`` (projected encoder
+    output) emits ``target_tps`` tokens per audio second. Returns (blank_bias, realised tps)."""
+    from flashasr.engine.tdt_graphs import TDTGraphDecoder
+
+    j = model.joint
+    V = j.blank_id
+    j.out.weight[: V + 1].mul_(OUT_WEIGHT_SCALE)
+    j.out.bias.zero_()
+    j.out.bias[V + 1:] = torch.tensor(DUR_BIAS, dtype=j.out.bias.dtype, device=j.out.bias.device)
+    dec = TDTGraphDecoder(model.predictor, j, mode="full_graph")
+    lo, hi = -2.0, 10.0
+    tps = 0.0
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        j.out.bias[V] = mid
+        r = dec.decode(f_proj, lengths, projected=True)
+        tps = sum(map(len, r.token_ids)) / (float(lengths.sum()) * frame_s)
+        lo, hi = (mid, hi) if tps > target_tps else (lo, mid)
+    j.out.bias[V] = (lo + hi) / 2
+    r = dec.decode(f_proj, lengths, projected=True)
+    tps = sum(map(len, r.token_ids)) / (float(lengths.sum()) * frame_s)
+    return (lo + hi) / 2, tps
+
+
+def load_speech(path=None):
+    """Real speech pieces (float32 16 kHz) from .devdata/speech16k.npz (bench_gpu_prepare_audio.py)."""
+    import numpy as np
+
+    z = np.load(path or REPO / ".devdata" / "speech16k.npz")
+    out, o = [], 0
+    for n in z["lengths"]:
+        out.append(z["audio"][o: o + n].astype(np.float32) / 32768.0)
+        o += n
+    return out

@@ -113,7 +113,10 @@ class OfflineParakeetEngine:
         return plan
 
     def warmup(self, lengths: Sequence[int] | None = None) -> None:
-        """Capture encoder profiles (all, or those ``lengths`` would use) and decoder graphs."""
+        """Capture encoder profiles (all, or those ``lengths`` would use) and decoder graphs
+        (CUDA only; a no-op on CPU)."""
+        if self.device.type != "cuda":
+            return
         plan = self.plan(lengths) if lengths is not None else [(p, [0] * p.batch) for p in self.encoder.profiles]
         seen = set()
         for p, idx in plan:

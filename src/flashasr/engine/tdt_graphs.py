@@ -471,7 +471,8 @@ class TDTGraphDecoder:
         """Capture the graphs of the bucket for ``(batch, frames)`` ahead of time.
 
         ``device``/``dtype`` default to those of the joint's parameters; ``modes`` to the
-        preferred mode. Failures propagate (``decode`` is the path with fallbacks).
+        preferred mode. A failing capture is logged and disables that mode (as in ``decode``);
+        nothing is captured on CPU.
         """
         p = next(self.joint.parameters())
         device = torch.device(device or p.device)
@@ -483,10 +484,19 @@ class TDTGraphDecoder:
             s = self._bucket(batch, frames, J, device, dtype)
             for m in modes or [self.mode]:
                 m = DecodeMode(m)
-                if m is DecodeMode.FULL_GRAPH and s.full_graph is None:
-                    self._capture_full(s)
-                elif m is DecodeMode.GRAPHS_NO_WHILE and s.part_graphs is None:
-                    self._capture_parts(s)
+                if m in self.disabled or device.type != "cuda":
+                    continue
+                try:
+                    if m is DecodeMode.FULL_GRAPH and s.full_graph is None:
+                        self._capture_full(s)
+                    elif m is DecodeMode.GRAPHS_NO_WHILE and s.part_graphs is None:
+                        self._capture_parts(s)
+                except Exception as e:  # same policy as decode(): log, disable, continue
+                    msg = f"TDT capture of mode {m.value} failed ({type(e).__name__}: {e}); mode disabled"
+                    log.warning(msg)
+                    self.events.append(msg)
+                    self.disabled.add(m)
+                    self._buckets.clear()
 
 
 def decode_reference_lists(hyps) -> tuple[list, list, list]:
