@@ -420,11 +420,11 @@ class StreamingVAD:
     State per stream is bounded: < 576 samples of pending audio, the LSTM state (2 x 128
     floats) and a few counters (about 3 KB); the ONNX session is shared by all streams
     (onnxruntime ``run`` is thread-safe). Cost, measured on a loaded 2-core Xeon VM: about
-    6 ms of one CPU core per second of audio fed in 20 ms chunks (one ONNX call per 32 ms
-    frame), about 3 ms/s fed in 0.5 s chunks (bench/bench_cpu_audio.py, docs/AUDIO.md).
+    6-7 ms of one CPU core per second of audio fed in 20 ms chunks (one ONNX call per 32 ms
+    frame), about 3-4 ms/s fed in 0.5 s chunks (bench/bench_cpu_audio.py, docs/AUDIO.md).
     A server with many live streams should call :meth:`feed_many` once per tick: it batches
-    the frames of all streams into one ONNX call per frame position (~3x cheaper per stream
-    for 32 streams fed 20 ms chunks, same events).
+    the frames of all streams into one ONNX call per frame position (1.6-3x cheaper per
+    stream for 32 streams fed 20 ms chunks, same events).
     """
 
     def __init__(self, *, threshold: float = 0.5, prefix_padding_ms: int = 300,
