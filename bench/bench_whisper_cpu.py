@@ -51,6 +51,13 @@ def machine_info() -> dict:
 
 def versions() -> dict:
     v = {}
+    try:
+        import subprocess
+
+        v["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                         cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+    except Exception:
+        pass
     for mod in ("flashasr", "torch", "numpy", "faster_whisper", "ctranslate2", "av", "soxr"):
         try:
             v[mod] = getattr(__import__(mod), "__version__", "?")

@@ -62,11 +62,18 @@ class _Memo:
 def _memo_model():
     from flashasr.models import registry
 
-    memo = _Memo(registry.cached_model(None, "cpu"))
     orig = registry.cached_model
-    registry.cached_model = lambda spec=None, device="cpu", dtype=None: (
-        memo if spec in (None, "tiny.en") and device == "cpu" else orig(spec, device, dtype))
-    yield memo
+    memo: list[_Memo] = []
+
+    def cached(spec=None, device="cpu", dtype=None):
+        if spec in (None, "tiny.en") and device == "cpu" and dtype is None:
+            if not memo:  # loaded on first use only
+                memo.append(_Memo(orig(None, "cpu")))
+            return memo[0]
+        return orig(spec, device, dtype)
+
+    registry.cached_model = cached
+    yield
     registry.cached_model = orig
 
 
@@ -251,3 +258,14 @@ def test_usage_errors(tmp_path, capsys):
     assert "no_inputs" in capsys.readouterr().err
     assert main(["transcribe", str(GOLDEN), "--model", str(tmp_path / "nomodel")]) == 2
     assert "model" in capsys.readouterr().err
+
+
+def test_serve_is_dispatched_and_missing_extra_is_explained(monkeypatch, capsys):
+    import flashasr.serve.app as app
+
+    seen = []
+    monkeypatch.setattr(app, "main", lambda argv: seen.append(argv) or 0)
+    assert main(["serve", "--port", "9999"]) == 0 and seen == [["--port", "9999"]]
+    monkeypatch.setitem(sys.modules, "flashasr.serve.app", None)  # import of the serve extra fails
+    assert main(["serve"]) == 2
+    assert "serve extra" in capsys.readouterr().err

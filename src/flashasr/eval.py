@@ -511,6 +511,13 @@ def _versions() -> dict:
 
     v = {"python": platform.python_version(), "machine": platform.machine(), "host": platform.node(),
          "cpu_count": os.cpu_count()}
+    try:
+        import subprocess
+
+        v["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                         cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+    except Exception:
+        pass
     for mod in ("flashasr", "torch", "numpy", "faster_whisper", "ctranslate2", "jiwer", "whisper_normalizer"):
         try:
             m = __import__(mod)
