@@ -3,6 +3,7 @@ special tokens / decoding logit rules on synthetic inputs."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -174,3 +175,28 @@ def test_timestamp_rules():
     st = (torch.tensor([False]), torch.tensor([True]), torch.tensor([tb + 50]))
     out = rules.apply(logits, 4, st)
     assert out[0, 100] == neg and out[0, tb + 60] > neg
+
+
+def test_dtw_and_median_filter():
+    from flashasr.models.whisper.alignment import dtw, median_filter
+
+    rng = np.random.default_rng(3)
+    cost = rng.random((6, 9))
+    rows, cols = dtw(cost)
+    assert rows[0] == 0 and cols[0] == 0 and rows[-1] == 5 and cols[-1] == 8
+    steps = set(zip(np.diff(rows).tolist(), np.diff(cols).tolist()))
+    assert steps <= {(1, 1), (1, 0), (0, 1)}
+    # brute-force minimum over all monotonic paths equals the DTW path cost
+    @functools.lru_cache(maxsize=None)
+    def best(i, j):
+        if i == 0 and j == 0:
+            return cost[0, 0]
+        opts = [best(a, b) for a, b in ((i - 1, j - 1), (i - 1, j), (i, j - 1)) if a >= 0 and b >= 0]
+        return cost[i, j] + min(opts)
+    assert cost[rows, cols].sum() == pytest.approx(best(5, 8))
+    # a diagonal cheap band is followed
+    c = np.ones((5, 5)) - np.eye(5)
+    r, k = dtw(c)
+    assert r.tolist() == k.tolist() == [0, 1, 2, 3, 4]
+    x = torch.tensor([[1.0, 9.0, 1.0, 1.0, 1.0, 5.0, 5.0, 5.0]])
+    assert median_filter(x, 3)[0, 1] == 1.0 and median_filter(x, 3).shape == x.shape

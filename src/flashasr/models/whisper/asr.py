@@ -27,7 +27,8 @@ import torch
 from ...errors import AudioError, FlashASRError
 from ...types import Segment, Transcript, Word
 from ..base import ASRModel, SAMPLE_RATE
-from .decoding import NO_SPEECH_THRESHOLD, LOGPROB_THRESHOLD, DecodingResult, decode_with_fallback, detect_language
+from .alignment import align_words, default_alignment_heads
+from .decoding import DecodingResult, decode_with_fallback, detect_language, is_no_speech
 from .features import HOP_LENGTH, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .model import WhisperModel
 from .tokenizer import TIME_PRECISION, WhisperTokenizer
@@ -107,7 +108,7 @@ class WhisperASR(ASRModel):
                 if not active:
                     break
                 for k in range(0, len(active), self.max_batch):
-                    self._run_round(active[k: k + self.max_batch])
+                    self._run_round(active[k: k + self.max_batch], word_timestamps)
         out = []
         for j in jobs:
             segs = self._finish_segments(j)
@@ -148,7 +149,7 @@ class WhisperASR(ASRModel):
         return _Job(index=i, mel=mel, content_frames=a.size // HOP_LENGTH, duration=a.size / SAMPLE_RATE,
                     language=language)
 
-    def _run_round(self, jobs: list[_Job]) -> None:
+    def _run_round(self, jobs: list[_Job], word_timestamps: bool = False) -> None:
         sizes = [min(N_FRAMES, j.content_frames - j.seek) for j in jobs]
         mels = torch.stack([pad_or_trim(j.mel[:, j.seek: j.seek + n], N_FRAMES) for j, n in zip(jobs, sizes)])
         feats = self.model.encode(mels.to(self.device))
@@ -160,15 +161,16 @@ class WhisperASR(ASRModel):
                 jobs[k].language, jobs[k].language_probs = c, p
         seeds = [j.seek for j in jobs]  # per-window seed: independent of batch composition
         results = decode_with_fallback(self.model, self.tokenizer, feats, [j.language for j in jobs], seeds=seeds)
-        for j, n, r in zip(jobs, sizes, results):
-            self._advance(j, n, r)
+        for k, (j, n, r) in enumerate(zip(jobs, sizes, results)):
+            self._advance(j, n, r, feats[k: k + 1] if word_timestamps else None)
 
-    def _advance(self, job: _Job, size: int, r: DecodingResult) -> None:
-        """Turn one window's tokens into segments and move ``job.seek`` (reference procedure)."""
+    def _advance(self, job: _Job, size: int, r: DecodingResult, feats: torch.Tensor | None = None) -> None:
+        """Turn one window's tokens into segments and move ``job.seek`` (reference procedure);
+        with ``feats`` (the window's encoder output) also align words."""
         tok = self.tokenizer
         job.windows += 1
         window_seek = job.seek
-        if r.no_speech_prob > NO_SPEECH_THRESHOLD and r.avg_logprob < LOGPROB_THRESHOLD:
+        if is_no_speech(r):
             job.seek += size  # silence: skip the whole window
             return
         offset = job.seek * HOP_LENGTH / SAMPLE_RATE
@@ -202,37 +204,35 @@ class WhisperASR(ASRModel):
                 dur = tok.timestamp_seconds(ts[-1])
             pieces.append((offset, offset + dur, 0, len(toks)))
             job.seek += size
+        aligned = []
+        if feats is not None:
+            heads = self.alignment_heads or default_alignment_heads(self.model)
+            aligned = align_words(self.model, tok, feats, tok.sot_sequence(job.language), toks, size, heads,
+                                  language=job.language)
+        probs = [float(np.exp(lp)) for t, lp in zip(toks, lps) if t < tok.eot]
+        n_text_before = 0
+        word_i = 0
         for start, end, a, b in pieces:
             seg_toks = toks[a:b]
             text_ids = [t for t in seg_toks if t < tok.eot]
             text = tok.decode(text_ids)
+            lo, hi = n_text_before, n_text_before + len(text_ids)
+            n_text_before = hi
+            words = []
+            tok_pos = lo
+            while word_i < len(aligned) and tok_pos < hi:
+                w, g, ws, we = aligned[word_i]
+                p = probs[tok_pos: tok_pos + len(g)]
+                words.append(Word(word=w, start=offset + ws, end=offset + we,
+                                  probability=float(np.mean(p)) if p else None))
+                tok_pos += len(g)
+                word_i += 1
             if not text.strip():
                 continue
-            words = self._approx_words(text_ids, [lp for t, lp in zip(seg_toks, lps[a:b]) if t < tok.eot],
-                                       start, end)
             job.segments.append(Segment(id=0, start=start, end=end, text=text, tokens=list(seg_toks),
                                         avg_logprob=r.avg_logprob, no_speech_prob=r.no_speech_prob,
                                         compression_ratio=r.compression_ratio, temperature=r.temperature,
-                                        seek=window_seek,
-                                        words=words))
-
-    def _approx_words(self, text_ids: list[int], logprobs: list[float], start: float, end: float) -> list[Word]:
-        """Word times spread over the segment in proportion to each word's characters
-        (approximate; used when cross-attention alignment is not available)."""
-        words, groups = self.tokenizer.split_to_words(text_ids)
-        if not words:
-            return []
-        weights = [max(1, len(w.strip())) for w in words]
-        total = float(sum(weights))
-        out, t = [], start
-        pos = 0
-        for w, g, n in zip(words, groups, weights):
-            d = (end - start) * n / total
-            probs = [float(np.exp(lp)) for lp in logprobs[pos: pos + len(g)]]
-            pos += len(g)
-            out.append(Word(word=w, start=t, end=t + d, probability=float(np.mean(probs)) if probs else None))
-            t += d
-        return out
+                                        seek=window_seek, words=words))
 
     def _finish_segments(self, job: _Job) -> list[Segment]:
         """Clamp times into [0, duration], make them monotonic and number the segments."""
@@ -242,14 +242,9 @@ class WhisperASR(ASRModel):
         for s in job.segments:
             start = min(max(s.start, prev_end, 0.0), dur)
             end = min(max(s.end, start), dur)
-            scale_from, scale_len = s.start, (s.end - s.start)
             for w in s.words:
-                if scale_len > 0:
-                    ws = start + (w.start - scale_from) / scale_len * (end - start)
-                    we = start + (w.end - scale_from) / scale_len * (end - start)
-                else:
-                    ws = we = start
-                w.start, w.end = min(max(ws, start), end), min(max(we, start), end)
+                w.start = min(max(w.start, start), end)
+                w.end = min(max(w.end, w.start), end)
             s.start, s.end = start, end
             s.id = len(out)
             prev_end = end

@@ -32,12 +32,16 @@ from .model import KVCache, WhisperModel
 from .tokenizer import TIME_PRECISION, WhisperTokenizer
 
 __all__ = ["DecodingResult", "LogitRules", "decode_windows", "detect_language", "compression_ratio",
-           "TEMPERATURES", "COMPRESSION_RATIO_THRESHOLD", "LOGPROB_THRESHOLD", "NO_SPEECH_THRESHOLD"]
+           "TEMPERATURES", "COMPRESSION_RATIO_THRESHOLD", "LOGPROB_THRESHOLD", "NO_SPEECH_THRESHOLD",
+           "NO_SPEECH_THRESHOLD_UNCONFIDENT", "is_no_speech", "decode_with_fallback", "needs_fallback"]
 
 TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 COMPRESSION_RATIO_THRESHOLD = 2.4
 LOGPROB_THRESHOLD = -1.0
 NO_SPEECH_THRESHOLD = 0.6
+# Our addition: a window that no temperature could decode confidently is dropped as no speech
+# already when no_speech_prob > 0.5 (noise, music: the decoder invents "Whoo!", "Thank you.").
+NO_SPEECH_THRESHOLD_UNCONFIDENT = 0.5
 MAX_INITIAL_TIMESTAMP = 1.0
 
 
@@ -62,6 +66,7 @@ class DecodingResult:
     temperature: float
     compression_ratio: float
     hit_eot: bool = True
+    fallback_exhausted: bool = False
     language_probs: dict[str, float] | None = field(default=None, repr=False)
 
 
@@ -243,13 +248,16 @@ def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_featu
                          temperatures: Sequence[float] = TEMPERATURES, without_timestamps: bool = False,
                          task: str = "transcribe") -> list[DecodingResult]:
     """Greedy decode, then re-decode only the rows that :func:`needs_fallback` at the next
-    temperature (seeded sampling, one candidate), up to 1.0; a row keeps its last result.
+    temperature (seeded sampling, one candidate), up to 1.0. When every temperature fails, the
+    row keeps its most likely try whose compression ratio is acceptable (as faster-whisper
+    does) and is marked ``fallback_exhausted``.
 
     ``seeds[row]`` seeds that row's generator at every temperature, so a row's result does not
     depend on which other rows share the batch.
     """
     b = audio_features.shape[0]
     results: list[DecodingResult | None] = [None] * b
+    tries: list[list[DecodingResult]] = [[] for _ in range(b)]
     todo = list(range(b))
     for t in temperatures:
         if not todo:
@@ -267,8 +275,22 @@ def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_featu
                              without_timestamps=without_timestamps, task=task)
         nxt = []
         for r, res_r in zip(todo, res):
+            tries[r].append(res_r)
             results[r] = res_r
             if needs_fallback(res_r):
                 nxt.append(r)
         todo = nxt
+    for r in todo:  # every temperature failed: keep the most likely non-repetitive try
+        ok = [x for x in tries[r] if x.compression_ratio <= COMPRESSION_RATIO_THRESHOLD] or tries[r]
+        best = max(ok, key=lambda x: x.avg_logprob)
+        best.fallback_exhausted = True
+        results[r] = best
     return results  # type: ignore[return-value]
+
+
+def is_no_speech(r: DecodingResult) -> bool:
+    """Skip the window as silence: the reference's rule (``no_speech_prob > 0.6`` and
+    ``avg_logprob < -1``) or, when every fallback temperature failed, ``no_speech_prob > 0.5``."""
+    if r.no_speech_prob > NO_SPEECH_THRESHOLD and r.avg_logprob < LOGPROB_THRESHOLD:
+        return True
+    return r.fallback_exhausted and r.no_speech_prob > NO_SPEECH_THRESHOLD_UNCONFIDENT

@@ -227,8 +227,9 @@ class WhisperModel(nn.Module):
             tokens: int64 ``[B, T]`` (T = prompt length on the first call, then 1).
             cache: from :meth:`new_cache` (same B).
             offset: number of positions already in the cache.
-            return_cross_attn: also return per-layer cross-attention weights
-                ``[B, H, T, T_audio]`` (for word alignment; slower path without SDPA).
+            return_cross_attn: also return per-layer pre-softmax cross-attention scores
+                ``q k^T / sqrt(Dh)``, float32 ``[B, H, T, T_audio]`` (for word alignment; a
+                slower path without SDPA).
         Returns:
             logits float32 ``[B, T, n_vocab]`` (and the list of attention weights if asked).
         """
@@ -255,10 +256,9 @@ class WhisperModel(nn.Module):
             qc = layer.cross_attn.q(h)
             qc = qc.view(b, t, layer.cross_attn.heads, -1).transpose(1, 2)
             if return_cross_attn:
-                scale = qc.shape[-1] ** -0.5
-                w = torch.softmax((qc.float() @ cache.cross_k[i].float().transpose(-1, -2)) * scale, dim=-1)
-                weights.append(w)
-                a = (w.to(qc.dtype) @ cache.cross_v[i])
+                scores = (qc.float() @ cache.cross_k[i].float().transpose(-1, -2)) * qc.shape[-1] ** -0.5
+                weights.append(scores)
+                a = torch.softmax(scores, dim=-1).to(qc.dtype) @ cache.cross_v[i]
             else:
                 a = F.scaled_dot_product_attention(qc, cache.cross_k[i], cache.cross_v[i])
             x = x + layer.cross_attn.out(_merge(a))
