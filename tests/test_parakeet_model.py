@@ -528,12 +528,13 @@ def test_four_hour_request_plumbing(tiny, monkeypatch):
 
 
 @pytest.mark.slow
-def test_one_hour_real_audio_end_to_end(tiny):
+def test_twenty_minutes_real_audio_end_to_end(tiny):
+    """VAD cuts + tiny model over 20 min of real speech (the 60 s clip repeated)."""
     from flashasr.audio import load_audio
 
     clip = load_audio(AUDIO / "long" / "long-silero-test-60s.wav").samples
-    wav = np.resize(clip, 3600 * 16000).astype(np.float32)
+    wav = np.resize(clip, 1200 * 16000).astype(np.float32)
     t = tiny.transcribe_waveform(wav, word_timestamps=True)
-    assert t.duration == 3600.0 and t.words[-1].end > 3500.0
-    assert all(0 <= w.start <= w.end <= 3600.0 for w in t.words)
+    assert t.duration == 1200.0 and t.words[-1].end > 1150.0
+    assert all(0 <= w.start <= w.end <= 1200.0 for w in t.words)
     assert [w.start for w in t.words] == sorted(w.start for w in t.words)
