@@ -316,6 +316,18 @@ def test_weights_not_matching_config(tmp_path, tiny_archive):
         load_parakeet(_write(tmp_path, "vocab", cfg, tiny_archive.state_dict, tiny_archive.tokenizer_model))
 
 
+def test_hybrid_tdt_ctc_model_uses_the_tdt_branch(tmp_path, tiny_archive, tiny, clips):
+    cfg = copy.deepcopy(tiny_archive.config)
+    cfg["target"] = "nemo.collections.asr.models.hybrid_rnnt_ctc_bpe_models.EncDecHybridRNNTCTCBPEModel"
+    cfg["aux_ctc"] = {"decoder": {"_target_": "nemo.collections.asr.modules.ConvASRDecoder",
+                                  "feat_in": 96, "num_classes": 128}}
+    sd = dict(tiny_archive.state_dict)
+    sd["ctc_decoder.decoder_layers.0.weight"] = torch.zeros(129, 96, 1)
+    sd["ctc_decoder.decoder_layers.0.bias"] = torch.zeros(129)
+    m = load_parakeet(_write(tmp_path, "hybrid", cfg, sd, tiny_archive.tokenizer_model))
+    assert m.transcribe_waveform(clips[2]).text == tiny.transcribe_waveform(clips[2]).text
+
+
 def test_gzip_archive_loads(tmp_path, tiny_archive, tiny, clips):
     p = _write(tmp_path, "gz", tiny_archive.config, tiny_archive.state_dict, tiny_archive.tokenizer_model,
                compress=True)

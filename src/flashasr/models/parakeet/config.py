@@ -23,16 +23,17 @@ _PREPROCESSOR_TARGETS = ("AudioToMelSpectrogramPreprocessor",)
 _ENCODER_TARGETS = ("ConformerEncoder",)
 _DECODER_TARGETS = ("RNNTDecoder",)
 _JOINT_TARGETS = ("RNNTJoint",)
-_MODEL_TARGETS = ("EncDecRNNTBPEModel", "EncDecRNNTModel")
+# hybrid TDT-CTC models (e.g. parakeet-tdt_ctc-110m): the TDT branch is used, the CTC head ignored
+_MODEL_TARGETS = ("EncDecRNNTBPEModel", "EncDecRNNTModel", "EncDecHybridRNNTCTCBPEModel")
 
 
-def _target_name(section: Mapping, what: str) -> str:
+def _target_name(section: Mapping) -> str:
     t = section.get("_target_") or section.get("target") or ""
     return str(t).rsplit(".", 1)[-1]
 
 
 def _check_target(section: Mapping, allowed: tuple[str, ...], what: str) -> None:
-    name = _target_name(section, what)
+    name = _target_name(section)
     if name and name not in allowed:
         raise UnsupportedModelError(
             f"{what} class {section.get('_target_')!r} is not supported (expected {' or '.join(allowed)})",

@@ -138,7 +138,8 @@ def nemo_to_ours(state: dict, joint_out_index: int, n_layers: int) -> dict:
     ``encoder.*`` unchanged (shared ``encoder.pos_bias_u/v`` of untied=false models are
     copied into every layer); ``decoder.prediction.embed`` -> ``predictor.embed``;
     ``decoder.prediction.dec_rnn.lstm`` -> ``predictor.lstm``; ``joint.{enc,pred}`` unchanged;
-    ``joint.joint_net.<i>`` (the output Linear) -> ``joint.out``. Unknown keys are kept under
+    ``joint.joint_net.<i>`` (the output Linear) -> ``joint.out``; ``ctc_decoder.*`` (the auxiliary
+    CTC head of hybrid TDT-CTC models) is dropped. Unknown keys are kept under
     their NeMo names so the caller reports them as unexpected.
     """
     out = {}
@@ -146,6 +147,8 @@ def nemo_to_ours(state: dict, joint_out_index: int, n_layers: int) -> dict:
     for k, v in state.items():
         if k.startswith("preprocessor.featurizer."):
             out["preprocessor." + k[len("preprocessor.featurizer."):]] = v
+        elif k.startswith("ctc_decoder."):  # auxiliary CTC head of hybrid TDT-CTC models: unused
+            continue
         elif k in ("encoder.pos_bias_u", "encoder.pos_bias_v"):
             shared[k.rsplit(".", 1)[1]] = v
         elif k.startswith("decoder.prediction.embed."):
