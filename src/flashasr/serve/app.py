@@ -572,7 +572,8 @@ async def _serve(cfg: ServeConfig, app, sock: socket.socket) -> None:
     import uvicorn
 
     ucfg = uvicorn.Config(app, loop="none", lifespan="on", log_level=cfg.log_level, access_log=False,
-                          ws_max_size=16 << 20, timeout_keep_alive=30, backlog=4096)
+                          ws_max_size=16 << 20, timeout_keep_alive=30, backlog=4096,
+                          timeout_graceful_shutdown=5)
     server = uvicorn.Server(ucfg)
     await server.serve(sockets=[sock])
 
@@ -597,6 +598,9 @@ def _remote_factory(path: str, supervisor=None):
 
 def frontend_main(cfg_dict: dict, path: str) -> None:
     """Entry point of an extra front-end worker process (multi mode, ``--workers`` > 1)."""
+    from .engine_proc import die_with_parent
+
+    die_with_parent()
     cfg = ServeConfig.from_dict(cfg_dict)
     logging.basicConfig(level=cfg.log_level.upper())
     _raise_fd_limit()

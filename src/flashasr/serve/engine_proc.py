@@ -133,8 +133,19 @@ async def _engine_async(cfg: ServeConfig, path: str) -> None:
     await srv.scheduler.stop()
 
 
+def die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent process dies (no orphaned engines or workers)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: the supervisor's normal shutdown still applies
+        pass
+
+
 def engine_main(cfg_dict: dict, path: str) -> None:
     """Entry point of the engine process (``multiprocessing`` spawn target)."""
+    die_with_parent()
     cfg = ServeConfig.from_dict(cfg_dict)
     logging.basicConfig(level=cfg.log_level.upper())
     try:
