@@ -269,3 +269,36 @@ def test_serve_is_dispatched_and_missing_extra_is_explained(monkeypatch, capsys)
     monkeypatch.setitem(sys.modules, "flashasr.serve.app", None)  # import of the serve extra fails
     assert main(["serve"]) == 2
     assert "serve extra" in capsys.readouterr().err
+
+
+def test_long_file_vad_pieces_have_global_times(tmp_path, capsys):
+    """35 s file = clip, 30 s of silence, clip: two VAD pieces in one batch, global word times."""
+    import wave
+
+    import numpy as np
+
+    from flashasr.audio import load_audio
+
+    a = load_audio(str(GOLDEN)).samples
+    b = load_audio(str(STELLA)).samples
+    x = np.concatenate([a, np.zeros(30 * 16000, np.float32), b])
+    path = tmp_path / "long.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+    rc = main(["transcribe", str(path), "-f", "verbose_json", "--word-timestamps", "-o", str(tmp_path / "o"),
+               "--batch-size", "2"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "in 2 pieces, 1 batches" in err  # the silence is left out, both pieces in one model call
+    d = json.loads((tmp_path / "o/long.verbose.json").read_text())
+    assert _words(d["text"]) == "a golden fortune and a happy life please call stella"
+    assert d["duration"] == pytest.approx(len(x) / 16000, abs=1e-3)
+    words = d["words"]
+    assert [_words(w["word"]) for w in words][-3:] == ["please", "call", "stella"]
+    b0 = (len(a) + 30 * 16000) / 16000
+    assert all(w["end"] <= len(a) / 16000 + 0.1 for w in words[:-3])
+    assert all(b0 - 0.3 <= w["start"] <= w["end"] <= d["duration"] for w in words[-3:])
+    assert all(u["start"] <= v["start"] for u, v in zip(words, words[1:]))
+    assert d["segments"][-1]["start"] >= b0 - 0.3 and [s["id"] for s in d["segments"]] == list(
+        range(len(d["segments"])))
