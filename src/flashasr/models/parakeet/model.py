@@ -146,6 +146,16 @@ def split_long_audio(samples: np.ndarray, sr: int, max_s: float, method: str = "
     return out
 
 
+def _looks_multilingual(tokenizer) -> bool:
+    """True when >= 2 % of the pieces carry non-ASCII letters (v3's 25-language vocabulary;
+    v2's English 1024-piece vocabulary does not). Parakeet never detects a language explicitly."""
+    n = int(getattr(tokenizer, "vocab_size", 0) or 0)
+    if n == 0 or isinstance(tokenizer, DummyTokenizer):
+        return False
+    hits = sum(1 for i in range(n) if any(c.isalpha() and ord(c) > 127 for c in tokenizer.piece(i)))
+    return hits >= 0.02 * n
+
+
 class ParakeetASR(ASRModel):
     """A loaded Parakeet-TDT model (our implementation; no NeMo needed).
 
@@ -161,7 +171,6 @@ class ParakeetASR(ASRModel):
     """
 
     family = "parakeet"
-    multilingual = True
 
     def __init__(self, cfg: ParakeetConfig, net: ParakeetModule, tokenizer, *, device: str = "cpu",
                  dtype=None, name: str = "parakeet-tdt"):
@@ -182,6 +191,7 @@ class ParakeetASR(ASRModel):
         self.num_classes_with_blank = cfg.vocab_size + 1
         self.max_symbols_per_step = cfg.max_symbols
         self.frame_seconds = cfg.frame_seconds
+        self.multilingual = _looks_multilingual(tokenizer)
         try:
             net.to(device=device)
         except (RuntimeError, AssertionError) as e:
@@ -316,9 +326,9 @@ class ParakeetASR(ASRModel):
                          word_timestamps: bool = False) -> list[Transcript]:
         """Transcribe several waveforms together (pieces of all inputs share encoder batches).
 
-        Each waveform: float32 ``[N]`` at ``sample_rate`` Hz. ``language`` is ignored (v3 detects
-        the language implicitly and reports None). Results equal per-input
-        :meth:`transcribe_waveform`.
+        Each waveform: float32 ``[N]`` at ``sample_rate`` Hz. ``language`` does not steer
+        Parakeet (v3 recognises its 25 languages implicitly); it is echoed in the result, and
+        None stays None. Results equal per-input :meth:`transcribe_waveform`.
         """
         waves = [self._check_waveform(w) for w in waveforms]
         sr = self.sample_rate
@@ -356,7 +366,7 @@ class ParakeetASR(ASRModel):
                 segs.extend(build_segments(words, first_id=len(segs)))
                 words_all.extend(w_ for w_, _ in words)
             text = texts[0] if len(texts) == 1 else " ".join(texts)
-            out.append(Transcript(text=text, language=None, duration=duration, segments=segs,
+            out.append(Transcript(text=text, language=language, duration=duration, segments=segs,
                                   words=words_all if word_timestamps else None, model=self.name))
         return out
 
