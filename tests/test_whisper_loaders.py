@@ -269,3 +269,32 @@ def test_cuda_fp16_matches_cpu(audio_dir):
     w = _jfk(audio_dir)
     t = m.transcribe_waveform(w)
     assert t.text == tiny().transcribe_waveform(w).text
+
+
+def test_static_decode_step_matches_dynamic():
+    """The fixed-shape (CUDA-graph-friendly) decoder step equals the sliced one, also with rows
+    at different positions."""
+    m = tiny().model
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        feats = m.encode(torch.randn(2, 80, 3000) * 0.5)
+        tok = tiny().tokenizer
+        seq = [tok.sot, tok.timestamp_begin, 843, 523, 616]
+        a = m.new_cache(feats, 16)
+        b = m.new_cache(feats, 16)
+        prompt = torch.tensor([seq[:1]] * 2)
+        m.decode_step(prompt, a, 0)
+        m.decode_step(prompt, b, 0)
+        for pos in range(1, len(seq)):
+            t = torch.tensor([[seq[pos]]] * 2)
+            la = m.decode_step(t, a, pos)[:, -1]
+            lb = m.decode_step_static(t, b, torch.tensor([pos, pos]))
+            torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
+        # row 1 lags one step behind row 0: its logits equal a fresh single-row run
+        c = m.new_cache(feats[:1].repeat(2, 1, 1), 16)
+        m.decode_step(torch.tensor([seq[:3], seq[:3]]), c, 0)
+        out = m.decode_step_static(torch.tensor([[seq[3]], [seq[2]]]), c, torch.tensor([3, 2]))
+        ref = m.decode_step(torch.tensor([seq[:4]]), m.new_cache(feats[:1], 16), 0)[:, -1]
+        ref2 = m.decode_step(torch.tensor([seq[:3]]), m.new_cache(feats[:1], 16), 0)[:, -1]
+        torch.testing.assert_close(out[0], ref[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[1], ref2[0], atol=1e-4, rtol=1e-4)

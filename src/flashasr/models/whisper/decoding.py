@@ -102,26 +102,31 @@ class LogitRules:
             self.first_mask |= ar > last_allowed
 
     def apply(self, logits: torch.Tensor, step: int, ts_state) -> torch.Tensor:
+        """Filter ``logits`` in place (it must be a tensor the caller owns) and return it.
+        Only broadcast masks, no host synchronisation (CUDA-graph friendly)."""
         neg = float("-inf")
-        logits = logits.masked_fill(self.suppress, neg)
+        logits.masked_fill_(self.suppress, neg)
         if step == 0:
-            logits = logits.masked_fill(self.begin, neg)
+            logits.masked_fill_(self.begin, neg)
         if self.without_timestamps:
             return logits
         tb = self.tok.timestamp_begin
+        ts = logits[:, tb:]
         if step == 0:
-            logits = logits.masked_fill(self.first_mask, neg)
+            logits.masked_fill_(self.first_mask, neg)
         else:
             last, pen, last_tok = ts_state
-            m = ((last & pen)[:, None] & self.is_ts[None]) | ((last & ~pen)[:, None] & self.is_text[None])
-            limit = torch.where(last & ~pen, last_tok, last_tok + 1)
-            m |= (last_tok >= 0)[:, None] & self.is_ts[None] & (self.ar[None] < limit[:, None])
-            logits = logits.masked_fill(m, neg)
-        logprobs = F.log_softmax(logits, dim=-1)
-        ts_lp = torch.logsumexp(logprobs[:, tb:], dim=-1)
-        text_max = logprobs[:, :tb].max(dim=-1).values
-        force = (ts_lp > text_max)[:, None] & ~self.is_ts[None]
-        return logits.masked_fill(force, neg)
+            # after "text, timestamp": no text (only a timestamp or eot)
+            logits[:, : self.tok.eot].masked_fill_((last & ~pen)[:, None], neg)
+            # after "timestamp, timestamp": no timestamp; and timestamps never decrease
+            limit = torch.where(last & ~pen, last_tok, last_tok + 1) - tb
+            ts_ar = self.ar[: ts.shape[1]]
+            ts.masked_fill_((last & pen)[:, None] | ((last_tok >= 0)[:, None] & (ts_ar[None] < limit[:, None])), neg)
+        # force a timestamp when all timestamps together are likelier than the best text token
+        # (the softmax normaliser cancels on both sides)
+        force = torch.logsumexp(ts, dim=-1) > logits[:, :tb].max(dim=-1).values
+        logits[:, :tb].masked_fill_(force[:, None], neg)
+        return logits
 
 
 @torch.inference_mode()
@@ -196,9 +201,9 @@ def decode_windows(model: WhisperModel, tok: WhisperTokenizer, audio_features: t
     hit_eot = [False] * b
     offset = p_len
     for step in range(sample_len):
-        filtered = rules.apply(logits, step, (last, pen, last_tok))
+        filtered = rules.apply(logits.clone() if step == 0 else logits, step, (last, pen, last_tok))
         nxt = _sample(filtered, temperature, generators, rows)
-        lp = F.log_softmax(filtered, dim=-1).gather(1, nxt[:, None])[:, 0]
+        lp = filtered.gather(1, nxt[:, None])[:, 0] - torch.logsumexp(filtered, dim=-1)
         nxt_l, lp_l, rows_l = nxt.tolist(), lp.tolist(), rows.tolist()
         keep = []
         for j, (r, t, l) in enumerate(zip(rows_l, nxt_l, lp_l)):

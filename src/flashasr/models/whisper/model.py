@@ -269,6 +269,40 @@ class WhisperModel(nn.Module):
             return logits, weights
         return logits
 
+    def decode_step_static(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+        """One-token decoder step with only fixed shapes and no host synchronisation, for CUDA
+        graph capture (and for rows at different positions, e.g. continuous batching).
+
+        Args:
+            tokens: int64 ``[B, 1]``.
+            cache: :class:`KVCache`; its full ``max_len`` is attended with a mask, so the
+                prompt must have been written by :meth:`decode_step` (or this method) before.
+            positions: int64 ``[B]`` (on the model's device): each row's position; K/V are
+                written there and keys at positions ``<= position`` are attended.
+        Returns:
+            logits float32 ``[B, n_vocab]``; equal (up to rounding) to
+            ``decode_step(tokens, cache, offset)[:, -1]`` when all positions equal ``offset``.
+        """
+        dec = self.decoder
+        b = tokens.shape[0]
+        max_len = cache.self_k[0].shape[2]
+        x = dec.embed(tokens) + dec.positions.index_select(0, positions)[:, None, :]
+        mask = (torch.arange(max_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+        for i, layer in enumerate(dec.layers):
+            q, k, v = layer.self_attn.project(layer.self_attn_norm(x))
+            idx = positions.view(b, 1, 1, 1).expand(b, k.shape[1], 1, k.shape[3])
+            cache.self_k[i].scatter_(2, idx, k)
+            cache.self_v[i].scatter_(2, idx, v)
+            a = F.scaled_dot_product_attention(q, cache.self_k[i], cache.self_v[i], attn_mask=mask)
+            x = x + layer.self_attn.out(_merge(a))
+            h = layer.cross_attn_norm(x)
+            qc = layer.cross_attn.q(h).view(b, 1, layer.cross_attn.heads, -1).transpose(1, 2)
+            a = F.scaled_dot_product_attention(qc, cache.cross_k[i], cache.cross_v[i])
+            x = x + layer.cross_attn.out(_merge(a))
+            x = x + layer.fc2(F.gelu(layer.fc1(layer.ffn_norm(x))))
+        x = dec.norm(x)
+        return (x[:, 0] @ dec.embed.weight.to(x.dtype).T).float()
+
     def num_parameters(self) -> int:
         """Parameter count (tied output projection counted once)."""
         return sum(p.numel() for p in self.parameters())
