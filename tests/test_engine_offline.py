@@ -84,8 +84,14 @@ def test_offline_engine_gpu_graphs_equal_reference():
     model = _model("cuda")
     eng = OfflineParakeetEngine(model, profiles=[Profile(2, 1.0), Profile(4, 4.0), Profile(8, 10.0)],
                                 dtype=torch.float32)
-    for _ in range(2):
-        out = eng.transcribe_arrays(waves)
+    for pipelined in (False, True, True):
+        out = eng.transcribe_arrays(waves, pipelined=pipelined)
         got = [(it.token_ids, it.token_frames, it.token_durations) for it in out.items]
         assert got == ref
         assert out.decoder_modes == {"full_graph": len(out.batches)}
+    # many batches of one profile: the pipeline must not overwrite encoder outputs in use
+    many = [w for w in waves if len(w) >= 1280] * 5
+    a = eng.transcribe_arrays(many, pipelined=False)
+    b = eng.transcribe_arrays(many, pipelined=True)
+    assert [i.token_ids for i in a.items] == [i.token_ids for i in b.items]
+    assert len(b.batches) > 4

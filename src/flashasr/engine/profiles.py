@@ -105,9 +105,22 @@ def choose_profiles(durations_s: Iterable[float] | None = None, *, n_profiles: i
 
 
 class _Fp32Norm:
-    """Mixin: run a LayerNorm/BatchNorm in float32 whatever the input dtype."""
+    """Mixin: LayerNorm/BatchNorm with float32 parameters, statistics and arithmetic whatever
+    the input dtype. On CUDA the native kernels take a bf16/fp16 input with float32 parameters
+    directly (float32 arithmetic inside, output in the input dtype); elsewhere, or if the
+    mixed call is refused, the input is upcast and the output cast back."""
+
+    _mixed_ok = True
 
     def forward(self, x):  # noqa: D401
+        if x.dtype != torch.float32 and x.is_cuda and type(self)._mixed_ok:
+            try:
+                y = super().forward(x)
+                if y.dtype == x.dtype:
+                    return y
+                return y.to(x.dtype)
+            except RuntimeError:
+                type(self)._mixed_ok = False
         return super().forward(x.float()).to(x.dtype)
 
 
@@ -167,7 +180,9 @@ class EncoderProfiles:
             dtype) - what :class:`~flashasr.engine.tdt_graphs.TDTGraphDecoder` takes with
             ``projected=True``; otherwise the encoder output ``[B, T, d]``.
         use_graphs: capture each profile as a CUDA graph (CUDA only).
-        compile: ``torch.compile`` the forward before capturing (static shapes).
+        compile: ``torch.compile`` the forward before capturing: False, "dynamic" (one
+            compilation with symbolic batch/length shared by all profiles; ``True`` means this)
+            or "static" (one compilation per profile shape).
     """
 
     def __init__(self, model, profiles: Sequence[Profile] | None = None, *, dtype: torch.dtype | None = None,
@@ -180,7 +195,7 @@ class EncoderProfiles:
         self.features = NemoLogMel.from_preprocessor(model.preprocessor).to(self.device)
         self.project = project
         self.use_graphs = bool(use_graphs and cuda)
-        self.compile = bool(compile and cuda)
+        self.compile = ("dynamic" if compile is True else compile) if (compile and cuda) else False
         self.profiles = sorted(profiles or choose_profiles(), key=lambda p: (p.seconds, p.batch))
         self._runners = {p: _Runner(self, p) for p in self.profiles}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -218,7 +233,7 @@ class EncoderProfiles:
         fn = self._forward
         if self.compile:
             if self._compiled is None:
-                self._compiled = torch.compile(self._forward, dynamic=False)
+                self._compiled = torch.compile(self._forward, dynamic=self.compile == "dynamic")
             fn = self._compiled
         t0 = time.perf_counter()
         r.lengths.fill_(r.p.samples)

@@ -454,6 +454,47 @@ class TDTGraphDecoder:
                         pass
         raise FlashASRError("all TDT decode modes failed: " + "; ".join(self.events[-3:]))
 
+    @torch.no_grad()
+    def decode_async(self, encoder_output: torch.Tensor, lengths: torch.Tensor, *,
+                     projected: bool = False) -> "PendingDecode":
+        """Launch a decode on the current CUDA stream without waiting for it.
+
+        Only the ``full_graph`` mode runs asynchronously (one graph replay); any other mode,
+        a CPU input, or a launch failure decodes synchronously (with the usual fallbacks).
+        ``PendingDecode.input_consumed`` is a CUDA event recorded once the input has been copied
+        into the decoder's static buffer: after it, ``encoder_output`` may be overwritten.
+        Call ``result()`` before the next ``decode``/``decode_async`` that may use the same
+        bucket (the static output buffers are shared).
+        """
+        self._validate(encoder_output, lengths)
+        t0 = time.perf_counter()
+        f = encoder_output if projected else self.joint.project_encoder(encoder_output)
+        if (f.device.type == "cuda" and self.mode is DecodeMode.FULL_GRAPH
+                and DecodeMode.FULL_GRAPH not in self.disabled):
+            B, T, J = f.shape
+            try:
+                s = self._bucket(B, T, J, f.device, f.dtype)
+                if s.full_graph is None:
+                    self._capture_full(s)
+                s.f_enc[:B, :T].copy_(f)
+                s.lengths.zero_()
+                s.lengths[:B].copy_(lengths.to(device=f.device, dtype=torch.long))
+                consumed = torch.cuda.Event()
+                consumed.record()
+                s.full_graph.replay()
+                done = torch.cuda.Event()
+                done.record()
+                return PendingDecode(self, s, B, consumed, done, t0)
+            except Exception as e:  # noqa: BLE001 - degrade like decode()
+                msg = f"TDT decode mode full_graph failed ({type(e).__name__}: {e}); falling back"
+                log.warning(msg)
+                self.events.append(msg)
+                self.disabled.add(DecodeMode.FULL_GRAPH)
+                self._buckets.clear()
+                torch.cuda.synchronize()
+        res = self.decode(f, lengths, projected=True)
+        return PendingDecode(self, None, 0, None, None, t0, res)
+
     def _collect(self, s: _Buffers, B: int) -> TDTDecodeOutput:
         n = s.n[:B].cpu()
         maxn = int(n.max()) if B else 0
@@ -499,10 +540,28 @@ class TDTGraphDecoder:
                     self._buckets.clear()
 
 
+class PendingDecode:
+    """A decode launched by :meth:`TDTGraphDecoder.decode_async`; ``result()`` waits and
+    returns the :class:`TDTDecodeOutput`."""
+
+    def __init__(self, dec, s, B, consumed, done, t0, res: TDTDecodeOutput | None = None):
+        self._dec, self._s, self._B, self._done, self._t0, self._res = dec, s, B, done, t0, res
+        self.input_consumed = consumed
+
+    def result(self) -> TDTDecodeOutput:
+        if self._res is None:
+            self._done.synchronize()
+            self._res = self._dec._collect(self._s, self._B)
+            self._res.mode = DecodeMode.FULL_GRAPH.value
+            self._res.seconds = time.perf_counter() - self._t0
+            self._s = None
+        return self._res
+
+
 def decode_reference_lists(hyps) -> tuple[list, list, list]:
     """(ids, frames, durations) lists of a list of Hypothesis objects (test helper)."""
     return ([h.token_ids for h in hyps], [h.token_frames for h in hyps],
             [h.token_durations for h in hyps])
 
 
-__all__ = ["DecodeMode", "TDTGraphDecoder", "TDTDecodeOutput", "DecoderInputError"]
+__all__ = ["DecodeMode", "TDTGraphDecoder", "TDTDecodeOutput", "DecoderInputError", "PendingDecode"]
