@@ -283,6 +283,9 @@ def test_archive_without_weights(tmp_path):
     ("joint", "_target_", "nemo.collections.asr.modules.SampledRNNTJoint", "SampledRNNTJoint"),
     ("encoder", "self_attention_model", "abs_pos", "self_attention_model"),
     ("encoder", "subsampling", "vggnet", "subsampling"),
+    ("encoder", "att_context_style", "chunked_limited", "att_context_style"),
+    ("encoder", "att_context_size", [[70, 13], [70, 0]], "att_context_size"),
+    ("encoder", "conv_norm_type", "fused_batch_norm", "conv_norm_type"),
     ("preprocessor", "_target_", "nemo.collections.asr.modules.AudioToMFCCPreprocessor", "AudioToMFCCPreprocessor"),
     ("", "target", "nemo.collections.asr.models.EncDecCTCModelBPE", "EncDecCTCModelBPE"),
 ])

@@ -160,7 +160,10 @@ class EncoderConfig:
         if "conv_context_size" in d:
             kw["conv_context_size"] = d["conv_context_size"]
         c = cls(**kw)
-        c.att_context_size = [int(x) for x in (c.att_context_size or [-1, -1])]
+        acs = c.att_context_size or [-1, -1]
+        if any(isinstance(x, (list, tuple)) for x in acs):
+            raise _unsupported("encoder.att_context_size", acs, "one [left, right] pair")
+        c.att_context_size = [int(x) for x in acs]
         if c.subsampling != "dw_striding":
             raise _unsupported("encoder.subsampling", c.subsampling, "dw_striding")
         f = int(c.subsampling_factor)
@@ -171,6 +174,9 @@ class EncoderConfig:
         if c.self_attention_model not in ("rel_pos", "rel_pos_local_attn"):
             raise _unsupported("encoder.self_attention_model", c.self_attention_model,
                                "rel_pos, rel_pos_local_attn")
+        style = d.get("att_context_style", "regular")
+        if style not in (None, "regular"):
+            raise _unsupported("encoder.att_context_style", style, "regular")
         if len(c.att_context_size) != 2:
             raise _unsupported("encoder.att_context_size", c.att_context_size, "[left, right]")
         if c.conv_norm_type not in ("batch_norm", "layer_norm") and not str(c.conv_norm_type).startswith("group_norm"):
