@@ -104,3 +104,13 @@ def test_predictor_sos_is_zero_embedding_and_state_shapes():
         g0, _ = pred.lstm(torch.zeros(3, 1, 12), st)
     torch.testing.assert_close(g1, g0[:, 0])
     assert s1[0].shape == (2, 3, 12) and s1[1].shape == (2, 3, 12)
+
+
+def test_low_precision_encoder_output_is_cast_to_the_joint_dtype():
+    pred, joint = _random_tdt(5, 20, 16, 1, 12, 10, [0, 1, 2])
+    enc = torch.randn(2, 30, 12).to(torch.bfloat16)
+    lengths = torch.tensor([30, 17])
+    want = greedy_tdt_reference(enc.float(), lengths, pred, joint, [0, 1, 2], 20, 10)
+    for fn in (greedy_tdt_reference, greedy_tdt_label_looping):
+        got = fn(enc, lengths, pred, joint, [0, 1, 2], 20, 10)
+        assert [h.token_ids for h in got] == [h.token_ids for h in want]

@@ -135,10 +135,13 @@ class TDTJoint(nn.Module):
         return self.out(self.act(self.project_encoder(enc)[:, :, None] + self.pred(g)[:, None]))
 
 
-def _as_btd(encoder_output: torch.Tensor, channels_first: bool) -> torch.Tensor:
+def _as_btd(encoder_output: torch.Tensor, channels_first: bool, joint: nn.Module) -> torch.Tensor:
+    """``[B, T, D]`` view in the joint's dtype (a bf16 encoder output meets a float32 joint)."""
     if encoder_output.dim() != 3:
         raise ValueError(f"encoder_output must be 3-D, got shape {tuple(encoder_output.shape)}")
-    return encoder_output.transpose(1, 2) if channels_first else encoder_output
+    x = encoder_output.transpose(1, 2) if channels_first else encoder_output
+    p = next(joint.parameters(), None)
+    return x.to(p.dtype) if p is not None and p.dtype != x.dtype else x
 
 
 def greedy_tdt_reference(encoder_output: torch.Tensor, encoded_lengths: torch.Tensor,
@@ -162,7 +165,7 @@ def greedy_tdt_reference(encoder_output: torch.Tensor, encoded_lengths: torch.Te
 
     Args:
         encoder_output: ``[B, T, D_enc]`` (``channels_first=False``, default) or NeMo's
-            ``[B, D_enc, T]`` (``channels_first=True``); any float dtype.
+            ``[B, D_enc, T]`` (``channels_first=True``); any float dtype (cast to the joint's).
         encoded_lengths: ``[B]`` valid encoder frames per item.
         predictor, joint: the model's :class:`TDTPredictor` / :class:`TDTJoint`.
         durations: TDT duration values in encoder frames (e.g. ``[0, 1, 2, 3, 4]``).
@@ -170,7 +173,7 @@ def greedy_tdt_reference(encoder_output: torch.Tensor, encoded_lengths: torch.Te
     Returns:
         one :class:`Hypothesis` per item.
     """
-    enc = _as_btd(encoder_output, channels_first)
+    enc = _as_btd(encoder_output, channels_first, joint)
     durs = [int(d) for d in durations]
     limit = max_symbols if max_symbols is not None else float("inf")
     out: list[Hypothesis] = []
@@ -224,7 +227,7 @@ def greedy_tdt_label_looping(encoder_output: torch.Tensor, encoded_lengths: torc
 
     Args and returns: as :func:`greedy_tdt_reference`.
     """
-    enc = _as_btd(encoder_output, channels_first)
+    enc = _as_btd(encoder_output, channels_first, joint)
     B, T, _ = enc.shape
     dev = enc.device
     limit = int(max_symbols) if max_symbols is not None else None
