@@ -201,6 +201,7 @@ class ParakeetASR(ASRModel):
         # bf16/fp16 runs); the encoder output is cast to float32 before the joint projection
         net.predictor.to(dtype=torch.float32)
         net.joint.to(dtype=torch.float32)
+        net.predictor.lstm.flatten_parameters()  # one contiguous weight block for cuDNN
         net.eval()
 
     # -- construction -------------------------------------------------------------------------
