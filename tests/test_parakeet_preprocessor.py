@@ -102,7 +102,8 @@ def test_one_valid_frame_and_empty_input_do_not_crash():
 
 
 @pytest.mark.parametrize("key,value", [("frame_splicing", 3), ("exact_pad", True), ("window", "kaiser"),
-                                       ("normalize", "fixed_mean"), ("mel_norm", "htk")])
+                                       ("normalize", "fixed_mean"), ("mel_norm", "htk"),
+                                       ("pad_to", "max")])
 def test_unsupported_preprocessor_options(key, value):
     with pytest.raises(UnsupportedModelError, match=key):
         PreprocessorConfig.from_dict({key: value})

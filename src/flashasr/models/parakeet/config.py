@@ -93,6 +93,8 @@ class PreprocessorConfig:
         if "nfilt" in d and "features" not in d:
             kw["features"] = d["nfilt"]
         c = cls(**kw)
+        if not isinstance(c.pad_to, int) or c.pad_to < 0:
+            raise _unsupported("preprocessor.pad_to", c.pad_to, "an integer >= 0")
         if int(c.frame_splicing) != 1:
             raise _unsupported("preprocessor.frame_splicing", c.frame_splicing, "1")
         if c.exact_pad:
