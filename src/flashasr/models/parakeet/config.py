@@ -209,7 +209,7 @@ class ParakeetConfig:
     joint_hidden: int
     joint_activation: str
     durations: list[int]
-    max_symbols: int | None = 10
+    max_symbols: int = 10
     joint_out_index: int = 2  # state-dict index of the output Linear inside joint_net
     labels: list[str] | None = None
     raw: dict = field(default_factory=dict, repr=False)
@@ -288,7 +288,9 @@ class ParakeetConfig:
             preprocessor=pre, encoder=enc, vocab_size=int(vocab), pred_hidden=int(pred_hidden),
             pred_rnn_layers=int(prednet.get("pred_rnn_layers", 1)), joint_hidden=int(joint_hidden),
             joint_activation=act, durations=[int(x) for x in durations],
-            max_symbols=None if max_symbols is None else int(max_symbols),
+            # null would allow an endless loop on one frame; NeMo's label-looping decoder also
+            # replaces it by 10
+            max_symbols=10 if max_symbols is None else int(max_symbols),
             joint_out_index=2 if dropout > 0 else 1,
             labels=list(joint.get("vocabulary") or cfg.get("labels") or []) or None,
             raw=dict(cfg))
