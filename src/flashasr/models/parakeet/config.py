@@ -250,6 +250,9 @@ class ParakeetConfig:
         if dec.get("normalization_mode") not in (None, "null"):
             raise _unsupported("decoder.normalization_mode", dec.get("normalization_mode"), "null")
         prednet = dec.get("prednet") or {}
+        rnn_h = prednet.get("rnn_hidden_size", -1)
+        if rnn_h not in (None, -1) and int(rnn_h) != int(prednet.get("pred_hidden", -1)):
+            raise _unsupported("decoder.prednet.rnn_hidden_size", rnn_h, "-1 (= pred_hidden)")
         jn = joint.get("jointnet") or {}
         defaults = cfg.get("model_defaults") or {}
         vocab = dec.get("vocab_size", joint.get("num_classes"))
