@@ -240,7 +240,14 @@ class ParakeetASR(ASRModel):
         if tok.vocab_size != pc.vocab_size:
             raise ModelLoadError(f"model {str(path)!r}: tokenizer has {tok.vocab_size} pieces but the "
                                  f"decoder expects vocab_size={pc.vocab_size}")
-        net = ParakeetModule(pc)
+        # build without initialising (meta), then adopt the checkpoint tensors (no copy)
+        with torch.device("meta"):
+            net = ParakeetModule(pc)
+        net = net.to_empty(device="cpu")
+        net.preprocessor.load_state_dict(MelPreprocessor(pc.preprocessor).state_dict())  # if not stored
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm1d):
+                m.num_batches_tracked.zero_()
         state = nemo_to_ours(arch.state_dict, pc.joint_out_index, pc.encoder.n_layers)
         load_mapped_state(net, state, str(path))
         return cls(pc, net, tok, device=device, dtype=dtype, name=Path(path).stem)

@@ -187,7 +187,8 @@ def load_mapped_state(module: torch.nn.Module, state: dict, source: str) -> None
     if problems:
         raise ModelLoadError(f"model {source!r}: checkpoint does not match the architecture in its config: "
                              + "; ".join(problems), code="model_load_error")
-    module.load_state_dict({k: v for k, v in state.items()}, strict=False)
+    own_dtypes = {k: v.dtype for k, v in own.items()}
+    module.load_state_dict({k: v.to(own_dtypes[k]) for k, v in state.items()}, strict=False, assign=True)
 
 
 def ours_to_nemo(state: dict, joint_out_index: int) -> dict:
