@@ -359,32 +359,48 @@ class ParakeetASR(ASRModel):
         hyps = self._decode_pieces(pieces)
         out, k = [], 0
         for w, sp in zip(waves, spans):
-            duration = len(w) / sr
-            texts, words_all, segs = [], [], []
+            parts = []
             for a, _b in sp:
-                h = hyps[k]
-                a = a - shifts[k]
+                parts.append((hyps[k], (a - shifts[k]) / sr))
                 k += 1
-                text = self.tokenizer.decode(h.token_ids)
-                if text.strip():
-                    texts.append(text.strip() if len(sp) > 1 else text)
-                toks = token_times(h.token_ids, h.token_frames, h.token_durations, self.frame_seconds,
-                                   offset=a / sr, duration=duration, tokenizer=self.tokenizer)
-                words = group_words(toks, self.tokenizer)
-                segs.extend(build_segments(words, first_id=len(segs)))
-                words_all.extend(w_ for w_, _ in words)
-            text = texts[0] if len(texts) == 1 else " ".join(texts)
-            out.append(Transcript(text=text, language=language, duration=duration, segments=segs,
-                                  words=words_all if word_timestamps else None, model=self.name))
+            out.append(self.build_transcript(parts, len(w) / sr, language=language,
+                                             word_timestamps=word_timestamps))
         return out
+
+    def build_transcript(self, parts: Sequence[tuple[Hypothesis, float]], duration: float, *,
+                         language: str | None = None, word_timestamps: bool = False) -> Transcript:
+        """A :class:`~flashasr.types.Transcript` from decoded pieces of one recording.
+
+        Args:
+            parts: ``(hypothesis, offset_seconds)`` per piece in time order (offset = the piece's
+                start in the recording); hypotheses from any decoder with this model's
+                vocabulary (e.g. the GPU engine's).
+            duration: recording length in seconds (all times are clamped to ``[0, duration]``).
+        Returns:
+            text (a single piece: exactly the SentencePiece decode; several: stripped piece texts
+            joined by a space), segments (with words) and, if asked, words; times global.
+        """
+        texts, words_all, segs = [], [], []
+        for h, offset in parts:
+            text = self.tokenizer.decode(h.token_ids)
+            if text.strip():
+                texts.append(text.strip() if len(parts) > 1 else text)
+            toks = token_times(h.token_ids, h.token_frames, h.token_durations, self.frame_seconds,
+                               offset=offset, duration=duration, tokenizer=self.tokenizer)
+            words = group_words(toks, self.tokenizer)
+            segs.extend(build_segments(words, first_id=len(segs)))
+            words_all.extend(w_ for w_, _ in words)
+        text = texts[0] if len(texts) == 1 else " ".join(texts)
+        return Transcript(text=text, language=language, duration=duration, segments=segs,
+                          words=words_all if word_timestamps else None, model=self.name)
 
     def transcribe_waveform(self, waveform: np.ndarray, *, language: str | None = None,
                             word_timestamps: bool = False) -> Transcript:
         """Transcribe one recording of any length (see :class:`~flashasr.models.base.ASRModel`).
 
         Audio shorter than one encoder frame (hop x subsampling = 80 ms for v2/v3) gives an empty
-        transcript. Recordings longer
-        than ``max_segment_seconds`` are cut at pauses; timestamps stay global.
+        transcript. Recordings longer than ``max_segment_seconds`` are cut at pauses; timestamps
+        stay global.
         """
         return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps)[0]
 
