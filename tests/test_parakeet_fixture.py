@@ -169,3 +169,21 @@ def test_pad_min_seconds_reproduces_nemo_transcribe(model, ref, meta):
     assert t.text == meta["transcribe_texts"][0] != ref["texts"][0]
     assert t.duration == pytest.approx(0.7)
     assert all(0.0 <= w.start <= w.end <= 0.7 for w in t.words)
+
+
+def test_build_transcript_shifts_and_clamps(model, ref):
+    """Hypotheses from any decoder + piece offsets -> global, clamped times (engine integration)."""
+    from flashasr.models.parakeet.decoder import Hypothesis
+
+    h = Hypothesis(ref["item2_token_ids"].tolist(), ref["item2_token_frames"].tolist(),
+                   ref["item2_token_durations"].tolist())
+    one = model.build_transcript([(h, 0.0)], 5.0, word_timestamps=True)
+    assert one.text == ref["texts"][2]
+    two = model.build_transcript([(h, 0.0), (h, 7.5)], 12.0, word_timestamps=True)
+    assert two.text == ref["texts"][2] + " " + ref["texts"][2]
+    n = len(one.words)
+    assert [w.word for w in two.words] == [w.word for w in one.words] * 2
+    assert_allclose([w.start for w in two.words[n:]], [w.start + 7.5 for w in one.words])
+    assert [s.id for s in two.segments] == list(range(len(two.segments)))
+    short = model.build_transcript([(h, 0.0)], 2.0, word_timestamps=True)  # clamp to duration
+    assert all(0.0 <= w.start <= w.end <= 2.0 for w in short.words)
