@@ -179,7 +179,7 @@ def test_build_transcript_shifts_and_clamps(model, ref):
                    ref["item2_token_durations"].tolist())
     one = model.build_transcript([(h, 0.0)], 5.0, word_timestamps=True)
     assert one.text == ref["texts"][2]
-    two = model.build_transcript([(h, 0.0), (h, 7.5)], 12.0, word_timestamps=True)
+    two = model.build_transcript([(h, 0.0), (h, 7.5)], 13.0, word_timestamps=True)
     assert two.text == ref["texts"][2] + " " + ref["texts"][2]
     n = len(one.words)
     assert [w.word for w in two.words] == [w.word for w in one.words] * 2
