@@ -38,28 +38,22 @@ def _recv_framing(path: str) -> None:
 
     die_with_parent()
 
-    async def handle(reader, writer):
-        writer.writelines(ipc.encode(ipc.MsgType.HELLO, 0, {"model": "bench", "pid": os.getpid()}))
+    async def handle(conn):
+        await conn.send(ipc.encode(ipc.MsgType.HELLO, 0, {"model": "bench", "pid": os.getpid()}))
         try:
             while True:
-                f = await ipc.read_frame(reader)
-                if f.type == ipc.MsgType.STATS:
-                    writer.writelines(ipc.encode(ipc.MsgType.STATS_REPLY, f.req_id))
-                    continue
-                a = ipc.unpack_audio(f)  # copy out of the socket buffer / shared memory (as the engine does)
-                writer.writelines(ipc.encode(ipc.MsgType.RESULT, f.req_id, {"text": "", "segments": [],
-                                                                            "duration": a.size / SR}))
-        except asyncio.IncompleteReadError:
-            pass
-
-    async def main():
-        srv = await asyncio.start_unix_server(handle, path, limit=1 << 20)
-        async with srv:
-            await asyncio.Event().wait()
+                f = await conn.recv_frame()
+                a = ipc.unpack_audio(f)  # the samples as the engine gets them (socket: no extra copy)
+                await conn.send(ipc.encode(ipc.MsgType.RESULT, f.req_id, {"text": "", "segments": [],
+                                                                          "duration": a.size / SR}))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            conn.close()
 
     import uvloop
 
-    uvloop.run(main())
+    from flashasr.serve.engine_proc import serve_unix
+
+    uvloop.run(serve_unix(path, handle))
 
 
 def _recv_zmq(addr: str) -> None:

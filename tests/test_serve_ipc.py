@@ -15,14 +15,14 @@ from flashasr.types import Segment, Transcript, Word
 
 async def _roundtrip(frames: list[list]) -> list[ipc.Frame]:
     a, b = socket.socketpair()
-    _, w = await asyncio.open_connection(sock=a)
-    r, w2 = await asyncio.open_connection(sock=b, limit=1 << 20)
-    for f in frames:
-        w.writelines(f)
-    await w.drain()
-    out = [await ipc.read_frame(r) for _ in frames]
-    w.close()
-    w2.close()
+    ca, cb = ipc.Conn(a), ipc.Conn(b)
+    out = []
+    for f in frames:  # one at a time: a large payload does not fit in the socket buffer
+        send = asyncio.ensure_future(ca.send(f))
+        out.append(await cb.recv_frame())
+        await send
+    ca.close()
+    cb.close()
     return out
 
 
@@ -67,11 +67,11 @@ def test_malformed_frames_are_rejected():
     a.close()
 
     async def read():
-        r, w = await asyncio.open_connection(sock=b)
+        c = ipc.Conn(b)
         try:
-            return await ipc.read_frame(r)
+            return await c.recv_frame()
         finally:
-            w.close()
+            c.close()
 
     with pytest.raises(ipc.FramingError):
         asyncio.run(read())

@@ -117,7 +117,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
             backend = backend_factory(cfg, pool, metrics)
         state.update(pool=pool, backend=backend)
         await backend.start()
-        if getattr(backend, "mode", "") == "multi":
+        if getattr(backend, "mode", "") == "multi" and cfg.gc_freeze:
             gc.collect()
             gc.freeze()  # the front end's start-up objects leave the GC's scans
         try:
@@ -486,6 +486,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
                 raise APIError(f"language must be an ISO 639-1 code; got {lang!r}", param="language")
             use_vad = (q.get("vad") or "false").lower() in _TRUE
             pi = float(q.get("partial_interval_ms", cfg.partial_interval_ms))
+            full = (q.get("partials") or "delta").lower() == "full"
         except (APIError, ValueError) as e:
             await _ws_error(emit, e if isinstance(e, APIError) else APIError(str(e)))
             await ws.close(code=1008, reason="invalid query parameters")
@@ -496,7 +497,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
                    "silence_duration_ms": cfg.vad_silence_duration_ms} if use_vad else None
         s = StreamSession(backend(), emit, input_rate=rate, vad=_LazyVad(vad_cfg) if use_vad else None, language=lang,
                           partial_interval_ms=pi, max_utterance_s=cfg.max_utterance_s,
-                          prefix_padding_ms=cfg.vad_prefix_padding_ms, metrics=metrics)
+                          prefix_padding_ms=cfg.vad_prefix_padding_ms, metrics=metrics, full_partials=full)
         try:
             await emit({"type": "session.created", "session": _session_view(s, vad_cfg)})
             while True:

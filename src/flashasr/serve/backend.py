@@ -62,8 +62,9 @@ class LocalBackend:
         self.scheduler.start()
         self.info = {"model": getattr(m, "name", "model"), "family": getattr(m, "family", "unknown"),
                      "pid": os.getpid(), "device": self.cfg.device}
-        gc.collect()
-        gc.freeze()  # start-up and warm-up objects leave the GC's scans
+        if self.cfg.gc_freeze:
+            gc.collect()
+            gc.freeze()  # start-up and warm-up objects leave the GC's scans
 
     async def wait_ready(self, timeout: float) -> bool:
         if self._task:

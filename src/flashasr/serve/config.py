@@ -28,6 +28,7 @@ class ServeConfig:
     max_batch: int = 8                  # waveforms per model call
     batch_wait_ms: float = 2.0          # how long the scheduler waits to fill a batch of offline work
     warmup: bool = True
+    gc_freeze: bool = True              # gc.freeze() after start-up/warm-up in each long-lived process
     # IPC
     shm_threshold_bytes: int = 1 << 20  # audio payloads larger than this travel through shared memory
     engine_socket: str | None = None    # Unix socket path of the engine (multi mode); None: private temp dir
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--batch-wait-ms", type=float, default=2.0)
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-gc-freeze", action="store_true", help="skip gc.freeze() after start-up (benchmarks)")
     p.add_argument("--shm-threshold-kb", type=int, default=1024)
     p.add_argument("--engine-socket", default=None)
     p.add_argument("--cpu-threads", type=int, default=2)
@@ -98,7 +100,7 @@ def parse_args(argv: list[str]) -> ServeConfig:
         host=a.host, port=a.port, model=a.model, device=a.device, dtype=a.dtype,
         api_key=a.api_key or os.environ.get("FLASHASR_API_KEY") or None,
         max_upload_mb=a.max_upload_mb, max_audio_s=a.max_audio_s, mode=a.mode, workers=a.workers,
-        max_batch=a.max_batch, batch_wait_ms=a.batch_wait_ms, warmup=not a.no_warmup,
+        max_batch=a.max_batch, batch_wait_ms=a.batch_wait_ms, warmup=not a.no_warmup, gc_freeze=not a.no_gc_freeze,
         shm_threshold_bytes=a.shm_threshold_kb * 1024, engine_socket=a.engine_socket,
         cpu_threads=a.cpu_threads, partial_interval_ms=a.partial_interval_ms,
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,

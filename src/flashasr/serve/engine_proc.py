@@ -15,13 +15,13 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import time
+import socket
 
 import numpy as np
 
 from ..errors import FlashASRError
 from .config import ServeConfig
-from .ipc import (Frame, FramingError, MsgType, encode, read_frame, transcript_to_wire, unpack_audio)
+from .ipc import Conn, Frame, FramingError, MsgType, encode, transcript_to_wire, unpack_audio
 from .metrics import EngineMetrics
 from .scheduler import OFFLINE, BatchScheduler
 
@@ -52,14 +52,14 @@ class EngineServer:
                       "sample_rate": int(getattr(model, "sample_rate", 16000)), "pid": os.getpid(),
                       "device": cfg.device}
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle(self, conn: Conn) -> None:
         tasks: dict[int, asyncio.Task] = {}
-        writer.writelines(encode(MsgType.HELLO, 0, self.hello))
         try:
+            await conn.send(encode(MsgType.HELLO, 0, self.hello))
             while True:
-                f = await read_frame(reader)
+                f = await conn.recv_frame()
                 if f.type == MsgType.TRANSCRIBE:
-                    t = asyncio.get_running_loop().create_task(self._transcribe(f, writer))
+                    t = asyncio.get_running_loop().create_task(self._transcribe(f, conn))
                     tasks[f.req_id] = t
                     t.add_done_callback(lambda _t, rid=f.req_id: tasks.pop(rid, None))
                 elif f.type == MsgType.CANCEL:
@@ -67,25 +67,26 @@ class EngineServer:
                     if t:
                         t.cancel()
                 elif f.type == MsgType.STATS:
-                    writer.writelines(encode(MsgType.STATS_REPLY, f.req_id, None, self.metrics.text()))
+                    await conn.send(encode(MsgType.STATS_REPLY, f.req_id, None, self.metrics.text()))
                 elif f.type == MsgType.PING:
-                    writer.writelines(encode(MsgType.PONG, f.req_id))
+                    await conn.send(encode(MsgType.PONG, f.req_id))
                 else:
                     raise FramingError(f"unexpected message type {f.type} from a front end")
         except asyncio.IncompleteReadError:
             pass
-        except (FramingError, ConnectionError) as e:
+        except (FramingError, ConnectionError, OSError) as e:
             log.warning("dropping front-end connection: %s", e)
         finally:
             for t in list(tasks.values()):
                 t.cancel()
-            writer.close()
+            conn.close()
 
-    async def _transcribe(self, f: Frame, writer: asyncio.StreamWriter) -> None:
+    async def _transcribe(self, f: Frame, conn: Conn) -> None:
         m = f.meta
         self.metrics.active.inc()
         try:
             samples = unpack_audio(f)
+            f.payload = b""
             t = await self.scheduler.submit(samples, language=m.get("language"),
                                             word_timestamps=bool(m.get("word_timestamps")),
                                             priority=int(m.get("priority", OFFLINE)), coalesce_key=m.get("key"))
@@ -104,32 +105,51 @@ class EngineServer:
             out = encode(MsgType.ERROR, f.req_id, {"code": "internal_error", "status": 500,
                                                    "message": f"engine error ({type(e).__name__})"})
         self.metrics.active.dec()
-        if not writer.is_closing():
-            writer.writelines(out)
-            try:
-                await writer.drain()
-            except ConnectionError:
-                pass
+        try:
+            await conn.send(out)
+        except (ConnectionError, OSError):
+            pass
+
+
+async def serve_unix(path: str, handler) -> None:
+    """Accept connections on a Unix socket (mode 0600) forever; ``handler(Conn)`` per connection."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(path)
+    os.chmod(path, 0o600)
+    lsock.listen(128)
+    lsock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    conns: set[asyncio.Task] = set()
+    try:
+        while True:
+            csock, _ = await loop.sock_accept(lsock)
+            t = loop.create_task(handler(Conn(csock)))
+            conns.add(t)
+            t.add_done_callback(conns.discard)
+    finally:
+        lsock.close()
+        for t in list(conns):
+            t.cancel()
 
 
 async def _engine_async(cfg: ServeConfig, path: str) -> None:
     model = load_and_warm(cfg)
     srv = EngineServer(model, cfg)
     srv.scheduler.start()
-    gc.collect()
-    gc.freeze()  # start-up objects (model, tokenizer, modules) leave the GC's scans
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    server = await asyncio.start_unix_server(srv.handle, path, limit=1 << 20)
-    os.chmod(path, 0o600)
+    if cfg.gc_freeze:
+        gc.collect()
+        gc.freeze()  # start-up objects (model, tokenizer, modules) leave the GC's scans
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with server:
-        await stop.wait()
+    server = loop.create_task(serve_unix(path, srv.handle))
+    await stop.wait()
+    server.cancel()
     await srv.scheduler.stop()
 
 

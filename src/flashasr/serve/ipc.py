@@ -35,6 +35,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import struct
 import time
 from dataclasses import dataclass
@@ -107,19 +108,80 @@ def parse_header(b: bytes) -> tuple[int, int, int, int, int]:
     return mtype, flags, req_id, mlen, plen
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Frame:
-    """Read one frame. Raises ``asyncio.IncompleteReadError`` at EOF, FramingError on garbage."""
-    mtype, flags, req_id, mlen, plen = parse_header(await reader.readexactly(HEADER_SIZE))
-    meta = {}
-    if mlen:
+class Conn:
+    """One end of a framed Unix-socket connection on the running event loop.
+
+    Reads use ``loop.sock_recv_into``: a payload lands directly in a preallocated numpy
+    buffer (one kernel copy, no intermediate stream buffer). Writes are serialized by a lock
+    and shielded from cancellation, so a frame is never cut in half on the wire.
+    """
+
+    def __init__(self, sock: socket.socket):
+        sock.setblocking(False)
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self._wlock = asyncio.Lock()
+        self.closed = False
+
+    @classmethod
+    async def connect(cls, path: str) -> "Conn":
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
         try:
-            meta = json.loads(await reader.readexactly(mlen))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise FramingError(f"metadata is not JSON: {e}") from None
-        if not isinstance(meta, dict):
-            raise FramingError("metadata must be a JSON object")
-    payload = await reader.readexactly(plen) if plen else b""
-    return Frame(mtype, req_id, flags, meta, payload)
+            await asyncio.get_running_loop().sock_connect(s, path)
+        except BaseException:
+            s.close()
+            raise
+        return cls(s)
+
+    async def _recv_into(self, view: memoryview) -> None:
+        while len(view):
+            n = await self.loop.sock_recv_into(self.sock, view)
+            if n == 0:
+                raise asyncio.IncompleteReadError(b"", len(view))
+            view = view[n:]
+
+    async def recv_frame(self) -> Frame:
+        """Read one frame; the payload is a writable numpy uint8 array (empty bytes when none)."""
+        hdr = bytearray(HEADER_SIZE)
+        await self._recv_into(memoryview(hdr))
+        mtype, flags, req_id, mlen, plen = parse_header(bytes(hdr))
+        meta = {}
+        if mlen:
+            mb = bytearray(mlen)
+            await self._recv_into(memoryview(mb))
+            try:
+                meta = json.loads(mb)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise FramingError(f"metadata is not JSON: {e}") from None
+            if not isinstance(meta, dict):
+                raise FramingError("metadata must be a JSON object")
+        payload = b""
+        if plen:
+            payload = np.empty(plen, np.uint8)
+            await self._recv_into(memoryview(payload))
+        return Frame(mtype, req_id, flags, meta, payload)
+
+    async def _send(self, parts: list) -> None:
+        async with self._wlock:
+            for p in parts:
+                if len(p):
+                    await self.loop.sock_sendall(self.sock, p)
+
+    async def send(self, parts: list) -> None:
+        """Send one encoded frame (:func:`encode`); completes even if the caller is cancelled."""
+        if self.closed:
+            raise ConnectionError("connection closed")
+        await asyncio.shield(self._send(parts))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
 
 
 # ----------------------------------------------------------------- audio payloads
@@ -192,7 +254,9 @@ def unpack_audio(frame: Frame) -> np.ndarray:
     else:
         if len(frame.payload) % np.dtype(dtype).itemsize:
             raise FramingError("payload length is not a whole number of samples")
-        a = np.frombuffer(frame.payload, dtype=dtype).copy()  # writable (torch warns on read-only buffers)
+        a = np.frombuffer(frame.payload, dtype=dtype)
+        if not a.flags.writeable:
+            a = a.copy()  # torch warns on read-only buffers (bytes payloads)
         if n >= 0 and a.size != n:
             raise FramingError(f"payload holds {a.size} samples, metadata says {n}")
     if dtype == np.int16:
@@ -234,7 +298,7 @@ class EngineClient:
         self.shm_threshold = shm_threshold
         self.metrics = metrics
         self.info: dict = {}
-        self._writer: asyncio.StreamWriter | None = None
+        self._conn: Conn | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
@@ -244,7 +308,7 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        return self._writer is not None and bool(self.info)
+        return self._conn is not None and bool(self.info)
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._connect_loop(), name="flashasr-engine-client")
@@ -260,8 +324,8 @@ class EngineClient:
         self._closed = True
         if self._task:
             self._task.cancel()
-        if self._writer:
-            self._writer.close()
+        if self._conn:
+            self._conn.close()
         self._fail_all(EngineUnavailable("server shutting down"))
 
     def _fail_all(self, err: Exception) -> None:
@@ -274,23 +338,23 @@ class EngineClient:
         delay = 0.05
         while not self._closed:
             try:
-                reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
+                conn = await Conn.connect(self.path)
             except (FileNotFoundError, ConnectionRefusedError, OSError):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
             try:
-                hello = await asyncio.wait_for(read_frame(reader), 30)
+                hello = await asyncio.wait_for(conn.recv_frame(), 30)
                 if hello.type != MsgType.HELLO:
                     raise FramingError("engine did not greet with HELLO")
                 self.info = hello.meta
-                self._writer = writer
+                self._conn = conn
                 self.connects += 1
                 self._connected.set()
                 delay = 0.05
                 log.info("connected to engine pid %s (%s)", self.info.get("pid"), self.info.get("model"))
                 while True:
-                    f = await read_frame(reader)
+                    f = await conn.recv_frame()
                     fut = self._pending.pop(f.req_id, None)
                     if fut is None or fut.done():
                         continue
@@ -298,37 +362,39 @@ class EngineClient:
             except (asyncio.IncompleteReadError, ConnectionError, FramingError, asyncio.TimeoutError, OSError) as e:
                 log.warning("engine connection lost: %s", e)
             finally:
-                self._writer = None
+                self._conn = None
                 self.info = {}
                 self._connected.clear()
-                writer.close()
+                conn.close()
                 self._fail_all(EngineUnavailable())
             await asyncio.sleep(delay)
 
     async def _request(self, mtype: int, meta: dict, payload=b"", flags: int = 0, timeout: float | None = None):
-        w = self._writer
-        if w is None:
+        c = self._conn
+        if c is None:
             raise EngineUnavailable()
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
-            w.writelines(encode(mtype, rid, meta, payload, flags))
-            await w.drain()
+            await c.send(encode(mtype, rid, meta, payload, flags))
             return await (asyncio.wait_for(fut, timeout) if timeout else fut)
         except asyncio.CancelledError:
             # the client went away: tell the engine to drop the work
-            if self._writer is w and not w.is_closing():
-                w.writelines(encode(MsgType.CANCEL, rid))
+            self._cancel(c, rid)
             raise
         except asyncio.TimeoutError:
-            if self._writer is w and not w.is_closing():
-                w.writelines(encode(MsgType.CANCEL, rid))
+            self._cancel(c, rid)
             raise APIError("transcription timed out", status=504, code="timeout") from None
         except (ConnectionError, OSError):
             raise EngineUnavailable() from None
         finally:
             self._pending.pop(rid, None)
+
+    def _cancel(self, c: Conn, rid: int) -> None:
+        if self._conn is c and not c.closed:
+            t = asyncio.get_running_loop().create_task(c.send(encode(MsgType.CANCEL, rid)))
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def transcribe(self, samples: np.ndarray, *, language: str | None = None, word_timestamps: bool = False,
                          priority: int = 2, coalesce_key: str | None = None,

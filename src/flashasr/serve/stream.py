@@ -12,7 +12,9 @@ emits OpenAI Realtime transcription events through an ``emit`` coroutine:
 * ``conversation.item.input_audio_transcription.completed``: the final. It re-runs the
   model on the *whole* utterance, so it equals the offline transcript of the same audio
   (no word lost at packet boundaries or at the end),
-* ``...failed`` when the final could not be produced.
+* ``...failed`` when the final could not be produced,
+* extension (off by default): ``conversation.item.input_audio_transcription.partial`` with every
+  partial hypothesis in full (``transcript``, ``audio_end_ms``), for clients that redraw text.
 
 Cost per stream is bounded: the utterance buffer holds at most ``max_utterance_s`` (a longer
 utterance is committed early), audio before speech is a ring of ``prefix_padding_ms`` + 1 s,
@@ -141,7 +143,7 @@ class StreamSession:
 
     def __init__(self, backend, emit, *, input_rate: int = 24000, vad=None, language: str | None = None,
                  partial_interval_ms: float = 500.0, max_utterance_s: float = 30.0,
-                 prefix_padding_ms: int = 300, metrics=None):
+                 prefix_padding_ms: int = 300, metrics=None, full_partials: bool = False):
         self.id = f"sess_{uuid.uuid4().hex[:16]}"
         self.backend = backend
         self.emit = emit
@@ -152,6 +154,7 @@ class StreamSession:
         self.max_utt = int(max_utterance_s * SR)
         self.prefix = int(prefix_padding_ms * SR / 1000)
         self.metrics = metrics
+        self.full_partials = full_partials  # extension: also send every partial hypothesis in full
         self.pos = 0                      # 16 kHz samples received so far (stream clock)
         self._pre: deque = deque()        # (start_sample, chunk) before speech (VAD mode)
         self._pre_n = 0
@@ -322,6 +325,10 @@ class StreamSession:
                 self.metrics.stage.labels("partial").observe(time.perf_counter() - t0)
             if t is None or item != self.item_id or self.closed:
                 return
+            if self.full_partials:
+                await self.emit({"type": "conversation.item.input_audio_transcription.partial", "item_id": item,
+                                 "content_index": 0, "transcript": t.text.strip(),
+                                 "audio_end_ms": self._ms(self._buf_start + audio.size)})
             hyp = _words(t.text)
             agree = 0
             for a, b in zip(self._prev_hyp, hyp):
