@@ -14,6 +14,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
+# engine settings chosen by bench_gpu_profile.py in the same device call (FLASHASR_TUNE=path)
+TUNE = json.loads(Path(os.environ["FLASHASR_TUNE"]).read_text()) if os.environ.get("FLASHASR_TUNE") else {}
 
 # Parakeet-TDT 0.6B v3 decoder shapes (../shared/fixtures/parakeet/parakeet-tdt-0.6b-v3.yaml)
 V3 = dict(vocab=8192, pred_hidden=640, pred_layers=2, enc_hidden=1024, joint_hidden=640,

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench_gpu_common import build_v3_model, calibrate_joint, env_record, load_speech, write_result
+from bench_gpu_common import TUNE,  build_v3_model, calibrate_joint, env_record, load_speech, write_result
 from flashasr.engine.offline import OfflineParakeetEngine
 from flashasr.engine.profiles import choose_profiles
 
@@ -68,7 +68,7 @@ def main(argv=None):
                     if v["fit"] else choose_profiles(seconds_per_batch=a.seconds_per_batch))
         t0 = time.perf_counter()
         eng = OfflineParakeetEngine(model, profiles=profiles, decoder_dtype=dd, with_text=False,
-                                    compile=v["compile"])
+                                    compile=v["compile"], **TUNE)
         if calib is None:  # calibrate the random joint once, on 64 real pieces
             audio, alen = eng.uploader.upload(speech[:64])
             f, flen = eng.encoder.forward_eager(audio, alen)
@@ -117,7 +117,7 @@ def main(argv=None):
         "benchmark": "end-to-end offline Parakeet-TDT, audio in memory -> tokens", "env": env_record(),
         "conditions": {"model": "parakeet-tdt-0.6b-v3 shapes, random weights (joint calibrated)",
                        "audio_hours": audio_s / 3600, "distinct_speech_min": distinct / 60, "repeats": reps,
-                       "inputs": len(waves), "encoder": "bf16 weights, fp32 norms and log-mel",
+                       "inputs": len(waves), "encoder": "bf16 weights, fp32 norms and log-mel", "engine_settings": TUNE,
                        "decoder_dtype": a.decoder_dtype, "tf32": True, "runs": a.runs,
                        "seconds_per_batch": a.seconds_per_batch,
                        "calibrated_blank_bias": calib[0] if calib else None,

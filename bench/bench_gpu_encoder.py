@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from bench_gpu_common import build_v3_model, cuda_time, env_record, write_result
+from bench_gpu_common import TUNE,  build_v3_model, cuda_time, env_record, write_result
 from flashasr.engine.profiles import EncoderProfiles, Profile, _round_frames
 
 
@@ -37,7 +37,7 @@ def main(argv=None):
             profs.append(Profile(B, _round_frames(s)))
         profs.append(Profile(B, 30.0))
     ep = EncoderProfiles(model, sorted(set(profs), key=lambda p: (p.seconds, p.batch)), dtype=torch.bfloat16,
-                         project=False, compile=a.compile)
+                         project=False, compile=a.compile, **TUNE)
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for B in batches:
@@ -78,7 +78,7 @@ def main(argv=None):
     write_result(a.name, {"benchmark": "encoder profiles vs eager vs padded-to-30s", "env": env_record(),
                           "conditions": {"model": "parakeet-tdt-0.6b-v3 shapes, random weights",
                                          "encoder_params": n_params, "dtype": "bf16 weights, fp32 norms and log-mel",
-                                         "tf32": True, "compile": a.compile, "input": "random noise, full-length rows",
+                                         "tf32": True, "compile": a.compile, "engine_settings": TUNE, "input": "random noise, full-length rows",
                                          "timing": "median wall time of 10 runs, synchronised"},
                           "rows": rows, "profile_memory": mem,
                           "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30})

@@ -180,18 +180,28 @@ class EncoderProfiles:
             dtype) - what :class:`~flashasr.engine.tdt_graphs.TDTGraphDecoder` takes with
             ``projected=True``; otherwise the encoder output ``[B, T, d]``.
         use_graphs: capture each profile as a CUDA graph (CUDA only).
+        cudnn_benchmark: set ``torch.backends.cudnn.benchmark`` (process-wide) so cuDNN times
+            its convolution algorithms for each profile shape at capture.
+        conv_channels_last: store the subsampling Conv2d weights channels-last (NHWC).
         compile: ``torch.compile`` the forward before capturing: False, "dynamic" (one
             compilation with symbolic batch/length shared by all profiles; ``True`` means this)
             or "static" (one compilation per profile shape).
     """
 
     def __init__(self, model, profiles: Sequence[Profile] | None = None, *, dtype: torch.dtype | None = None,
-                 project: bool = True, use_graphs: bool = True, compile: bool = False):
+                 project: bool = True, use_graphs: bool = True, compile: bool | str = False,
+                 cudnn_benchmark: bool = False, conv_channels_last: bool = False):
         self.model = model
         self.device = next(model.encoder.parameters()).device
         cuda = self.device.type == "cuda"
         self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
         prepare_encoder_precision(model.encoder, self.dtype)
+        if cuda and cudnn_benchmark:
+            torch.backends.cudnn.benchmark = True
+        if cuda and conv_channels_last:
+            for m in model.encoder.modules():
+                if isinstance(m, torch.nn.Conv2d):
+                    m.to(memory_format=torch.channels_last)
         self.features = NemoLogMel.from_preprocessor(model.preprocessor).to(self.device)
         self.project = project
         self.use_graphs = bool(use_graphs and cuda)

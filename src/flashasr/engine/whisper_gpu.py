@@ -224,9 +224,11 @@ class WhisperGPUEngine:
         n_tok, done = st.n_tok[:bb], st.done[:bb]
         if forced:
             is_eot_col = self._eot_col
-            under = (n_tok < st.min_len[:bb])[:, None] & is_eot_col[None]
-            over = (n_tok >= st.max_len[:bb])[:, None] & ~is_eot_col[None]
-            filtered = filtered.masked_fill(under | over, float("-inf"))
+            under = (n_tok < st.min_len[:bb])[:, None]
+            over = (n_tok >= st.max_len[:bb])[:, None]
+            filtered = filtered.masked_fill(under & is_eot_col[None], float("-inf"))
+            filtered = filtered.masked_fill(over & ~is_eot_col[None], float("-inf"))
+            filtered = filtered.masked_fill(over & is_eot_col[None], 0.0)
         nxt = filtered.argmax(dim=-1)
         lp = F.log_softmax(filtered, dim=-1).gather(1, nxt[:, None])[:, 0]
         act = ~done
