@@ -183,6 +183,8 @@ class EncoderProfiles:
         cudnn_benchmark: set ``torch.backends.cudnn.benchmark`` (process-wide) so cuDNN times
             its convolution algorithms for each profile shape at capture.
         conv_channels_last: store the subsampling Conv2d weights channels-last (NHWC).
+        fast_attention: swap the encoder's full-context attention for
+            :mod:`flashasr.engine.fast_attention` (checked equal at install; skipped if not).
         compile: ``torch.compile`` the forward before capturing: False, "dynamic" (one
             compilation with symbolic batch/length shared by all profiles; ``True`` means this)
             or "static" (one compilation per profile shape).
@@ -190,12 +192,17 @@ class EncoderProfiles:
 
     def __init__(self, model, profiles: Sequence[Profile] | None = None, *, dtype: torch.dtype | None = None,
                  project: bool = True, use_graphs: bool = True, compile: bool | str = False,
-                 cudnn_benchmark: bool = False, conv_channels_last: bool = False):
+                 cudnn_benchmark: bool = False, conv_channels_last: bool = False, fast_attention: bool = True):
         self.model = model
         self.device = next(model.encoder.parameters()).device
         cuda = self.device.type == "cuda"
         self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
         prepare_encoder_precision(model.encoder, self.dtype)
+        self.fast_attention_modules = 0
+        if fast_attention:
+            from .fast_attention import install_fast_attention
+
+            self.fast_attention_modules = install_fast_attention(model.encoder)
         if cuda and cudnn_benchmark:
             torch.backends.cudnn.benchmark = True
         if cuda and conv_channels_last:

@@ -1,0 +1,48 @@
+"""Fast rel-pos attention (engine) equals the Parakeet encoder's attention; whole encoder too."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conftest import PARAKEET_FIXTURES
+from flashasr.engine.fast_attention import install_fast_attention
+from flashasr.models.parakeet.encoder import RelPositionMultiHeadAttention, relative_positions
+
+TINY = PARAKEET_FIXTURES / "tiny-tdt"
+
+
+def test_fast_attention_equals_reference_random():
+    torch.manual_seed(0)
+    for d, h, T in ((64, 4, 1), (64, 4, 23), (96, 8, 40)):
+        m = RelPositionMultiHeadAttention(d, h, use_bias=True).eval()
+        with torch.no_grad():
+            m.pos_bias_u.normal_()
+            m.pos_bias_v.normal_()
+        x = torch.randn(3, T, d)
+        valid = torch.arange(T)[None] < torch.tensor([T, max(1, T // 2), 1])[:, None]
+        pos = relative_positions(T, d)
+        with torch.no_grad():
+            want = m(x, valid, pos)
+            enc = torch.nn.Sequential(m)
+            assert install_fast_attention(enc) == 1
+            assert type(m).__name__.startswith("Fast")
+            got = m(x, valid, pos)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_attention_in_encoder_matches_nemo_fixture():
+    from flashasr.models.parakeet.model import ParakeetASR
+
+    z = np.load(TINY / "reference.npz")
+    model = ParakeetASR.from_nemo(TINY / "model.nemo")
+    feats = torch.from_numpy(z["features"])
+    flen = torch.from_numpy(z["feature_lengths"])
+    with torch.no_grad():
+        ref, L = model.encoder(feats, flen)
+        assert install_fast_attention(model.encoder) == len(model.encoder.layers)
+        got, L2 = model.encoder(feats, flen)
+    assert L.tolist() == L2.tolist()
+    for b, n in enumerate(z["encoded_lengths"]):
+        torch.testing.assert_close(got[b, :, :n], ref[b, :, :n], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got[b, :, :n].numpy(), z["encoder_output"][b, :, :n], rtol=1e-4, atol=1e-4)
