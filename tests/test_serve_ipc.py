@@ -30,24 +30,43 @@ def test_frames_inline_and_shared_memory():
     rng = np.random.default_rng(0)
     x = rng.standard_normal(48000).astype(np.float32)
     i16 = (rng.standard_normal(1000) * 3000).astype(np.int16)
-    f1, m1, p1, shm1 = ipc.pack_audio(x, shm_threshold=1 << 30)       # inline float32
-    f2, m2, p2, shm2 = ipc.pack_audio(x, shm_threshold=1024)          # shared memory
-    f3, m3, p3, shm3 = ipc.pack_audio(i16, shm_threshold=1 << 30)     # inline int16
-    assert shm1 is None and shm3 is None and shm2 is not None and p2 == b""
+    pool = ipc.ShmPool(max_bytes=4 << 20)
+    f1, m1, p1, h1 = ipc.pack_audio(x, shm_threshold=1 << 30)         # inline float32
+    f2, m2, p2, h2 = ipc.pack_audio(x, shm_threshold=1024)            # one-off shared memory
+    f3, m3, p3, h3 = ipc.pack_audio(i16, shm_threshold=1 << 30)       # inline int16
+    f4, m4, p4, h4 = ipc.pack_audio(x, shm_threshold=1024, pool=pool)  # pooled shared memory
+    assert h1 is None and h3 is None and p2 == b"" and p4 == b""
+    assert f2 & ipc.Flag.SHM and not f2 & ipc.Flag.SHM_POOLED and f4 & ipc.Flag.SHM_POOLED
     frames = [ipc.encode(ipc.MsgType.TRANSCRIBE, 7, dict(m1, language="en"), p1, f1),
               ipc.encode(ipc.MsgType.TRANSCRIBE, 2**40, m2, p2, f2),
               ipc.encode(ipc.MsgType.TRANSCRIBE, 9, m3, p3, f3),
-              ipc.encode(ipc.MsgType.PING, 10)]
+              ipc.encode(ipc.MsgType.PING, 10),
+              ipc.encode(ipc.MsgType.TRANSCRIBE, 11, m4, p4, f4)]
     got = asyncio.run(_roundtrip(frames))
-    assert [g.req_id for g in got] == [7, 2**40, 9, 10]
+    assert [g.req_id for g in got] == [7, 2**40, 9, 10, 11]
     assert got[0].meta["language"] == "en" and len(got[0].payload) == x.nbytes
     np.testing.assert_array_equal(ipc.unpack_audio(got[0]), x)
-    np.testing.assert_array_equal(ipc.unpack_audio(got[1]), x)       # read from shm, then unlinked
+    np.testing.assert_array_equal(ipc.unpack_audio(got[1]), x)       # copied out of shm, then unlinked
     with pytest.raises(FileNotFoundError):
-        ipc.shared_memory.SharedMemory(name=shm2)
-    ipc.unlink_shm(shm2)                                              # sender's unlink: missing is fine
+        ipc.shared_memory.SharedMemory(name=m2["shm"])
+    ipc.release_audio(h2, replied=True)                               # sender's clean-up: missing is fine
     np.testing.assert_allclose(ipc.unpack_audio(got[2]), i16.astype(np.float32) / 32768)
-    assert got[3].type == ipc.MsgType.PING and got[3].meta == {} and got[3].payload == b""
+    assert got[3].type == ipc.MsgType.PING and got[3].meta == {} and len(got[3].payload) == 0
+    y = ipc.unpack_audio(got[4])                                      # pooled: read in place, no copy
+    np.testing.assert_array_equal(y, x)
+    assert not y.flags.owndata
+    del y
+    ipc.release_audio(h4, replied=True)                               # reply arrived: the segment is reused
+    _, m5, _, h5 = ipc.pack_audio(x[::-1].copy(), shm_threshold=1024, pool=pool)
+    assert m5["shm"] == m4["shm"]
+    np.testing.assert_array_equal(ipc.unpack_audio(ipc.Frame(2, 12, int(f4), m5, b"")), x[::-1])
+    ipc.release_audio(h5, replied=False)                              # no reply: discarded, never reused
+    _, m6, _, h6 = ipc.pack_audio(x, shm_threshold=1024, pool=pool)
+    assert m6["shm"] != m4["shm"]
+    ipc.release_audio(h6, replied=True)
+    pool.close()
+    with pytest.raises(FileNotFoundError):
+        ipc.shared_memory.SharedMemory(name=m6["shm"])
 
 
 def test_malformed_frames_are_rejected():

@@ -634,6 +634,9 @@ def run(cfg: ServeConfig) -> None:
     import multiprocessing as mp
 
     from .engine_proc import EngineSupervisor
+    from .ipc import cleanup_stale_segments
+
+    cleanup_stale_segments()  # shared memory left by crashed front ends of earlier runs
 
     tmpdir = None
     path = cfg.engine_socket

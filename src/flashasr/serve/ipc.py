@@ -6,7 +6,7 @@ Every message is one frame on a persistent Unix-domain stream socket::
       magic        2s   b"FA"
       version      u8   1
       type         u8   MsgType
-      flags        u16  Flag bits (SHM, PCM16)
+      flags        u16  Flag bits (SHM, PCM16, SHM_POOLED)
       reserved     u16  0
       request_id   u64  chosen by the sender of a request; replies carry the same id
       meta_len     u32  bytes of compact UTF-8 JSON metadata that follow (<= 1 MiB)
@@ -16,10 +16,10 @@ Every message is one frame on a persistent Unix-domain stream socket::
 
 Audio is never JSON-encoded or pickled. A payload above the shared-memory threshold
 travels through :mod:`multiprocessing.shared_memory`: the frame carries ``SHM`` in its
-flags, an empty payload, and ``{"shm": NAME, "n": samples}`` in its metadata. The
-receiver copies the samples out and unlinks the segment at once; the sender also
-unlinks it when the reply arrives or the connection drops (whichever comes first wins,
-the other ignores ``FileNotFoundError``), so a crash on either side leaks nothing.
+flags, an empty payload, and ``{"shm": NAME, "n": samples}`` in its metadata. Normally the
+segment comes from the sender's :class:`ShmPool` (flag ``SHM_POOLED``): the receiver maps it
+once, reads the samples in place, and the sender reuses it after the reply. Otherwise
+(pool full) it is a one-off segment that the receiver copies out and unlinks at once.
 
 Messages: ``HELLO`` (engine -> front end on connect: model name, family, pid), ``TRANSCRIBE``
 (front end -> engine), ``RESULT`` (transcript dict as metadata), ``ERROR`` (``{"code",
@@ -72,6 +72,7 @@ class Flag(enum.IntFlag):
     NONE = 0
     SHM = 1      # payload is in shared memory named by meta["shm"]
     PCM16 = 2    # samples are int16 (else float32)
+    SHM_POOLED = 4  # the segment is the sender's pooled one: read in place, keep mapped, never unlink
 
 
 class FramingError(Exception):
@@ -185,9 +186,15 @@ class Conn:
 
 
 # ----------------------------------------------------------------- audio payloads
+SHM_PREFIX = "flashasr_"
+_shm_ids = itertools.count(1)
+
+
 def _unregister(name: str) -> None:
-    # Python < 3.13 registers every segment it creates with the resource tracker, which would
-    # unlink it (and warn) when this process exits; the receiver owns the unlink instead.
+    # Python < 3.13 registers every segment a process creates or attaches with the resource
+    # tracker (shared by a process tree), which would unlink segments it does not own when a
+    # process exits. Our segments bypass it: owners unlink explicitly, and stale ones (named
+    # flashasr_<pid>_<n>) are removed by :func:`cleanup_stale_segments`.
     try:
         from multiprocessing import resource_tracker
 
@@ -196,8 +203,21 @@ def _unregister(name: str) -> None:
         pass
 
 
+def _create_shm(size: int) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}_{next(_shm_ids)}", create=True,
+                                     size=max(1, size))
+    _unregister(shm.name)
+    return shm
+
+
+def _open_shm(name: str) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(name=name)
+    _unregister(shm.name)
+    return shm
+
+
 def unlink_shm(name: str) -> None:
-    """Remove a shared-memory segment by name (sender-side clean-up); missing is fine."""
+    """Remove a shared-memory segment by name; missing is fine."""
     try:
         import _posixshmem
 
@@ -206,15 +226,118 @@ def unlink_shm(name: str) -> None:
         pass
 
 
-def pack_audio(samples: np.ndarray, shm_threshold: int) -> tuple[int, dict, object, str | None]:
+def cleanup_stale_segments() -> int:
+    """Unlink ``/dev/shm/flashasr_<pid>_*`` segments whose creating process is gone; returns the count."""
+    n = 0
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        try:
+            pid = int(name[len(SHM_PREFIX):].split("_", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            unlink_shm(name)
+            n += 1
+        except (ValueError, PermissionError):
+            pass
+    return n
+
+
+class _Seg:
+    __slots__ = ("shm", "size", "pooled")
+
+    def __init__(self, shm, size: int, pooled: bool):
+        self.shm, self.size, self.pooled = shm, size, pooled
+
+
+class ShmPool:
+    """Sender-side pool of reusable shared-memory segments.
+
+    A fresh segment costs shm_open + ftruncate + mmap and a page fault per 4 KiB page on first
+    write (and the receiver's mapping faults again); a reused one costs one memcpy into warm
+    pages. Pooled segments (power-of-two sizes >= 1 MiB, at most ``max_bytes`` in total) are
+    marked ``SHM_POOLED``: the receiver may read them in place (no copy) and keeps them mapped;
+    the sender reuses a segment only after the reply to the request that used it arrived.
+    A request that ends without a reply (cancelled, timed out, connection lost) discards its
+    segment (unlinked; memory returns once the receiver unmaps it).
+    """
+
+    def __init__(self, max_bytes: int = 512 << 20):
+        self.max_bytes = max_bytes
+        self.total = 0
+        self.free: dict[int, list[_Seg]] = {}
+
+    def acquire(self, nbytes: int) -> _Seg:
+        size = 1 << max(20, (max(1, nbytes) - 1).bit_length())
+        lst = self.free.get(size)
+        if lst:
+            return lst.pop()
+        if self.total + size <= self.max_bytes:
+            self.total += size
+            return _Seg(_create_shm(size), size, True)
+        return _Seg(_create_shm(nbytes), nbytes, False)
+
+    def release(self, seg: _Seg, reusable: bool) -> None:
+        if seg.pooled and reusable:
+            self.free.setdefault(seg.size, []).append(seg)
+            return
+        if seg.pooled:
+            self.total -= seg.size
+        name = seg.shm.name
+        seg.shm.close()
+        unlink_shm(name)
+
+    def close(self) -> None:
+        for lst in self.free.values():
+            for seg in lst:
+                self.release(seg, reusable=False)
+        self.free.clear()
+
+
+_ONE_OFF = ShmPool(max_bytes=0)
+
+
+class _Attached:
+    """Receiver-side cache of mapped pooled segments (name -> SharedMemory), bounded in bytes."""
+
+    def __init__(self, max_bytes: int = 2 << 30):
+        self.max_bytes = max_bytes
+        self.maps: dict[str, shared_memory.SharedMemory] = {}
+
+    def get(self, name: str) -> shared_memory.SharedMemory:
+        shm = self.maps.pop(name, None)
+        if shm is None:
+            shm = _open_shm(name)
+        self.maps[name] = shm  # most recently used last
+        total = sum(m.size for m in self.maps.values())
+        for old in list(self.maps):
+            if total <= self.max_bytes or old == name:
+                break
+            try:
+                self.maps[old].close()  # BufferError while a waveform still uses it: keep it
+            except BufferError:
+                continue
+            total -= self.maps.pop(old).size
+        return shm
+
+
+_ATTACHED = _Attached()
+
+
+def pack_audio(samples: np.ndarray, shm_threshold: int, pool: ShmPool | None = None):
     """Prepare samples for a TRANSCRIBE frame.
 
     Args:
         samples: float32 [N] (or int16 [N]) mono samples.
         shm_threshold: payloads larger than this many bytes go through shared memory.
+        pool: the sender's :class:`ShmPool` (None: a one-off segment the receiver unlinks).
     Returns:
-        (flags, meta, payload, shm_name or None). The caller must :func:`unlink_shm` the
-        name once the reply has arrived (or the connection dropped).
+        ``(flags, meta, payload, handle)``; ``handle`` is None or must be given back with
+        :func:`release_audio` once the request is over.
     """
     a = np.ascontiguousarray(samples)
     flags = Flag.PCM16 if a.dtype == np.int16 else Flag.NONE
@@ -222,35 +345,50 @@ def pack_audio(samples: np.ndarray, shm_threshold: int) -> tuple[int, dict, obje
         a = a.astype(np.float32)
     meta = {"n": int(a.size)}
     if a.nbytes > shm_threshold:
-        shm = shared_memory.SharedMemory(create=True, size=max(1, a.nbytes))
-        _unregister(shm.name)
-        np.ndarray(a.shape, a.dtype, buffer=shm.buf)[:] = a
-        name = shm.name
-        shm.close()
-        meta["shm"] = name
-        return int(flags | Flag.SHM), meta, b"", name
+        pool = pool or _ONE_OFF
+        seg = pool.acquire(a.nbytes)
+        np.ndarray(a.shape, a.dtype, buffer=seg.shm.buf)[:] = a
+        meta["shm"] = seg.shm.name
+        flags |= Flag.SHM | (Flag.SHM_POOLED if seg.pooled else 0)
+        return int(flags), meta, b"", (pool, seg)
     return int(flags), meta, memoryview(a).cast("B"), None
 
 
+def release_audio(handle, replied: bool) -> None:
+    """Give a shared-memory handle from :func:`pack_audio` back (reused only if the reply arrived)."""
+    if handle is not None:
+        pool, seg = handle
+        pool.release(seg, reusable=replied)
+
+
 def unpack_audio(frame: Frame) -> np.ndarray:
-    """Samples of a TRANSCRIBE frame as float32 [N] (copied out of shared memory, which is unlinked)."""
+    """Samples of a TRANSCRIBE frame as float32 [N].
+
+    Inline payloads are used where they landed; pooled shared memory is read in place (the
+    sender does not touch the segment before our reply); a one-off segment is copied out and
+    unlinked at once.
+    """
     n = int(frame.meta.get("n", -1))
     dtype = np.int16 if frame.flags & Flag.PCM16 else np.float32
     if frame.flags & Flag.SHM:
         name = frame.meta.get("shm")
         if not isinstance(name, str) or n < 0:
             raise FramingError("SHM frame without shm name / sample count")
-        shm = shared_memory.SharedMemory(name=name)  # registers with the resource tracker; unlink() unregisters
-        try:
-            if shm.size < n * np.dtype(dtype).itemsize:
+        need = n * np.dtype(dtype).itemsize
+        if frame.flags & Flag.SHM_POOLED:
+            shm = _ATTACHED.get(name)
+            if shm.size < need:
                 raise FramingError("shared-memory segment smaller than the declared sample count")
-            a = np.ndarray((n,), dtype, buffer=shm.buf).copy()
-        finally:
-            shm.close()
+            a = np.ndarray((n,), dtype, buffer=shm.buf)
+        else:
+            shm = _open_shm(name)
             try:
-                shm.unlink()
-            except FileNotFoundError:
-                pass
+                if shm.size < need:
+                    raise FramingError("shared-memory segment smaller than the declared sample count")
+                a = np.ndarray((n,), dtype, buffer=shm.buf).copy()
+            finally:
+                shm.close()
+                unlink_shm(name)
     else:
         if len(frame.payload) % np.dtype(dtype).itemsize:
             raise FramingError("payload length is not a whole number of samples")
@@ -299,6 +437,7 @@ class EngineClient:
         self.metrics = metrics
         self.info: dict = {}
         self._conn: Conn | None = None
+        self._pool = ShmPool()
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
@@ -327,6 +466,7 @@ class EngineClient:
         if self._conn:
             self._conn.close()
         self._fail_all(EngineUnavailable("server shutting down"))
+        self._pool.close()
 
     def _fail_all(self, err: Exception) -> None:
         pending, self._pending = self._pending, {}
@@ -400,17 +540,17 @@ class EngineClient:
                          priority: int = 2, coalesce_key: str | None = None,
                          timeout: float | None = None) -> Transcript | None:
         """Transcribe float32 [N] 16 kHz samples in the engine. Raises EngineUnavailable (503)."""
-        flags, meta, payload, shm = pack_audio(samples, self.shm_threshold)
+        flags, meta, payload, shm = pack_audio(samples, self.shm_threshold, self._pool)
         meta.update(language=language, word_timestamps=bool(word_timestamps), priority=int(priority))
         if coalesce_key is not None:
             meta["key"] = coalesce_key
         if self.metrics is not None:
             self.metrics.inflight.inc()
+        f = None
         try:
             f = await self._request(MsgType.TRANSCRIBE, meta, payload, flags, timeout)
         finally:
-            if shm:
-                unlink_shm(shm)
+            release_audio(shm, replied=f is not None)
             if self.metrics is not None:
                 self.metrics.inflight.dec()
         if f.type == MsgType.ERROR:
