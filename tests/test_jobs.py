@@ -267,3 +267,29 @@ def test_real_model_batched_equals_per_file(tmp_path):
         for sa, sb in zip(a["segments"], b["segments"]):
             assert abs(sa["start"] - sb["start"]) <= 0.02 and abs(sa["end"] - sb["end"]) <= 0.02
     assert "golden fortune" in json.loads(o1["en-ls-61-70968-0002.verbose.json"])["text"].lower()
+
+
+def test_parakeet_fixture_batched_equals_per_file(tmp_path):
+    """Parakeet-TDT (the tiny NeMo fixture): pieces of different lengths padded in one batch
+    give the same tokens and times as one by one."""
+    from conftest import PARAKEET_FIXTURES
+    from flashasr.models.registry import cached_model
+
+    nemo = PARAKEET_FIXTURES / "tiny-tdt/model.nemo"
+    if not nemo.exists():
+        pytest.skip("Parakeet fixture missing")
+    m = cached_model(str(nemo), "cpu")
+    assert m.family == "parakeet" and m.max_segment_seconds > 30
+    clips = [AUDIO / "en/en-ls-61-70968-0002.wav", AUDIO / "en/en-vctk-p225-001.wav",
+             AUDIO / "hard/hard-short-cards-ten-of-clubs.wav"]
+    r1 = run_job(clips, m, tmp_path / "one", "verbose_json", batch_size=1, progress=False)
+    r3 = run_job(clips, m, tmp_path / "three", "verbose_json", batch_size=3, batch_wait_s=30, progress=False)
+    assert r1.n_batches == 3 and r3.n_batches == 1 and r3.exit_code == 0
+    o1, o3 = _outputs(tmp_path / "one"), _outputs(tmp_path / "three")
+    assert len(o1) == 3 and o1.keys() == o3.keys()
+    for k in o1:
+        a, b = json.loads(o1[k]), json.loads(o3[k])
+        assert a["text"] == b["text"] and a["text"]
+        assert [s["tokens"] for s in a["segments"]] == [s["tokens"] for s in b["segments"]]
+        for sa, sb in zip(a["segments"], b["segments"]):
+            assert abs(sa["start"] - sb["start"]) <= 0.08 and abs(sa["end"] - sb["end"]) <= 0.08
