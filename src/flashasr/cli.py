@@ -113,6 +113,10 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     except FlashASRError as e:
         _err(f"error: [{e.code}] cannot load model {args.model or 'tiny.en'}: {e}")
         return EXIT_USAGE
+    except Exception as e:  # e.g. a CUDA device asked for on a machine without one
+        _err(f"error: [model_load_error] cannot load model {args.model or 'tiny.en'} on {args.device}: "
+             f"{type(e).__name__}: {e}")
+        return EXIT_USAGE
 
     several = len(items) > 1
     order = {str(it.path): k for k, it in enumerate(items)}

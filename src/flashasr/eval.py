@@ -560,6 +560,9 @@ def run_eval_cli(args: argparse.Namespace) -> int:
     except FlashASRError as e:
         print(f"error: [{e.code}] {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # e.g. CUDA asked for on a machine without one
+        print(f"error: [model_load_error] {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     res = evaluate(clips, model, peer=peer, language=args.language, batch_size=args.batch_size,
                    segmentation=args.segmentation, all_clips=all_clips, progress=args.progress)
     res.summary["conditions"] = {
