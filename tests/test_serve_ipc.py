@@ -69,6 +69,33 @@ def test_frames_inline_and_shared_memory():
         ipc.shared_memory.SharedMemory(name=m6["shm"])
 
 
+def test_burst_of_small_and_large_frames():
+    """Many frames back to back: small ones share read-ahead, a large payload straddles it."""
+    rng = np.random.default_rng(1)
+    waves = [rng.standard_normal(n).astype(np.float32) for n in (10, 3, 200_000, 7, 1, 70_000, 5)]
+
+    async def go():
+        a, b = socket.socketpair()
+        ca, cb = ipc.Conn(a), ipc.Conn(b)
+
+        async def send_all():
+            for i, w in enumerate(waves):
+                f, m, p, _ = ipc.pack_audio(w, shm_threshold=1 << 30)
+                await ca.send(ipc.encode(ipc.MsgType.TRANSCRIBE, i, m, p, f))
+
+        t = asyncio.ensure_future(send_all())
+        got = [await cb.recv_frame() for _ in waves]
+        await t
+        ca.close()
+        cb.close()
+        return got
+
+    got = asyncio.run(go())
+    for i, (g, w) in enumerate(zip(got, waves)):
+        assert g.req_id == i
+        np.testing.assert_array_equal(ipc.unpack_audio(g), w)
+
+
 def test_malformed_frames_are_rejected():
     good = ipc.encode(ipc.MsgType.PING, 1)[0]
     for bad in (b"XX" + good[2:],                                       # magic

@@ -123,6 +123,8 @@ class Conn:
         self.loop = asyncio.get_running_loop()
         self._wlock = asyncio.Lock()
         self.closed = False
+        self._buf = bytearray(1 << 18)  # read-ahead: many small frames per recv call
+        self._start = self._end = 0
 
     @classmethod
     async def connect(cls, path: str) -> "Conn":
@@ -142,17 +144,41 @@ class Conn:
                 raise asyncio.IncompleteReadError(b"", len(view))
             view = view[n:]
 
+    async def _fill(self, need: int) -> None:
+        """Make at least ``need`` bytes available in the read-ahead buffer."""
+        if self._end - self._start >= need:
+            return
+        if self._start + need > len(self._buf):  # compact (and grow for a large header/meta)
+            data = self._buf[self._start:self._end]
+            if need > len(self._buf):
+                self._buf = bytearray(need)
+            self._buf[:len(data)] = data
+            self._start, self._end = 0, len(data)
+        mv = memoryview(self._buf)
+        while self._end - self._start < need:
+            n = await self.loop.sock_recv_into(self.sock, mv[self._end:])
+            if n == 0:
+                raise asyncio.IncompleteReadError(b"", need)
+            self._end += n
+
+    def _take(self, n: int) -> bytes:
+        b = bytes(self._buf[self._start:self._start + n])
+        self._start += n
+        return b
+
     async def recv_frame(self) -> Frame:
-        """Read one frame; the payload is a writable numpy uint8 array (empty bytes when none)."""
-        hdr = bytearray(HEADER_SIZE)
-        await self._recv_into(memoryview(hdr))
-        mtype, flags, req_id, mlen, plen = parse_header(bytes(hdr))
+        """Read one frame; the payload is a writable numpy uint8 array (empty bytes when none).
+
+        Header and metadata come from the read-ahead buffer; a payload is copied from what was
+        already read ahead and the rest is received straight into its own array.
+        """
+        await self._fill(HEADER_SIZE)
+        mtype, flags, req_id, mlen, plen = parse_header(self._take(HEADER_SIZE))
         meta = {}
         if mlen:
-            mb = bytearray(mlen)
-            await self._recv_into(memoryview(mb))
+            await self._fill(mlen)
             try:
-                meta = json.loads(mb)
+                meta = json.loads(self._take(mlen))
             except (ValueError, UnicodeDecodeError) as e:
                 raise FramingError(f"metadata is not JSON: {e}") from None
             if not isinstance(meta, dict):
@@ -160,14 +186,24 @@ class Conn:
         payload = b""
         if plen:
             payload = np.empty(plen, np.uint8)
-            await self._recv_into(memoryview(payload))
+            have = min(plen, self._end - self._start)
+            if have:
+                payload[:have] = np.frombuffer(self._buf, np.uint8, have, self._start)
+                self._start += have
+            if have < plen:
+                await self._recv_into(memoryview(payload)[have:])
+        if self._start == self._end:
+            self._start = self._end = 0
         return Frame(mtype, req_id, flags, meta, payload)
 
     async def _send(self, parts: list) -> None:
+        head, payload = parts
+        if len(payload) <= 65536:  # small frame: one write
+            head, payload = head + bytes(payload), b""
         async with self._wlock:
-            for p in parts:
-                if len(p):
-                    await self.loop.sock_sendall(self.sock, p)
+            await self.loop.sock_sendall(self.sock, head)
+            if len(payload):
+                await self.loop.sock_sendall(self.sock, payload)
 
     async def send(self, parts: list) -> None:
         """Send one encoded frame (:func:`encode`); completes even if the caller is cancelled."""
