@@ -223,8 +223,9 @@ def _append(pcm: bytes) -> str:
     return json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
 
 
-def test_realtime_final_equals_offline(server, offline_text):
-    """Manual commit, 20 ms packets at real-time pace: partial deltas, then a final equal to offline."""
+def test_realtime_final_equals_offline(server, client):
+    """Manual commit, 20 ms packets at real-time pace: partial deltas, then a final equal to the
+    offline transcript of exactly the audio sent."""
     pcm = pcm16()
 
     async def go():
@@ -237,21 +238,34 @@ def test_realtime_final_equals_offline(server, offline_text):
                 "input_audio_transcription": {"model": "whisper-1", "language": "en"}}}))
             upd = json.loads(await ws.recv())
             assert upd["type"] == "transcription_session.updated" and upd["session"]["turn_detection"] is None
+            sent, evs = bytearray(), []
             t0 = time.monotonic()
-            for i, off in enumerate(range(0, len(pcm), 640)):  # 20 ms = 320 samples = 640 bytes
-                await ws.send(_append(pcm[off:off + 640]))
-                await asyncio.sleep(max(0.0, t0 + (i + 1) * 0.02 - time.monotonic()))
-            # partials keep coming while the model catches up (each re-runs the utterance so far)
-            evs = await _events_until(ws, "conversation.item.input_audio_transcription.delta", timeout=60)
+            i = 0
+            # the clip, then silence until the first partial delta arrives (each partial re-runs the
+            # utterance so far; two agreeing hypotheses release words), at most 60 s
+            while not any(e["type"].endswith("transcription.delta") for e in evs):
+                assert time.monotonic() - t0 < 60, evs
+                chunk = pcm[i * 640:(i + 1) * 640] or silence(0.02)  # 20 ms = 640 bytes
+                await ws.send(_append(chunk))
+                sent += chunk
+                i += 1
+                await asyncio.sleep(max(0.0, t0 + i * 0.02 - time.monotonic()))
+                while True:
+                    try:
+                        evs.append(json.loads(await asyncio.wait_for(ws.recv(), 0.001)))
+                    except asyncio.TimeoutError:
+                        break
             await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
-            return evs + await _events_until(ws, "conversation.item.input_audio_transcription.completed")
+            evs += await _events_until(ws, "conversation.item.input_audio_transcription.completed")
+            return evs, bytes(sent)
 
-    evs = asyncio.run(go())
+    evs, sent = asyncio.run(go())
     committed = [e for e in evs if e["type"] == "input_audio_buffer.committed"]
     final = evs[-1]
     assert len(committed) == 1 and final["item_id"] == committed[0]["item_id"]
-    assert committed[0]["audio_start_ms"] == 0 and committed[0]["audio_end_ms"] == 2970
-    assert final["transcript"] == offline_text
+    assert committed[0]["audio_start_ms"] == 0 and committed[0]["audio_end_ms"] == len(sent) // 32
+    assert final["transcript"] == _create(client, wav_bytes(sent)).text
+    assert words(final["transcript"]) == CLIP_WORDS
     types = [e["type"] for e in evs]
     assert types.index("conversation.item.input_audio_transcription.delta") < types.index(
         "input_audio_buffer.committed")  # a partial came before the commit

@@ -263,8 +263,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work not in done:  # the client went away: drop the work (engine gets CANCEL)
             work.cancel()
-            metrics.requests.labels("/v1/audio/transcriptions", "499").inc()
-            return Response(status_code=499)
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         watch.cancel()
         transcript = work.result()
         transcript.duration = wav.duration

@@ -13,7 +13,6 @@ import os
 
 import numpy as np
 
-from ..errors import FlashASRError
 from .config import ServeConfig
 from .errors import APIError
 from .ipc import EngineClient

@@ -37,7 +37,6 @@ import logging
 import os
 import socket
 import struct
-import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 

@@ -17,10 +17,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 

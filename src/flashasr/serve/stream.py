@@ -24,7 +24,6 @@ and everything of an utterance is dropped once its final is queued.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
@@ -39,7 +38,6 @@ log = logging.getLogger("flashasr.serve")
 
 SR = 16000
 MIN_RATE, MAX_RATE = 8000, 192000
-_ids = itertools.count(1)
 
 
 def check_rate(value) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-import time
 
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
