@@ -130,6 +130,7 @@ def test_error_codes(client):
         (CLIP.read_bytes(), {"response_format": "docx"}, 400, "unsupported_response_format"),
         (CLIP.read_bytes(), {"language": "english!"}, 400, "invalid_request"),
         (CLIP.read_bytes(), {"temperature": 7}, 400, "invalid_request"),
+        (CLIP.read_bytes(), {"language": "de"}, 400, "unsupported_language"),  # tiny.en is English-only
     ]
     for data, kw, status, code in cases:
         with pytest.raises(openai.APIStatusError) as ei:
@@ -350,6 +351,27 @@ def test_binary_stream_final_equals_offline(server, offline_text):
 
     evs = asyncio.run(go())
     assert evs[-1]["transcript"] == offline_text
+
+
+def test_stream_utterance_cap_bounds_memory(server):
+    """Without VAD a never-committed stream is cut at --max-utterance-s (30 s): committed + final, and
+    the buffer starts again (the cost of a stream is bounded however long it lives)."""
+    audio = silence(30.5)
+
+    async def go():
+        async with connect(_ws_url(server, "/v1/stream?sample_rate=16000&partial_interval_ms=0"),
+                           additional_headers={"Authorization": f"Bearer {KEY}"}, max_size=None) as ws:
+            await ws.recv()
+            for off in range(0, len(audio), 32000):  # 1 s frames, as fast as possible
+                await ws.send(audio[off:off + 32000])
+            first = await _events_until(ws, "input_audio_buffer.committed")
+            await ws.send(json.dumps({"type": "commit"}))
+            rest = await _events_until(ws, "input_audio_buffer.committed")
+            return first + rest
+
+    evs = asyncio.run(go())
+    com = [(e["audio_start_ms"], e["audio_end_ms"]) for e in evs if e["type"] == "input_audio_buffer.committed"]
+    assert com == [(0, 30000), (30000, 30500)]
 
 
 def test_stream_errors_keep_the_session(server):
