@@ -460,6 +460,8 @@ def run(args):
             ("tiny.en", torch.bfloat16, False), ("large-v3", torch.bfloat16, True)]
     if args.only:
         plan = [p for p in plan if p[0] in args.only.split(",")]
+    if args.dtype:  # e.g. a CPU smoke run in float32
+        plan = list(dict.fromkeys((n, getattr(torch, args.dtype), f) for n, _, f in plan))
     for name, dtype, forced in plan:
         if time.perf_counter() - t_start > args.budget_s:
             log(f"skip {name} {dtype}: time budget {args.budget_s} s spent")
@@ -515,6 +517,7 @@ def main(argv=None):
     r.add_argument("--reps", type=int, default=2)
     r.add_argument("--budget-s", type=float, default=200.0)
     r.add_argument("--only", default=None, help="comma-separated model names")
+    r.add_argument("--dtype", default=None, help="override every run's dtype (float32 for a CPU smoke run)")
     a = ap.parse_args(argv)
     (prepare if a.cmd == "prepare" else run)(a)
 
