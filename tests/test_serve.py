@@ -275,6 +275,24 @@ def test_realtime_final_equals_offline(server, client):
     assert all(e.get("event_id") for e in evs)
 
 
+def test_openai_realtime_client(client, offline_text):
+    """The official openai package's Realtime client (GA event shapes) against /v1/realtime."""
+    pcm = pcm16()
+    with client.realtime.connect(model="whisper-1", extra_query={"intent": "transcription"}) as conn:
+        assert conn.recv().type == "transcription_session.created"
+        conn.session.update(session={"type": "transcription", "audio": {"input": {
+            "format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None}}})
+        assert conn.recv().type == "session.updated"
+        for off in range(0, len(pcm), 640):
+            conn.input_audio_buffer.append(audio=base64.b64encode(pcm[off:off + 640]).decode())
+        conn.input_audio_buffer.commit()
+        for ev in conn:
+            assert ev.type != "error", ev
+            if ev.type == "conversation.item.input_audio_transcription.completed":
+                break
+    assert ev.transcript == offline_text
+
+
 def test_realtime_server_vad(server, client):
     """Server VAD: speech_started / speech_stopped / committed / completed; each final equals the
     offline transcript of exactly the committed audio."""
