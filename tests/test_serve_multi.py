@@ -134,3 +134,21 @@ def test_engine_death_gives_503_and_restarts(multi):
     t = _client(multi).audio.transcriptions.create(model="whisper-1", file=CLIP.open("rb"))
     assert words(t.text) == CLIP_WORDS
     assert multi.metric("flashasr_engine_restarts") in (0.0, 1.0)  # counted by the supervising worker only
+
+
+def test_dead_frontend_worker_is_replaced(multi):
+    workers = {httpx.get(multi.base + "/ready").json()["frontend_pid"] for _ in range(40)} - {multi.proc.pid}
+    assert len(workers) == 1
+    old = workers.pop()
+    os.kill(old, signal.SIGKILL)
+    t_end = time.monotonic() + 90
+    seen = set()
+    while not seen - {multi.proc.pid, old}:  # a new worker process answers on the same port
+        assert time.monotonic() < t_end, seen
+        try:
+            r = httpx.get(multi.base + "/ready", timeout=5)
+            if r.status_code == 200:
+                seen.add(r.json()["frontend_pid"])
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)

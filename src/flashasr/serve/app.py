@@ -646,18 +646,38 @@ def run(cfg: ServeConfig) -> None:
     ctx = mp.get_context("spawn")
     workers = []
 
+    stopping = []
+
+    def start_worker(loop) -> None:
+        p = ctx.Process(target=frontend_main, args=(cfg.to_dict(), path), name="flashasr-frontend", daemon=True)
+        p.start()
+        workers.append(p)
+
+        def on_exit():  # a front-end worker died: replace it (its clients' connections are gone)
+            loop.remove_reader(p.sentinel)
+            p.join(0)
+            workers.remove(p)
+            cleanup_stale_segments()  # its pooled shared memory
+            if not stopping:
+                log.warning("front-end worker %s exited (code %s); starting another", p.pid, p.exitcode)
+                loop.call_later(0.5, start_worker, loop)
+
+        loop.add_reader(p.sentinel, on_exit)
+
     async def main_async():
         sup = EngineSupervisor(cfg, path)
         sup.start()
+        loop = asyncio.get_running_loop()
         for _ in range(cfg.workers - 1):
-            p = ctx.Process(target=frontend_main, args=(cfg.to_dict(), path), name="flashasr-frontend", daemon=True)
-            p.start()
-            workers.append(p)
+            start_worker(loop)
         app = create_app(cfg, _remote_factory(path, sup))
         sup.metrics = app.state.metrics
         try:
             await _serve(cfg, app, sock)
         finally:
+            stopping.append(True)
+            for p in list(workers):
+                loop.remove_reader(p.sentinel)
             sup.stop()
 
     try:
