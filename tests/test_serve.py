@@ -403,6 +403,7 @@ def test_stream_errors_keep_the_session(server):
                         json.dumps({"type": "session.update", "session": {"input_audio_sample_rate": "abc"}}),
                         json.dumps({"type": "session.update", "session": {"input_audio_sample_rate": 1000}}),
                         json.dumps({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}),
+                        json.dumps({"type": "session.update", "session": {"turn_detection": {"threshold": 3}}}),
                         json.dumps({"type": "input_audio_buffer.commit"})]:
                 await ws.send(msg)
                 ev = json.loads(await ws.recv())
@@ -431,7 +432,8 @@ def test_stream_errors_keep_the_session(server):
 
     codes = asyncio.run(go())
     assert codes == ["invalid_json", "invalid_request", "unknown_event", "invalid_request", "invalid_sample_rate",
-                     "invalid_sample_rate", "unsupported_format", "input_audio_buffer_commit_empty", "invalid_request"]
+                     "invalid_sample_rate", "unsupported_format", "invalid_request", "input_audio_buffer_commit_empty",
+                     "invalid_request"]
     assert httpx.get(server.base + "/health").status_code == 200
 
 

@@ -377,9 +377,17 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
                 if not isinstance(td, dict) or td.get("type", "server_vad") != "server_vad":
                     raise APIError("turn_detection must be null or {'type': 'server_vad', ...}",
                                    param="turn_detection")
-                vad_cfg = {"type": "server_vad", "threshold": float(td.get("threshold", cfg.vad_threshold)),
-                           "prefix_padding_ms": int(td.get("prefix_padding_ms", cfg.vad_prefix_padding_ms)),
-                           "silence_duration_ms": int(td.get("silence_duration_ms", cfg.vad_silence_duration_ms))}
+                try:
+                    vad_cfg = {"type": "server_vad", "threshold": float(td.get("threshold", cfg.vad_threshold)),
+                               "prefix_padding_ms": int(td.get("prefix_padding_ms", cfg.vad_prefix_padding_ms)),
+                               "silence_duration_ms": int(td.get("silence_duration_ms",
+                                                                 cfg.vad_silence_duration_ms))}
+                except (TypeError, ValueError):
+                    vad_cfg = None
+                if vad_cfg is None or not 0.0 < vad_cfg["threshold"] < 1.0 or not (
+                        0 <= vad_cfg["prefix_padding_ms"] <= 5000 and 0 < vad_cfg["silence_duration_ms"] <= 10000):
+                    raise APIError("turn_detection: threshold must be in (0, 1), prefix_padding_ms in [0, 5000], "
+                                   "silence_duration_ms in (0, 10000]", param="turn_detection")
                 s.prefix = vad_cfg["prefix_padding_ms"] * 16
                 s.vad = _LazyVad(vad_cfg)
         return vad_cfg
