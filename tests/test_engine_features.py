@@ -12,6 +12,16 @@ import torch
 from conftest import PARAKEET_FIXTURES
 from flashasr.engine.features_gpu import NemoLogMel, PinnedUploader, WhisperLogMel
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Many tiny ops: one intra-op thread avoids OpenMP barrier stalls on a busy 2-core CI box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 TINY = PARAKEET_FIXTURES / "tiny-tdt"
 
 

@@ -18,6 +18,16 @@ from conftest import PARAKEET_FIXTURES
 from flashasr.engine.tdt_graphs import DecodeMode, DecoderInputError, TDTGraphDecoder
 from flashasr.models.parakeet.decoder import TDTJoint, TDTPredictor, greedy_tdt_reference
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Many tiny ops: one intra-op thread avoids OpenMP barrier stalls on a busy 2-core CI box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 TINY = PARAKEET_FIXTURES / "tiny-tdt"
 
 
@@ -117,21 +127,21 @@ CASES = [
 def test_random_torch_mode_matches_reference(seed, V, H, L, D, J, durations, blank_bias, dur_bias):
     pred, joint = _random_tdt(seed, V, H, L, D, J, durations, blank_bias, dur_bias)
     g = torch.Generator().manual_seed(100 + seed)
-    B, T = 5, 120
+    B, T = 4, 50
     enc = torch.randn(B, T, D, generator=g)
-    lengths = torch.tensor([T, 1, 0, 97, 119])
-    for ms in (10, 2):
+    lengths = torch.tensor([T, 1, 0, 37])
+    for ms in ((10, 2) if dur_bias is not None else (10,)):
         ref = greedy_tdt_reference(enc, lengths, pred, joint, durations, V, ms)
         res = TDTGraphDecoder(pred, joint, mode="torch", max_symbols=ms).decode(enc, lengths)
         _assert_same(res, ref)
         assert res.token_ids[2] == []
-    assert sum(len(x) for x in res.token_ids) > 10
+    assert sum(len(x) for x in res.token_ids) > 5
 
 
 def test_quirk_mode_matches_nemo_per_utterance_loop():
     pred, joint = _random_tdt(4, 20, 16, 2, 8, 16, [0, 1, 2], 0.0, [2.5, 0.0, 0.0])
-    enc = torch.randn(3, 60, 8, generator=torch.Generator().manual_seed(7))
-    lengths = torch.tensor([60, 33, 5])
+    enc = torch.randn(2, 30, 8, generator=torch.Generator().manual_seed(7))
+    lengths = torch.tensor([30, 13])
     for ms in (2, 3):
         want = _nemo_per_utterance(enc, lengths, pred, joint, ms)
         res = TDTGraphDecoder(pred, joint, mode="torch", max_symbols=ms,
