@@ -27,7 +27,7 @@ from flashasr.engine.whisper_gpu import WhisperEngineError, WhisperGPUASR, Whisp
 from flashasr.models.whisper import decoding as D
 from flashasr.models.whisper.features import N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 
-CLIPS = ["en/en-jfk-inaugural.wav", "en/en-ls-61-70968-0002.wav", "en/en-vctk-p225-001.wav"]
+CLIPS = ["en/en-timit-ldc93s1.wav", "en/en-ls-61-70968-0002.wav", "en/en-vctk-p225-001.wav"]
 PACK = os.environ.get("FLASHASR_WHISPER_PACK")
 
 
@@ -92,7 +92,7 @@ def test_engine_tokens_equal_reference_cpu():
         assert g.no_speech_prob == pytest.approx(r.no_speech_prob, abs=1e-5)
         assert g.compression_ratio == pytest.approx(r.compression_ratio)
     assert any(t >= asr.tokenizer.timestamp_begin for t in got[0].tokens)  # timestamps decoded
-    assert "ask not what your country can do for you" in got[0].text
+    assert "suit in greasy wash water all year" in got[0].text.lower()
 
 
 def test_engine_without_timestamps_and_split_batches():
