@@ -558,10 +558,4 @@ class PendingDecode:
         return self._res
 
 
-def decode_reference_lists(hyps) -> tuple[list, list, list]:
-    """(ids, frames, durations) lists of a list of Hypothesis objects (test helper)."""
-    return ([h.token_ids for h in hyps], [h.token_frames for h in hyps],
-            [h.token_durations for h in hyps])
-
-
 __all__ = ["DecodeMode", "TDTGraphDecoder", "TDTDecodeOutput", "DecoderInputError", "PendingDecode"]
