@@ -130,10 +130,19 @@ def main(argv=None) -> int:
     pcm = _pcm(CLIP)
     streams = [int(x) for x in args.streams.split(",")]
     packets = [int(x) for x in args.packets.split(",")]
-    results, skipped = [], []
+    results, skipped, offline_s = [], [], {}
     tmp = Path(tempfile.mkdtemp(prefix="flashasr-bench-stream-"))
     for freeze in (True, False):
         server = Server(tmp, *([] if freeze else ["--no-gc-freeze"]), "--log-level", "warning")
+        # reference: the same clip offline through HTTP on this server now (model speed under current load)
+        import httpx
+
+        t = time.perf_counter()
+        httpx.post(server.base + "/v1/audio/transcriptions", files={"file": ("c.wav", CLIP.read_bytes())},
+                   timeout=120).raise_for_status()
+        offline_s[freeze] = round(time.perf_counter() - t, 2)
+        print(f"gc_freeze={freeze}: offline transcription of the {len(pcm) / 32000:.1f} s clip took "
+              f"{offline_s[freeze]} s", flush=True)
         t_budget = time.perf_counter() + args.budget_s
         try:
             for n in streams:
@@ -160,6 +169,7 @@ def main(argv=None) -> int:
            "conditions": {"model": "whisper tiny.en (flashasr, CPU, OMP_NUM_THREADS=2)", "mode": "single process",
                           "clip": CLIP.name, "endpoint": "/v1/stream (binary PCM16, 16 kHz)",
                           "partial_interval_ms": 500, "pace": "real time"},
+           "offline_transcription_s": {("gc_freeze" if k else "no_gc_freeze"): v for k, v in offline_s.items()},
            "results": results, "skipped_for_budget": skipped}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
