@@ -708,7 +708,10 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
-    run(cfg)
+    try:
+        run(cfg)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        return 130
     return 0
 
 

@@ -145,8 +145,10 @@ async def _engine_async(cfg: ServeConfig, path: str) -> None:
         gc.freeze()  # start-up objects (model, tokenizer, modules) leave the GC's scans
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    # Ctrl-C reaches the whole process group: the engine keeps serving until the front ends
+    # have drained and the supervisor sends SIGTERM
+    loop.add_signal_handler(signal.SIGINT, lambda: None)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
     server = loop.create_task(serve_unix(path, srv.handle))
     await stop.wait()
     server.cancel()
@@ -198,6 +200,8 @@ class EngineSupervisor:
         self._spawn()
 
     def _spawn(self) -> None:
+        if self._closing:
+            return
         p = self._ctx.Process(target=engine_main, args=(self.cfg.to_dict(), self.path), name="flashasr-engine",
                               daemon=True)
         p.start()

@@ -535,7 +535,8 @@ class EngineClient:
                         continue
                     fut.set_result(f)
             except (asyncio.IncompleteReadError, ConnectionError, FramingError, asyncio.TimeoutError, OSError) as e:
-                log.warning("engine connection lost: %s", e)
+                if not self._closed:
+                    log.warning("engine connection lost: %s", e)
             finally:
                 self._conn = None
                 self.info = {}
