@@ -268,13 +268,13 @@ class StreamSession:
             return None
         item, start = self.item_id, self._buf_start
         audio = self._take_utt()
+        emitted = list(self._emitted)
         self.item_id = None
-        if self.vad is not None and reason == "client":
-            self.in_speech = False
         if self._partial_task is not None:
             self._partial_task.cancel()
             self._partial_task = None
-        emitted = list(self._emitted)
+        if self.vad is not None and reason == "client" and self.in_speech:
+            self._start_utt(start + audio.size)  # speech goes on: later audio is a new item (VAD still open)
         await self.emit({"type": "input_audio_buffer.committed", "previous_item_id": self.prev_item,
                          "item_id": item, "audio_start_ms": self._ms(start),
                          "audio_end_ms": self._ms(start + audio.size)})
