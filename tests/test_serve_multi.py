@@ -97,6 +97,26 @@ def test_garbage_on_engine_socket(multi):
     assert words(t) == CLIP_WORDS
 
 
+def test_client_gone_cancels_engine_work(multi):
+    """A client that disconnects while the engine works on its file: the front end sends CANCEL."""
+    data = (AUDIO / "long" / "long-silero-test-60s.wav").read_bytes()
+    part = b"--b0\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.wav\"\r\n\r\n"
+    body = part + data + b"\r\n--b0--\r\n"
+    head = (f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: multipart/form-data; boundary=b0\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    s = socket.create_connection(("127.0.0.1", multi.port), timeout=10)
+    s.sendall(head + body)
+    t_end = time.monotonic() + 60
+    while multi.metric("flashasr_engine_requests_active") < 1:
+        assert time.monotonic() < t_end
+        time.sleep(0.05)
+    s.close()
+    t_end = time.monotonic() + 5
+    while multi.metric("flashasr_engine_requests_active") > 0:  # cancelled, not left running to the end
+        assert time.monotonic() < t_end
+        time.sleep(0.05)
+
+
 def test_engine_death_gives_503_and_restarts(multi):
     info = httpx.get(multi.base + "/ready").json()
     old_pid = info["pid"]
