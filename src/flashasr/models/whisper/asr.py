@@ -227,8 +227,8 @@ class WhisperASR(ASRModel):
                                   probability=float(np.mean(p)) if p else None))
                 tok_pos += len(g)
                 word_i += 1
-            if not text.strip():
-                continue
+            if not any(ch.isalnum() for ch in text):
+                continue  # empty or punctuation-only ("." on music): no words to report
             job.segments.append(Segment(id=0, start=start, end=end, text=text, tokens=list(seg_toks),
                                         avg_logprob=r.avg_logprob, no_speech_prob=r.no_speech_prob,
                                         compression_ratio=r.compression_ratio, temperature=r.temperature,
