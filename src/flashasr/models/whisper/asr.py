@@ -31,7 +31,7 @@ from .alignment import align_words, default_alignment_heads
 from .decoding import DecodingResult, decode_with_fallback, detect_language, is_no_speech
 from .features import HOP_LENGTH, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .model import WhisperModel
-from .tokenizer import TIME_PRECISION, WhisperTokenizer
+from .tokenizer import LANGUAGE_NAMES, WhisperTokenizer
 
 __all__ = ["WhisperASR", "UnsupportedLanguageError"]
 
@@ -128,6 +128,7 @@ class WhisperASR(ASRModel):
         if language is None:
             return None if self.multilingual else "en"
         code = language.strip().lower()
+        code = {name: c for c, name in LANGUAGE_NAMES.items()}.get(code, code)  # "german" -> "de"
         if not self.multilingual:
             if code != "en":
                 raise UnsupportedLanguageError(f"model {self.name} is English-only; language {language!r} "
