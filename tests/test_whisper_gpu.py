@@ -147,6 +147,42 @@ def test_bad_input():
         WhisperGPUASR(object())
 
 
+def test_bench_hf_conversion_round_trip():
+    """The benchmark's our->HF key conversion, mapped back by the project's HF loader, gives the
+    original state dict (so HF runs exactly our weights)."""
+    from flashasr.models.whisper.loaders import hf_to_state_dict
+    from flashasr.models.whisper.model import WhisperDims, WhisperModel
+
+    dims = WhisperDims(n_mels=80, n_audio_ctx=12, n_audio_state=16, n_audio_head=2, n_audio_layer=2,
+                       n_vocab=64, n_text_ctx=8, n_text_state=16, n_text_head=2, n_text_layer=3)
+    torch.manual_seed(0)
+    m = WhisperModel(dims)
+    with torch.no_grad():
+        for layer in list(m.encoder.layers) + list(m.decoder.layers):
+            layer.self_attn.qkv.bias[16:32].zero_()  # Whisper's key projections have no bias
+        for layer in m.decoder.layers:
+            layer.cross_attn.kv.bias[:16].zero_()
+    hf = _bench().to_hf_state_dict(m)
+    assert "proj_out.weight" in hf and "model.decoder.layers.2.encoder_attn.k_proj.weight" in hf
+    assert not any(k.endswith("k_proj.bias") for k in hf)
+    cfg = {"num_mel_bins": 80, "max_source_positions": 12, "d_model": 16, "encoder_attention_heads": 2,
+           "encoder_layers": 2, "vocab_size": 64, "max_target_positions": 8, "decoder_attention_heads": 2,
+           "decoder_layers": 3}
+    d2, sd = hf_to_state_dict(cfg, hf)
+    assert d2 == dims
+    ref = m.state_dict()
+    assert set(sd) == set(ref)
+    for k in ref:
+        assert torch.equal(sd[k], ref[k]), k
+
+
+def test_bench_word_error_rate():
+    wer = _bench().word_error_rate
+    assert wer("a golden fortune", "a golden fortune.") == 0.0
+    assert wer("a golden fortune and a happy life", "a golden fortune and happy life") == pytest.approx(1 / 7)
+    assert wer("one two", "three one two four") == 1.0
+
+
 # ------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
