@@ -200,3 +200,31 @@ def test_dtw_and_median_filter():
     assert r.tolist() == k.tolist() == [0, 1, 2, 3, 4]
     x = torch.tensor([[1.0, 9.0, 1.0, 1.0, 1.0, 5.0, 5.0, 5.0]])
     assert median_filter(x, 3)[0, 1] == 1.0 and median_filter(x, 3).shape == x.shape
+
+
+def test_fallback_reuses_initial_results():
+    """``decode_with_fallback(initial=...)`` keeps confident rows without decoding them again and
+    picks the best try for rows where every temperature fails."""
+    from flashasr.models.whisper import decoding as D
+
+    good = D.DecodingResult([1], [-0.1], " hi", "en", -0.2, -0.4, 0.01, 0.0, 1.0)
+    bad = D.DecodingResult([2], [-3.0], " uh", "en", -1.5, -3.0, 0.57, 0.0, 1.0)
+    calls = []
+
+    def fake_decode(model, tok, feats, langs, *, temperature, **kw):
+        calls.append((temperature, feats.shape[0]))
+        return [D.DecodingResult([3], [-2.0], " eh", "en", -1.2 - temperature, -2.4, 0.57, temperature, 1.0)
+                for _ in langs]
+
+    orig = D.decode_windows
+    D.decode_windows = fake_decode
+    try:
+        out = D.decode_with_fallback(None, None, torch.zeros(2, 4, 8), ["en", "en"], seeds=[0, 1],
+                                     initial=[good, bad])
+    finally:
+        D.decode_windows = orig
+    assert out[0] is good and [t for t, _ in calls] == [0.2, 0.4, 0.6, 0.8, 1.0]
+    assert all(n == 1 for _, n in calls)  # only the failing row is decoded again
+    assert out[1].avg_logprob == -1.4 and out[1].fallback_exhausted  # best failed try (T=0.2)
+    assert D.is_no_speech(out[1])  # no_speech_prob 0.57 > 0.55 with every temperature failed
+    assert not D.is_no_speech(good)

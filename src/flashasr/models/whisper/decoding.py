@@ -253,22 +253,35 @@ def needs_fallback(r: DecodingResult) -> bool:
 def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_features: torch.Tensor,
                          languages: Sequence[str | None], *, seeds: Sequence[int] | None = None,
                          temperatures: Sequence[float] = TEMPERATURES, without_timestamps: bool = False,
-                         task: str = "transcribe") -> list[DecodingResult]:
+                         task: str = "transcribe", initial: Sequence[DecodingResult] | None = None
+                         ) -> list[DecodingResult]:
     """Greedy decode, then re-decode only the rows that :func:`needs_fallback` at the next
     temperature (seeded sampling, one candidate), up to 1.0. When every temperature fails, the
     row keeps its most likely try whose compression ratio is acceptable (as faster-whisper
     does) and is marked ``fallback_exhausted``.
 
     ``seeds[row]`` seeds that row's generator at every temperature, so a row's result does not
-    depend on which other rows share the batch.
+    depend on which other rows share the batch. ``initial``: per-row results already decoded at
+    ``temperatures[0]`` (e.g. by a GPU engine's greedy pass); they are not decoded again.
     """
     b = audio_features.shape[0]
     results: list[DecodingResult | None] = [None] * b
     tries: list[list[DecodingResult]] = [[] for _ in range(b)]
     todo = list(range(b))
-    for t in temperatures:
+    for ti, t in enumerate(temperatures):
         if not todo:
             break
+        if ti == 0 and initial is not None:
+            if len(initial) != b:
+                raise ValueError(f"initial has {len(initial)} results for {b} rows")
+            nxt = []
+            for r in todo:
+                tries[r].append(initial[r])
+                results[r] = initial[r]
+                if needs_fallback(initial[r]):
+                    nxt.append(r)
+            todo = nxt
+            continue
         idx = torch.tensor(todo, dtype=torch.long, device=audio_features.device)
         feats = audio_features if len(todo) == b else audio_features.index_select(0, idx)
         gens = None
