@@ -106,6 +106,9 @@ def test_engine_without_timestamps_and_split_batches():
     assert [g.tokens for g in got] == [r.tokens for r in ref]
     for g in got:
         assert all(t < asr.tokenizer.timestamp_begin for t in g.tokens)
+        # <|notimestamps|> belongs in the prompt (as in the reference), never in the output
+        assert asr.tokenizer.no_timestamps not in g.tokens
+        assert g.tokens and g.tokens[0] < asr.tokenizer.eot
 
 
 def test_transcribe_batch_equals_reference():

@@ -282,7 +282,7 @@ class WhisperGPUEngine:
         if not self.use_graphs:
             return
         n_ctx = self.model.dims.n_text_ctx
-        p_len = prompt_len or len(self.tok.sot_sequence("en"))
+        p_len = prompt_len or len(self.tok.prompt("en", without_timestamps=without_timestamps))
         last_pos = p_len + min(sample_len or n_ctx // 2, n_ctx - p_len) - 1
         spans = [s for s in self.spans if s <= self._span(last_pos)]
         with torch.inference_mode():
@@ -335,7 +335,7 @@ class WhisperGPUEngine:
         b = feats.shape[0]
         dev = self.device
         n_ctx = model.dims.n_text_ctx
-        prompts = [tok.sot_sequence(lang, task) for lang in languages]
+        prompts = [tok.prompt(lang, task, without_timestamps=without_timestamps) for lang in languages]
         p_len = len(prompts[0])
         if any(len(p) != p_len for p in prompts):
             raise WhisperEngineError("all rows of a batch need prompts of the same length")

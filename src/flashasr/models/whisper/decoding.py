@@ -87,10 +87,9 @@ class LogitRules:
         self.without_timestamps = without_timestamps
         self.suppress = torch.zeros(n_vocab, dtype=torch.bool, device=device)
         self.suppress[[t for t in tok.suppress_tokens if t < n_vocab]] = True
+        self.suppress[tok.no_timestamps] = True  # never generated: it belongs in the prompt
         if without_timestamps:
             self.suppress[tok.timestamp_begin:] = True
-        else:
-            self.suppress[tok.no_timestamps] = True
         self.begin = torch.zeros(n_vocab, dtype=torch.bool, device=device)
         if suppress_blank:
             self.begin[[t for t in tok.suppress_tokens_begin if t < n_vocab]] = True
@@ -183,7 +182,7 @@ def decode_windows(model: WhisperModel, tok: WhisperTokenizer, audio_features: t
     dev = audio_features.device
     n_ctx = model.dims.n_text_ctx
     sample_len = sample_len or n_ctx // 2
-    prompts = [tok.sot_sequence(lang, task) for lang in languages]
+    prompts = [tok.prompt(lang, task, without_timestamps=without_timestamps) for lang in languages]
     p_len = len(prompts[0])
     sample_len = min(sample_len, n_ctx - p_len)
     cache = model.new_cache(audio_features, max_len=p_len + sample_len)

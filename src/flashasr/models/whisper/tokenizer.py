@@ -114,6 +114,12 @@ class WhisperTokenizer:
         lang = self.language_token(language or "en")
         return [self.sot, lang, self.translate if task == "translate" else self.transcribe]
 
+    def prompt(self, language: str | None, task: str = "transcribe", *, without_timestamps: bool = False) -> list[int]:
+        """The full decoder prompt: :meth:`sot_sequence`, plus ``<|notimestamps|>`` when decoding
+        without timestamps (as the reference does: the model then writes text only)."""
+        seq = self.sot_sequence(language, task)
+        return seq + [self.no_timestamps] if without_timestamps else seq
+
     # ---- suppression -----------------------------------------------------------------------
     @functools.cached_property
     def non_speech_tokens(self) -> list[int]:
