@@ -62,7 +62,7 @@ def test_openai_every_response_format(client, offline_text):
     vtt = _create(client, data, response_format="vtt")
     assert vtt.startswith("WEBVTT") and "-->" in vtt and words(vtt.split("\n", 3)[3]) == CLIP_WORDS
     v = _create(client, data, response_format="verbose_json", timestamp_granularities=["word", "segment"])
-    assert v.text == offline_text and v.language == "en" and abs(v.duration - 2.97) < 0.01
+    assert v.text == offline_text and v.language == "english" and abs(v.duration - 2.97) < 0.01  # OpenAI names it
     assert v.segments and v.segments[0].start >= 0 and v.segments[-1].end <= v.duration + 1e-6
     assert [words(w.word)[0] for w in v.words] == CLIP_WORDS
     assert all(0 <= w.start <= w.end <= v.duration + 1e-6 for w in v.words)

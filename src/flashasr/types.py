@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .languages import language_name
+
 
 @dataclass
 class Word:
@@ -75,7 +77,9 @@ class Transcript:
         """OpenAI ``verbose_json`` dict. ``words`` forces inclusion (None: include if present)."""
         d = {
             "task": "transcribe",
-            "language": self.language,
+            # OpenAI's verbose_json names the language in words ("english"); the code is in
+            # Transcript.language.
+            "language": language_name(self.language),
             "duration": round(self.duration, 3),
             "text": self.text,
             "segments": [s.to_dict() for s in self.segments],

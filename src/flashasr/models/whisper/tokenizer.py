@@ -18,20 +18,11 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ...errors import ModelLoadError
+from ...languages import LANGUAGE_NAMES  # ISO code -> English name
 
 __all__ = ["WhisperTokenizer", "LANGUAGE_NAMES"]
 
 TIME_PRECISION = 0.02  # seconds per timestamp token step
-
-# ISO 639-1 code -> English name, for messages (subset; codes come from the vocabulary).
-LANGUAGE_NAMES = {
-    "en": "english", "zh": "chinese", "de": "german", "es": "spanish", "ru": "russian", "ko": "korean",
-    "fr": "french", "ja": "japanese", "pt": "portuguese", "tr": "turkish", "pl": "polish", "ca": "catalan",
-    "nl": "dutch", "ar": "arabic", "sv": "swedish", "it": "italian", "id": "indonesian", "hi": "hindi",
-    "fi": "finnish", "vi": "vietnamese", "he": "hebrew", "uk": "ukrainian", "el": "greek", "ms": "malay",
-    "cs": "czech", "ro": "romanian", "da": "danish", "hu": "hungarian", "ta": "tamil", "no": "norwegian",
-    "th": "thai", "ur": "urdu", "hr": "croatian", "bg": "bulgarian", "lt": "lithuanian", "la": "latin",
-}
 
 _LANG_RE = re.compile(r"^<\|([a-z]{2,3}(?:-[A-Za-z]+)?|haw|yue)\|>$")
 
