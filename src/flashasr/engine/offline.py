@@ -68,7 +68,7 @@ class OfflineParakeetEngine:
         dtype: encoder dtype (bf16 on CUDA by default; norms stay float32).
         decoder_dtype: predictor/joint dtype (default float32).
         decoder_mode: preferred :class:`~flashasr.engine.tdt_graphs.DecodeMode`.
-        use_graphs / compile / cudnn_benchmark / conv_channels_last / fast_attention: see
+        use_graphs / compile / cudnn_benchmark / conv_channels_last / fast_attention / fuse: see
             :class:`~flashasr.engine.profiles.EncoderProfiles`.
         with_text: decode token ids to text with the model's tokenizer.
     """
@@ -76,14 +76,16 @@ class OfflineParakeetEngine:
     def __init__(self, model, *, profiles: Sequence[Profile] | None = None, dtype: torch.dtype | None = None,
                  decoder_dtype: torch.dtype = torch.float32, decoder_mode: DecodeMode | str = DecodeMode.FULL_GRAPH,
                  use_graphs: bool = True, compile: bool | str = False, with_text: bool = True,
-                 cudnn_benchmark: bool = False, conv_channels_last: bool = False, fast_attention: bool = True):
+                 cudnn_benchmark: bool = False, conv_channels_last: bool = False, fast_attention: bool = True,
+                 fuse: bool = True):
         self.model = model
         self.device = next(model.encoder.parameters()).device
         model.predictor.to(decoder_dtype)
         model.joint.to(decoder_dtype)
         self.encoder = EncoderProfiles(model, profiles or choose_profiles(), dtype=dtype, project=True,
                                        use_graphs=use_graphs, compile=compile, cudnn_benchmark=cudnn_benchmark,
-                                       conv_channels_last=conv_channels_last, fast_attention=fast_attention)
+                                       conv_channels_last=conv_channels_last, fast_attention=fast_attention,
+                                       fuse=fuse)
         self.decoder = TDTGraphDecoder(model.predictor, model.joint, mode=decoder_mode)
         self.uploader = PinnedUploader(self.device)
         self.with_text = with_text

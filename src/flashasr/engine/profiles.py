@@ -188,15 +188,28 @@ class EncoderProfiles:
         compile: ``torch.compile`` the forward before capturing: False, "dynamic" (one
             compilation with symbolic batch/length shared by all profiles; ``True`` means this)
             or "static" (one compilation per profile shape).
+        fuse: apply :func:`flashasr.engine.fuse.fuse_encoder` (exact-math inference fusions:
+            BatchNorm folded into the depthwise conv, redundant subsampling masks skipped, ...)
+            to the encoder in place before the precision cast; ``False`` keeps it unfused.
+            Counts per transform in ``self.fusions``.
     """
 
     def __init__(self, model, profiles: Sequence[Profile] | None = None, *, dtype: torch.dtype | None = None,
                  project: bool = True, use_graphs: bool = True, compile: bool | str = False,
-                 cudnn_benchmark: bool = False, conv_channels_last: bool = False, fast_attention: bool = True):
+                 cudnn_benchmark: bool = False, conv_channels_last: bool = False, fast_attention: bool = True,
+                 fuse: bool = True):
         self.model = model
         self.device = next(model.encoder.parameters()).device
         cuda = self.device.type == "cuda"
         self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+        self.fusions: dict = {}
+        if fuse:
+            if model.encoder.training:
+                log.warning("encoder in training mode: inference fusions skipped")
+            else:
+                from .fuse import fuse_encoder
+
+                self.fusions = fuse_encoder(model.encoder)
         prepare_encoder_precision(model.encoder, self.dtype)
         self.fast_attention_modules = 0
         if fast_attention:

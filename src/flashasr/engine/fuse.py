@@ -1,0 +1,159 @@
+"""Inference fusions for the FastConformer encoder (engine side; the model code is untouched).
+
+:func:`fuse_encoder` rewrites an eval-mode :class:`~flashasr.models.parakeet.encoder.ConformerEncoder`
+in place with transforms whose maths equals the unfused encoder (results differ only by float
+rounding, and not at all where noted):
+
+``bn_fold``
+    Conformer conv module: eval-mode BatchNorm (``y = (x - mean) / sqrt(var + eps) * g + b``)
+    folded into the preceding depthwise Conv1d: ``w' = w * s``, ``b' = (b_conv - mean) * s + b``
+    with ``s = g / sqrt(var + eps)`` (computed in float64, stored in the conv's dtype). Removes the
+    normalisation pass (and, with bf16 encoders, its float32 up/down casts).
+``conv_pad``
+    Depthwise conv with symmetric padding ``(k-1)/2`` (NeMo's non-causal case): the explicit
+    ``F.pad`` copy is replaced by the conv's own zero padding (bit-identical).
+``inplace``
+    Conv module: GLU output masked in place, SiLU in place (fewer allocations; bit-identical).
+``sub_masks``
+    dw_striding subsampling: the time mask before each 1x1 (stride-1) pointwise conv is skipped.
+    Exact: a 1x1 conv and the ReLU after it act on each time step alone, and the next mask
+    (before the next 3x3 conv, or the final one) zeroes the same steps again, so valid steps are
+    bit-identical. ReLU runs in place.
+
+Not done (not exact or not measured): skipping masks for unpadded batches (lengths are data
+inside CUDA graphs), fusing the first mask into the log-mel, bf16 joint projection.
+
+Apply before :func:`~flashasr.engine.profiles.prepare_encoder_precision` (the fold is then
+computed from float32 weights). :class:`~flashasr.engine.profiles.EncoderProfiles` and
+:class:`~flashasr.engine.offline.OfflineParakeetEngine` apply it unless ``fuse=False``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.parakeet.encoder import ConformerConvolution, ConformerEncoder, DwStridingSubsampling
+
+ALL_TRANSFORMS = ("bn_fold", "conv_pad", "inplace", "sub_masks")
+
+
+class FusedConformerConvolution(ConformerConvolution):
+    """:class:`ConformerConvolution` after :func:`fuse_encoder` (set as the instance's class).
+
+    Attributes set by the fuse: ``_fold`` (BatchNorm folded into ``depthwise_conv``; the
+    ``batch_norm`` module is kept but unused), ``_own_pad`` (depthwise conv pads itself),
+    ``_inplace``.
+    """
+
+    _fold = False
+    _own_pad = False
+    _inplace = False
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, d]``, ``valid [B, T]`` bool -> ``[B, T, d]`` (same as the unfused module)."""
+        x = self.pointwise_conv1(x.transpose(1, 2))
+        x = F.glu(x, dim=1)
+        if self._inplace:
+            x.masked_fill_(~valid[:, None, :], 0.0)
+        else:
+            x = x.masked_fill(~valid[:, None, :], 0.0)
+        x = self.depthwise_conv(x if self._own_pad else F.pad(x, self.padding))
+        if not self._fold:
+            if self.norm_type == "layer_norm":
+                x = self.batch_norm(x.transpose(1, 2)).transpose(1, 2)
+            else:
+                x = self.batch_norm(x)
+        x = self.pointwise_conv2(F.silu(x, inplace=self._inplace))
+        return x.transpose(1, 2)
+
+
+class FusedDwStridingSubsampling(DwStridingSubsampling):
+    """:class:`DwStridingSubsampling` without the masks before 1x1 stride-1 convs (``_skip_pw``)
+    and with in-place ReLU; see the module docstring for why valid steps are unchanged."""
+
+    _skip_pw = False
+
+    def _forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.unsqueeze(1)
+        L = lengths.long()
+        for layer in self.conv:
+            if isinstance(layer, nn.Conv2d):
+                pointwise = layer.kernel_size == (1, 1) and layer.stride == (1, 1) and layer.padding == (0, 0)
+                if not (self._skip_pw and pointwise):
+                    keep = torch.arange(x.shape[2], device=x.device)[None, :] < L[:, None]
+                    x = x * keep[:, None, :, None].to(x.dtype)
+                x = layer(x)
+                if layer.stride[0] != 1:
+                    L = torch.div(L + 2 * layer.padding[0] - layer.kernel_size[0], layer.stride[0],
+                                  rounding_mode="floor") + 1
+            elif isinstance(layer, nn.ReLU):
+                x = torch.relu_(x)
+            else:
+                x = layer(x)
+        keep = torch.arange(x.shape[2], device=x.device)[None, :] < L[:, None]
+        x = x * keep[:, None, :, None].to(x.dtype)
+        b, c, t, f = x.shape
+        x = self.out(x.transpose(1, 2).reshape(b, t, c * f))
+        return x, L
+
+
+@torch.no_grad()
+def _fold_bn(conv: nn.Conv1d, bn: nn.BatchNorm1d) -> None:
+    w = conv.weight.detach().double()
+    s = bn.weight.detach().double() / torch.sqrt(bn.running_var.detach().double() + bn.eps)
+    b0 = conv.bias.detach().double() if conv.bias is not None else torch.zeros_like(s)
+    nb = (b0 - bn.running_mean.detach().double()) * s + bn.bias.detach().double()
+    dt = conv.weight.dtype
+    conv.weight.copy_((w * s[:, None, None]).to(dt))
+    if conv.bias is None:
+        conv.bias = nn.Parameter(nb.to(dt), requires_grad=False)
+    else:
+        conv.bias.copy_(nb.to(dt))
+
+
+def fuse_encoder(encoder: ConformerEncoder, transforms=ALL_TRANSFORMS) -> dict:
+    """Apply the inference fusions ``transforms`` (subset of :data:`ALL_TRANSFORMS`) in place.
+
+    The encoder must be in eval mode (BatchNorm running statistics are folded). Idempotent:
+    already applied transforms are skipped. Returns counts per transform (modules changed).
+
+    Raises:
+        ValueError: unknown transform name, or the encoder is in training mode.
+    """
+    bad = set(transforms) - set(ALL_TRANSFORMS)
+    if bad:
+        raise ValueError(f"unknown fusion transforms {sorted(bad)} (known: {ALL_TRANSFORMS})")
+    if encoder.training:
+        raise ValueError("fuse_encoder needs an eval-mode encoder (BatchNorm statistics are folded)")
+    counts = {t: 0 for t in transforms}
+    for mod in encoder.modules():
+        if isinstance(mod, ConformerConvolution):
+            if type(mod) is ConformerConvolution:
+                mod.__class__ = FusedConformerConvolution
+            if "bn_fold" in transforms and not mod._fold and mod.norm_type == "batch_norm" \
+                    and isinstance(mod.batch_norm, nn.BatchNorm1d) and mod.batch_norm.track_running_stats:
+                _fold_bn(mod.depthwise_conv, mod.batch_norm)
+                mod._fold = True
+                counts["bn_fold"] += 1
+            dw = mod.depthwise_conv
+            l, r = mod.padding
+            if "conv_pad" in transforms and not mod._own_pad and l == r and dw.padding == (0,) \
+                    and dw.padding_mode == "zeros":
+                dw.padding = (l,)
+                mod._own_pad = True
+                counts["conv_pad"] += 1
+            if "inplace" in transforms and not mod._inplace:
+                mod._inplace = True
+                counts["inplace"] += 1
+        elif isinstance(mod, DwStridingSubsampling) and "sub_masks" in transforms:
+            if type(mod) is DwStridingSubsampling:
+                mod.__class__ = FusedDwStridingSubsampling
+            if not mod._skip_pw:
+                mod._skip_pw = True
+                counts["sub_masks"] += 1
+    return counts
+
+
+__all__ = ["fuse_encoder", "ALL_TRANSFORMS", "FusedConformerConvolution", "FusedDwStridingSubsampling"]
