@@ -174,3 +174,28 @@ def test_engine_applies_fusions_and_opt_out():
     assert torch.equal(la, lb)
     for i, n in enumerate(la.tolist()):
         torch.testing.assert_close(a[i, :n], b[i, :n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_profiles_fused_close_to_unfused_bf16_and_fp32():
+    """CUDA graphs, channels-last subsampling convs: fused output == unfused (float32 tight, bf16 loose)."""
+    from flashasr.engine.profiles import EncoderProfiles, Profile
+    from flashasr.models.parakeet.model import ParakeetASR
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    audio = torch.from_numpy(np.load(TINY / "reference.npz")["audio"][:3, :40000]).float()
+    alen = torch.tensor([40000, 27000, 9000])
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        outs = []
+        for fuse in (True, False):
+            m = ParakeetASR.from_nemo(TINY / "model.nemo", device="cuda")
+            _randomise_bn(m.encoder, 7)
+            ep = EncoderProfiles(m, [Profile(4, 3.0)], dtype=dtype, fuse=fuse, conv_channels_last=True,
+                                 cudnn_benchmark=True)
+            o, ol = ep.run(audio, alen)
+            outs.append((o.float().clone(), ol.clone()))
+        (a, la), (b, lb) = outs
+        assert torch.equal(la, lb)
+        for i, n in enumerate(la.tolist()):  # error relative to the output's scale
+            assert (a[i, :n] - b[i, :n]).abs().max() <= tol * a[i, :n].abs().max(), (dtype, i)
