@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one output per input (relative folders mirrored) plus summary.jsonl here; "
                         "without it transcripts go to stdout")
     t.add_argument("--word-timestamps", action="store_true", help="word-level times (verbose_json 'words')")
-    t.add_argument("--batch-size", type=_positive_int, default=8, help="pieces per model call (default 8)")
+    t.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="pieces per model call, across files (default: 1 on CPU, 16 on CUDA)")
     t.add_argument("--segmentation", choices=("vad", "fixed", "none"), default="vad",
                    help="cut long audio at pauses (vad, default), in fixed windows, or not at all")
     t.add_argument("--max-segment-s", type=_positive_float, default=None,

@@ -341,7 +341,7 @@ def _aggregate(rows: list[dict], system: str) -> dict:
 
 
 def evaluate(clips: list[dict], model, *, peer: FasterWhisperPeer | None = None, language: str | None = None,
-             batch_size: int = 8, segmentation: str = "none", all_clips: list[dict] | None = None,
+             batch_size: int | None = None, segmentation: str = "none", all_clips: list[dict] | None = None,
              progress: bool | None = None) -> EvalResult:
     """Transcribe ``clips`` with ``model`` (through :func:`flashasr.jobs.run_job`) and score them.
 
@@ -499,7 +499,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", choices=("faster-whisper",), default=None, help="also run a peer on the same weights")
     p.add_argument("--peer-compute-type", default="float32", help="CTranslate2 compute type of the peer")
     p.add_argument("--threads", type=int, default=2, help="CPU threads of the peer (and torch; default 2)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=None, help="default: 1 on CPU, 16 on CUDA")
     p.add_argument("--segmentation", choices=("none", "vad", "fixed"), default="none",
                    help="how our engine cuts clips (default none: whole clip, like the peer)")
     p.add_argument("--json-out", default=None, help="write the full result as JSON here")
