@@ -259,6 +259,8 @@ def test_usage_errors(tmp_path, capsys):
     assert "no_inputs" in capsys.readouterr().err
     assert main(["transcribe", str(GOLDEN), "--model", str(tmp_path / "nomodel")]) == 2
     assert "model" in capsys.readouterr().err
+    assert main(["transcribe", str(GOLDEN), "--language", "de"]) == 2  # tiny.en is English-only
+    assert "[unsupported_language]" in capsys.readouterr().err
 
 
 def test_serve_is_dispatched_and_missing_extra_is_explained(monkeypatch, capsys):

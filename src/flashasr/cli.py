@@ -119,6 +119,11 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
              f"{type(e).__name__}: {e}")
         return EXIT_USAGE
 
+    if args.language and args.language.lower() != "en" and not getattr(model, "multilingual", True) \
+            and getattr(model, "family", "") == "whisper":
+        _err(f"error: [unsupported_language] model {getattr(model, 'name', args.model)} is English-only; "
+             f"--language {args.language} needs a multilingual model (e.g. --model base)")
+        return EXIT_USAGE
     several = len(items) > 1
     order = {str(it.path): k for k, it in enumerate(items)}
     ready: dict[int, tuple[str, str | None]] = {}
@@ -154,7 +159,10 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         _err(f"error: [{e.code}] {e}")
         return EXIT_USAGE
     for r in report.failed:
-        _err(f"failed: {r.item.display}: [{r.error_code}] {r.error_message}")
+        msg = r.error_message or ""
+        if msg.startswith(f"{r.item.display}: "):  # the line already names the file
+            msg = msg[len(r.item.display) + 2:]
+        _err(f"failed: {r.item.display}: [{r.error_code}] {msg}")
     if report.interrupted:
         _err(f"interrupted: {len(report.ok) + len(report.skipped)} of {len(items)} inputs finished; "
              "re-run the same command to resume" if args.output_dir else "interrupted")
