@@ -242,9 +242,10 @@ def test_realtime_final_equals_offline(server, client):
             sent, evs = bytearray(), []
             t0 = time.monotonic()
             i = 0
-            # the clip, then silence until the first partial delta arrives (each partial re-runs the
-            # utterance so far; two agreeing hypotheses release words), at most 60 s
-            while not any(e["type"].endswith("transcription.delta") for e in evs):
+            # the whole clip, then silence until the first partial delta arrives (each partial re-runs
+            # the utterance so far; two agreeing hypotheses release words), at most 60 s. On a fast
+            # machine a partial can arrive before the clip ends: keep sending the clip regardless.
+            while i * 640 < len(pcm) or not any(e["type"].endswith("transcription.delta") for e in evs):
                 assert time.monotonic() - t0 < 60, evs
                 chunk = pcm[i * 640:(i + 1) * 640] or silence(0.02)  # 20 ms = 640 bytes
                 await ws.send(_append(chunk))
