@@ -263,6 +263,33 @@ def test_usage_errors(tmp_path, capsys):
     assert "[unsupported_language]" in capsys.readouterr().err
 
 
+def test_missing_input_fails_alone_and_others_finish(tmp_path, capsys):
+    """A missing path or an unmatched pattern is one failure line; the good file still runs."""
+    rc = main(["transcribe", str(tmp_path / "gone.wav"), str(tmp_path / "*.nomatch"), str(GOLDEN), "--quiet"])
+    cap = capsys.readouterr()
+    assert rc == 1
+    assert _words(cap.out) == "a golden fortune and a happy life"
+    fails = [l for l in cap.err.splitlines() if l.startswith("failed:")]
+    assert len(fails) == 2 and all("[input_not_found]" in l for l in fails)
+    assert "gone.wav" in fails[0] and "*.nomatch" in fails[1]
+
+
+def test_bad_output_dir_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    """--output-dir that is a file, under a file, or not creatable: one line, exit 2, no model load."""
+    from flashasr.models import registry
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not be loaded for a bad --output-dir")
+
+    monkeypatch.setattr(registry, "cached_model", no_load)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out in (afile, afile / "sub"):
+        assert main(["transcribe", str(GOLDEN), "--output-dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "[output_dir_invalid]" in err and str(out) in err and "Traceback" not in err
+
+
 def test_serve_is_dispatched_and_missing_extra_is_explained(monkeypatch, capsys):
     import flashasr.serve.app as app
 

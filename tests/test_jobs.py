@@ -91,6 +91,11 @@ def test_expand_inputs_dirs_globs_files_and_unique_keys(tmp_path):
     assert e.value.code == "input_not_found"
     with pytest.raises(InputError):
         expand_inputs([str(tmp_path / "in" / "*.nothing")])
+    missing: list = []  # collect instead of raising: the other inputs still expand
+    got = expand_inputs([tmp_path / "nope.wav", tmp_path / "in/a/clip.wav", str(tmp_path / "*.nothing")],
+                        missing=missing)
+    assert [t.path.name for t in got] == ["clip.wav"]
+    assert [e.code for e in missing] == ["input_not_found"] * 2 and "nope.wav" in str(missing[0])
 
 
 def test_manifest_relative_paths_resolve_against_its_folder(tmp_path):

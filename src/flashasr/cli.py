@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from . import __version__
 from .errors import FlashASRError
@@ -101,14 +102,29 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     from .jobs import InputError, expand_inputs, run_job
     from .models.registry import cached_model
 
+    missing: list = []
     try:
-        items = expand_inputs(args.inputs)
-    except InputError as e:
+        items = expand_inputs(args.inputs, missing=missing)
+    except InputError as e:  # e.g. an unreadable manifest
         _err(f"error: [{e.code}] {e}")
         return EXIT_USAGE
+    for e in missing:  # one line per missing input; the others still run
+        _err(f"failed: [{e.code}] {e}")
     if not items:
         _err("error: [no_inputs] no audio files found in the given inputs")
         return EXIT_USAGE
+    if args.output_dir is not None:  # check before the (slow) model load
+        out = Path(args.output_dir)
+        try:
+            if out.exists() and not out.is_dir():
+                raise NotADirectoryError(f"{out} exists and is not a directory")
+            out.mkdir(parents=True, exist_ok=True)
+            if not os.access(out, os.W_OK | os.X_OK):
+                raise PermissionError(f"{out} is not writable")
+        except OSError as e:
+            _err(f"error: [output_dir_invalid] cannot write outputs to --output-dir {args.output_dir}: "
+                 f"{e.strerror or e}")
+            return EXIT_USAGE
     try:
         model = cached_model(args.model, args.device)  # in-process callers reuse a loaded model
     except FlashASRError as e:
@@ -170,7 +186,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         _err(report.table())
         if args.output_dir:
             _err(f"outputs    {os.path.abspath(args.output_dir)} (summary.jsonl)")
-    return report.exit_code
+    return EXIT_FAILED if missing and report.exit_code == EXIT_OK else report.exit_code
 
 
 def cmd_serve(argv: list[str]) -> int:

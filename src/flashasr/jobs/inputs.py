@@ -142,7 +142,7 @@ def _walk_dir(d: Path) -> list[Path]:
     return out
 
 
-def expand_inputs(inputs: list[str | os.PathLike]) -> list[InputItem]:
+def expand_inputs(inputs: list[str | os.PathLike], *, missing: list | None = None) -> list[InputItem]:
     """Expand ``inputs`` (files, directories, globs, ``.jsonl`` manifests) in order.
 
     Directories are walked recursively (sorted, symlinked folders not followed) and
@@ -152,9 +152,20 @@ def expand_inputs(inputs: list[str | os.PathLike]) -> list[InputItem]:
 
     Returns:
         list of :class:`InputItem` with unique ``key`` values.
+    Args:
+        missing: if given, an input that does not exist (or a glob with no match) is appended
+            to it as an :class:`InputError` and the others are still expanded; otherwise the
+            first such input raises.
     Raises:
-        InputError(code="input_not_found"): a path that does not exist or a glob with no match.
+        InputError(code="input_not_found"): a path that does not exist or a glob with no match
+            (only when ``missing`` is None).
     """
+
+    def _missing(err: InputError) -> None:
+        if missing is None:
+            raise err
+        missing.append(err)
+
     items: list[InputItem] = []
     for raw in inputs:
         s = os.fspath(raw)
@@ -171,7 +182,8 @@ def expand_inputs(inputs: list[str | os.PathLike]) -> list[InputItem]:
         elif _has_magic(s):
             matches = sorted(glob.glob(os.path.expanduser(s), recursive=True))
             if not matches:
-                raise InputError(f"input {s!r}: the pattern matches no file", code="input_not_found")
+                _missing(InputError(f"input {s!r}: the pattern matches no file", code="input_not_found"))
+                continue
             # Base = the longest leading part of the pattern without wildcards.
             parts = Path(os.path.expanduser(s)).parts
             base_parts = []
@@ -193,7 +205,7 @@ def expand_inputs(inputs: list[str | os.PathLike]) -> list[InputItem]:
                 items.append(InputItem(path=Path(os.path.abspath(mp)), key=_safe_key(_strip_ext(rel)),
                                        display=m))
         else:
-            raise InputError(f"input {s!r}: no such file or directory", code="input_not_found")
+            _missing(InputError(f"input {s!r}: no such file or directory", code="input_not_found"))
     # De-duplicate by absolute path.
     seen: set[Path] = set()
     uniq = []
