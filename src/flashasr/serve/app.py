@@ -630,12 +630,24 @@ def _raise_fd_limit() -> None:
         pass
 
 
+def _announce(cfg: ServeConfig, sock) -> None:
+    """One start-up line on stderr: where the server listens (the port may have been 0)."""
+    import sys
+
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"flashasr serve: listening on http://{shown}:{port} (model {cfg.model or 'tiny.en'}, "
+          f"{cfg.mode} mode); /ready answers 200 once the model is loaded and warmed; Ctrl-C stops",
+          file=sys.stderr, flush=True)
+
+
 def run(cfg: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM in the configured process layout."""
     logging.basicConfig(level=cfg.log_level.upper())
     _raise_fd_limit()
     if cfg.mode == "single":
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
+        _announce(cfg, sock)
         _run_loop(_serve(cfg, create_app(cfg), sock))
         return
     import multiprocessing as mp
@@ -651,6 +663,7 @@ def run(cfg: ServeConfig) -> None:
         tmpdir = tempfile.mkdtemp(prefix="flashasr-")
         path = os.path.join(tmpdir, "engine.sock")
     sock = _listen_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)
+    _announce(cfg, sock)
     ctx = mp.get_context("spawn")
     workers = []
 
