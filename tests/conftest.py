@@ -51,3 +51,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for a test module, restored afterwards.
+
+    Tests of tiny models run many small ops, where OpenMP barriers dominate: on the shared
+    2-core CI machine one thread is both faster and far steadier. Use it in a module with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``.
+    """
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

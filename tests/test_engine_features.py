@@ -13,13 +13,7 @@ from conftest import PARAKEET_FIXTURES
 from flashasr.engine.features_gpu import NemoLogMel, PinnedUploader, WhisperLogMel
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Many tiny ops: one intra-op thread avoids OpenMP barrier stalls on a busy 2-core CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 TINY = PARAKEET_FIXTURES / "tiny-tdt"

@@ -22,12 +22,7 @@ from flashasr.models.parakeet.encoder import ConformerEncoder
 TINY = PARAKEET_FIXTURES / "tiny-tdt"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 def _randomise_bn(enc: ConformerEncoder, seed: int) -> None:

@@ -16,13 +16,7 @@ from flashasr.engine.profiles import Profile
 from flashasr.models.parakeet.decoder import greedy_tdt_reference
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Many tiny ops: one intra-op thread avoids OpenMP barrier stalls on a busy 2-core CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 TINY = PARAKEET_FIXTURES / "tiny-tdt"

@@ -36,12 +36,7 @@ FRAME = 1280  # samples per encoder frame (10 ms hop x 8)
 SECONDS_PER_BATCH = 64.0  # small profile batches: cheap on CPU, still several rows per batch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 def sweep_lengths() -> list[int]:

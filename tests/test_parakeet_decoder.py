@@ -9,14 +9,7 @@ from flashasr.models.parakeet.decoder import (TDTJoint, TDTPredictor, greedy_tdt
                                               greedy_tdt_reference)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: per-op overhead dominates; one intra-op thread is faster and steadier on the
-    shared 2-core CI machine. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 def _random_tdt(seed, V, H, L, D, J, durations, blank_bias=0.0):

@@ -20,14 +20,7 @@ from flashasr.models.parakeet.model import load_parakeet
 TINY = PARAKEET_FIXTURES / "tiny-tdt"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: per-op overhead dominates; one intra-op thread is faster and steadier on the
-    shared 2-core CI machine. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -30,14 +30,7 @@ V3_YAML = PARAKEET_FIXTURES / "parakeet-tdt-0.6b-v3.yaml"
 V2_YAML = PARAKEET_FIXTURES / "parakeet-tdt-0.6b-v2.yaml"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Step-by-step decoding of tiny models is dominated by per-op overhead; on the shared 2-core
-    CI machine one intra-op thread is faster and far less noisy. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import AudioTooLongError, FlashASRError
 from .features_gpu import NemoLogMel

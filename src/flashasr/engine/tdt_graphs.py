@@ -40,7 +40,6 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.utils._pytree as pytree

@@ -111,7 +111,7 @@ class PreprocessorConfig:
         if c.mel_norm not in (None, "slaney"):
             raise _unsupported("preprocessor.mel_norm", c.mel_norm, "slaney, null")
         if c.win_length > c.fft_size:
-            raise _unsupported("preprocessor.window_size", c.window_size, f"<= n_fft/sample_rate")
+            raise _unsupported("preprocessor.window_size", c.window_size, "<= n_fft/sample_rate")
         return c
 
 

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from .model import KVCache, WhisperModel
+from .model import WhisperModel
 from .tokenizer import TIME_PRECISION, WhisperTokenizer
 
 __all__ = ["DecodingResult", "LogitRules", "decode_windows", "detect_language", "compression_ratio",
