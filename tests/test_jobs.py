@@ -298,3 +298,17 @@ def test_parakeet_fixture_batched_equals_per_file(tmp_path):
         assert [s["tokens"] for s in a["segments"]] == [s["tokens"] for s in b["segments"]]
         for sa, sb in zip(a["segments"], b["segments"]):
             assert abs(sa["start"] - sb["start"]) <= 0.08 and abs(sa["end"] - sb["end"]) <= 0.08
+
+
+def test_summary_compact_never_drops_a_line_on_disk(tmp_path):
+    """A line that reached summary.jsonl survives compact() even when memory never saw it
+    (a Ctrl-C can land between the write and the bookkeeping); memory wins for the same path."""
+    s = Summary(tmp_path)
+    s.append({"path": "/a.wav", "status": "ok", "output": "a.txt"})
+    with open(s.path, "a", encoding="utf-8") as f:  # written, but not recorded in memory
+        f.write(json.dumps({"path": "/b.wav", "status": "ok", "output": "b.txt"}) + "\n")
+        f.write('{"path": "/c.wav", "sta')  # a line cut by a crash: ignored
+    s.append({"path": "/a.wav", "status": "failed", "output": None})  # newer record for /a.wav
+    s.compact(["/a.wav", "/b.wav"])
+    recs = [json.loads(l) for l in s.path.read_text().splitlines()]
+    assert [(r["path"], r["status"]) for r in recs] == [("/a.wav", "failed"), ("/b.wav", "ok")]

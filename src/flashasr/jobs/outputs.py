@@ -127,12 +127,18 @@ class Summary:
         """Append one record (thread-safe), flushed and fsynced."""
         line = json.dumps(rec, ensure_ascii=False) + "\n"
         with self._lock:
+            # Memory first: a Ctrl-C (KeyboardInterrupt can land between any two bytecodes)
+            # after the line reached the file must not let compact() drop it again.
+            self.previous[rec["path"]] = rec
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line)
+            with open(self.path, "a+b") as f:
+                if f.tell() > 0:  # a line cut by a crash must not swallow this one
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        line = "\n" + line
+                f.write(line.encode("utf-8"))
                 f.flush()
                 os.fsync(f.fileno())
-            self.previous[rec["path"]] = rec
 
     def compact(self, order: list[str]) -> None:
         """Rewrite the journal atomically with one line per input, in ``order`` first.
@@ -140,6 +146,17 @@ class Summary:
         Records of paths not in ``order`` (inputs of earlier runs) are kept after them.
         """
         with self._lock:
+            on_disk = {}  # lines on disk that memory lacks (none, unless an interrupt hit append)
+            if self.path.exists():
+                for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(rec, dict) and isinstance(rec.get("path"), str):
+                        on_disk[rec["path"]] = rec
+            for p, r in on_disk.items():
+                self.previous.setdefault(p, r)
             recs = []
             seen = set()
             for p in order:
