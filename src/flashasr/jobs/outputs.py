@@ -91,7 +91,12 @@ class Summary:
 
     def load(self) -> dict[str, dict]:
         """Read earlier lines; the last line per input path wins. Returns {path: record}."""
-        self.previous = {}
+        self.previous = self._read()
+        return self.previous
+
+    def _read(self) -> dict[str, dict]:
+        """The journal on disk as {path: last record}; unparsable lines are skipped."""
+        recs: dict[str, dict] = {}
         if self.path.exists():
             for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
                 try:
@@ -99,8 +104,8 @@ class Summary:
                 except json.JSONDecodeError:
                     continue
                 if isinstance(rec, dict) and isinstance(rec.get("path"), str):
-                    self.previous[rec["path"]] = rec
-        return self.previous
+                    recs[rec["path"]] = rec
+        return recs
 
     def is_complete(self, path: Path, *, fmt: str, model: str, options: dict) -> dict | None:
         """The earlier ``ok`` record for ``path`` if its output can be reused, else None."""
@@ -146,16 +151,8 @@ class Summary:
         Records of paths not in ``order`` (inputs of earlier runs) are kept after them.
         """
         with self._lock:
-            on_disk = {}  # lines on disk that memory lacks (none, unless an interrupt hit append)
-            if self.path.exists():
-                for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if isinstance(rec, dict) and isinstance(rec.get("path"), str):
-                        on_disk[rec["path"]] = rec
-            for p, r in on_disk.items():
+            # lines on disk that memory lacks (none, unless an interrupt hit append)
+            for p, r in self._read().items():
                 self.previous.setdefault(p, r)
             recs = []
             seen = set()
