@@ -1,0 +1,91 @@
+"""Parakeet-TDT behind the :class:`~flashasr.models.base.ASRModel` interface, run by the GPU engine.
+
+:class:`ParakeetGPUASR` is a :class:`~flashasr.models.parakeet.model.ParakeetASR` whose encoder
+batches go through :class:`~flashasr.engine.offline.OfflineParakeetEngine` (encoder shape
+profiles captured as CUDA graphs, bf16 weights with float32 norms, full-graph label-looping
+TDT decoding with its own fallbacks). Everything above the pieces -- splitting long audio at
+pauses, timestamps, words, segments, the response shape -- is ParakeetASR's, so the CLI, the
+batch jobs and the server get the fast path by loading a Parakeet model on a CUDA device
+(:func:`~flashasr.models.registry.load_model` does it by default; ``FLASHASR_GPU_ENGINE=0``
+keeps the plain PyTorch path).
+
+One engine serves one thread at a time (a lock guards the CUDA graphs and the pinned
+buffers): the server's scheduler and the job runner each call from one thread anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..models.parakeet.decoder import Hypothesis
+from ..models.parakeet.model import ParakeetASR
+
+log = logging.getLogger(__name__)
+
+
+class ParakeetGPUASR(ParakeetASR):
+    """A ParakeetASR (same weights, same tokenizer) whose pieces run through the GPU engine.
+
+    Args:
+        asr: a loaded :class:`ParakeetASR` on a CUDA device. Its encoder weights are converted
+            in place to the engine's dtype (bf16 by default; norms stay float32): keep using
+            this wrapper, not ``asr``, afterwards.
+        warmup: capture every encoder profile and the decoder graphs now (seconds; otherwise on
+            first use of each shape).
+        **engine_kw: passed to :class:`~flashasr.engine.offline.OfflineParakeetEngine`
+            (``profiles``, ``dtype``, ``decoder_dtype``, ``decoder_mode``, ``compile``, ...).
+
+    Raises:
+        ValueError: ``asr`` is not on a CUDA device.
+
+    Output equals the engine's tokens, which equal the plain path's up to bf16 rounding of the
+    encoder (the decoder modes give identical tokens; tested on the H200).
+    """
+
+    def __init__(self, asr: ParakeetASR, *, warmup: bool = True, **engine_kw):
+        from .offline import OfflineParakeetEngine
+
+        if not str(asr.device).startswith("cuda"):
+            raise ValueError(f"ParakeetGPUASR needs a model on a CUDA device, got {asr.device!r}")
+        self.__dict__.update(asr.__dict__)  # same config, modules, tokenizer and settings
+        self.engine = OfflineParakeetEngine(asr, with_text=False, **engine_kw)
+        self.batch_size = max(p.batch for p in self.engine.encoder.profiles)
+        self._lock = threading.Lock()
+        self.engine_info = {"profiles": [(p.batch, p.seconds) for p in self.engine.encoder.profiles],
+                            "decoder_mode": str(self.engine.decoder.mode)}
+        if warmup:
+            self.engine.warmup()
+
+    def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
+        """All pieces in one engine call (it sorts and packs them into profiles itself)."""
+        with self._lock:
+            out = self.engine.transcribe_arrays(pieces)
+        return [Hypothesis(list(it.token_ids), list(it.token_frames), list(it.token_durations)) for it in out.items]
+
+    def memory_report(self) -> list[dict]:
+        """Per captured encoder profile: its shape and the graph memory it added (see EncoderProfiles)."""
+        return self.engine.encoder.memory_report()
+
+
+def gpu_engine_enabled(device: str) -> bool:
+    """Whether :func:`~flashasr.models.registry.load_model` wraps Parakeet models on ``device`` in
+    :class:`ParakeetGPUASR`: a CUDA device and ``FLASHASR_GPU_ENGINE`` not set to ``0``."""
+    import os
+
+    return str(device).startswith("cuda") and torch.cuda.is_available() \
+        and os.environ.get("FLASHASR_GPU_ENGINE", "1") != "0"
+
+
+def wrap_parakeet(asr: ParakeetASR, device: str, **engine_kw) -> ParakeetASR:
+    """``ParakeetGPUASR(asr)`` when :func:`gpu_engine_enabled`, else ``asr`` unchanged."""
+    if gpu_engine_enabled(device):
+        return ParakeetGPUASR(asr, **engine_kw)
+    return asr
+
+
+__all__ = ["ParakeetGPUASR", "gpu_engine_enabled", "wrap_parakeet"]
