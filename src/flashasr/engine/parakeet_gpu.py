@@ -27,6 +27,8 @@ from ..models.parakeet.model import ParakeetASR
 
 log = logging.getLogger(__name__)
 
+SERVING_SMALL_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # profile rows below each boundary's full batch
+
 
 class ParakeetGPUASR(ParakeetASR):
     """A ParakeetASR (same weights, same tokenizer) whose pieces run through the GPU engine.
@@ -39,6 +41,9 @@ class ParakeetGPUASR(ParakeetASR):
             first use of each shape).
         **engine_kw: passed to :class:`~flashasr.engine.offline.OfflineParakeetEngine`
             (``profiles``, ``dtype``, ``decoder_dtype``, ``decoder_mode``, ``compile``, ...).
+            Default profiles: :data:`SERVING_SMALL_BATCHES` below each length boundary's full
+            batch, so a server's batch of a few dozen partials runs in a profile of about its
+            size (at most 2x padding in rows), not in the full 512-row one.
 
     Raises:
         ValueError: ``asr`` is not on a CUDA device.
@@ -50,6 +55,13 @@ class ParakeetGPUASR(ParakeetASR):
     def __init__(self, asr: ParakeetASR, *, warmup: bool = True, **engine_kw):
         from .offline import OfflineParakeetEngine
 
+        if "profiles" not in engine_kw:
+            from .profiles import choose_profiles
+
+            engine_kw["profiles"] = choose_profiles(small_batches=SERVING_SMALL_BATCHES)
+        # the settings bench_gpu_profile.py measured fastest on the H200 (cuDNN autotuned, NHWC subsampling convs)
+        engine_kw.setdefault("cudnn_benchmark", True)
+        engine_kw.setdefault("conv_channels_last", True)
         if not str(asr.device).startswith("cuda"):
             raise ValueError(f"ParakeetGPUASR needs a model on a CUDA device, got {asr.device!r}")
         self.__dict__.update(asr.__dict__)  # same config, modules, tokenizer and settings
