@@ -162,7 +162,7 @@ def test_scheduler_priorities_packing_and_coalescing():
         return picks
 
     picks = asyncio.run(go())
-    assert picks[0] == [(FINAL, 5)] and picks[1] == [(PARTIAL, 20)]
+    assert picks[0] == [(FINAL, 5), (PARTIAL, 20)]  # streaming work first; partials fill a final's batch
     # offline: the oldest item anchors the batch, the closest lengths join it
-    assert picks[2] == [(OFFLINE, 1000), (OFFLINE, 1100), (OFFLINE, 1200)]
-    assert picks[3] == [(OFFLINE, 90000), (OFFLINE, 50000)]
+    assert picks[1] == [(OFFLINE, 1000), (OFFLINE, 1100), (OFFLINE, 1200)]
+    assert picks[2] == [(OFFLINE, 90000), (OFFLINE, 50000)]

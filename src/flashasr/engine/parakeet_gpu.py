@@ -67,6 +67,8 @@ class ParakeetGPUASR(ParakeetASR):
         self.__dict__.update(asr.__dict__)  # same config, modules, tokenizer and settings
         self.engine = OfflineParakeetEngine(asr, with_text=False, **engine_kw)
         self.batch_size = max(p.batch for p in self.engine.encoder.profiles)
+        # long audio is cut at pauses into pieces the largest profile holds (no eager fallback)
+        self.max_segment_seconds = min(self.max_segment_seconds, max(p.seconds for p in self.engine.encoder.profiles))
         self._lock = threading.Lock()
         self.engine_info = {"profiles": [(p.batch, p.seconds) for p in self.engine.encoder.profiles],
                             "decoder_mode": str(self.engine.decoder.mode)}

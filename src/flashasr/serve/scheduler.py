@@ -153,6 +153,12 @@ class BatchScheduler:
             batch = same[: self.max_batch]
             chosen = set(id(it) for it in batch)
             self._queues[p] = [it for it in q if id(it) not in chosen]
+            if p == FINAL and len(batch) < self.max_batch:  # streaming work shares the batch: partials fill it
+                pq = [it for it in self._queues[PARTIAL] if not it.fut.done()]
+                extra = [it for it in pq if it.group == anchor.group][: self.max_batch - len(batch)]
+                taken = set(id(it) for it in extra)
+                self._queues[PARTIAL] = [it for it in pq if id(it) not in taken]
+                batch += extra
             for it in batch:
                 if it.key is not None and self._partials.get(it.key) is it:
                     del self._partials[it.key]
@@ -203,8 +209,8 @@ class BatchScheduler:
                     self.busy = False
                 dt = time.perf_counter() - t0
                 self.metrics.stage.labels("inference").observe(dt)
-                audio_s = sum(len(it.samples) for it in batch) / self.sample_rate
-                self.metrics.audio_seconds.labels(kind).inc(audio_s)
+                for it in batch:  # a final batch may carry partials too: count each under its own kind
+                    self.metrics.audio_seconds.labels(KIND[it.priority]).inc(len(it.samples) / self.sample_rate)
                 for it, r in zip(batch, results):
                     if it.fut.done():
                         continue
