@@ -6,8 +6,9 @@ of real speech from ../shared/audio with PyAV into a temp dir) it measures:
 * ``load_audio`` single-threaded: CPU seconds per audio hour and RTFx (audio s / CPU s);
 * PyAV demux+decode only (no conversion/resampling), to split the cost;
 * the same files decoded by a thread pool over all cores (aggregate RTFx, scaling);
-* the ``ffmpeg`` command line (``-threads 1 ... -ac 1 -ar 16000 -f f32le``) when the binary
-  exists (child CPU time from rusage), else says so;
+* the ``ffmpeg`` command line (``-threads 1 ... -ac 1 -ar 16000 -f f32le``) as the reference
+  (child CPU time from rusage): ``ffmpeg`` on PATH, else the static binary of the
+  ``imageio-ffmpeg`` package (:func:`find_ffmpeg`), else says so;
 * VAD: Silero sequence ONNX (what flashasr uses), the stock per-frame ONNX and the
   TorchScript model, and StreamingVAD fed 20 ms / 100 ms chunks; CPU s per audio hour.
 
@@ -113,6 +114,31 @@ def make_files(tmp: Path, seconds: float) -> list[dict]:
     return files
 
 
+def find_ffmpeg() -> str | None:
+    """Path of an ``ffmpeg`` executable: on PATH, else ``imageio_ffmpeg.get_ffmpeg_exe()`` (the
+    static build that PyPI package ships), else None."""
+    ff = shutil.which("ffmpeg")
+    if ff:
+        return ff
+    try:
+        import imageio_ffmpeg
+
+        return imageio_ffmpeg.get_ffmpeg_exe()
+    except Exception:  # package missing or its binary unusable on this platform
+        return None
+
+
+def ffmpeg_version(ff: str | None) -> str | None:
+    """First line of ``ffmpeg -version`` (None when unavailable)."""
+    if not ff:
+        return None
+    try:
+        out = subprocess.run([ff, "-version"], capture_output=True, text=True, timeout=30).stdout
+        return out.splitlines()[0].strip() if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def cpu_time(fn, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -141,7 +167,15 @@ def ffmpeg_cpu(ff: str, path: str, repeats: int) -> float:
     return best
 
 
-def bench_decode(files, repeats, ff):
+def ffmpeg_startup_cpu(ff: str, tmp: Path, repeats: int) -> float:
+    """CPU seconds of one ffmpeg CLI run on a 0.1 s 16 kHz WAV: process start-up, subtracted
+    from the per-file figures in ``ffmpeg_cli_net_cpu_s_per_audio_h``."""
+    p = tmp / "startup_0.1s.wav"
+    encode_audio(np.zeros(1600, np.float32), 16000, p, format="wav")
+    return ffmpeg_cpu(ff, str(p), repeats)
+
+
+def bench_decode(files, repeats, ff, ff_startup: float = 0.0):
     rows = []
     for f in files:
         d = load_audio(f["path"])
@@ -155,6 +189,7 @@ def bench_decode(files, repeats, ff):
         if ff:
             t_ff = ffmpeg_cpu(ff, f["path"], repeats)
             row["ffmpeg_cli_cpu_s_per_audio_h"] = round(t_ff / f["duration"] * 3600, 2)
+            row["ffmpeg_cli_net_cpu_s_per_audio_h"] = round(max(0.0, t_ff - ff_startup) / f["duration"] * 3600, 2)
         rows.append(row)
     return rows
 
@@ -272,11 +307,12 @@ def main() -> None:
 
     t0 = time.time()
     load_before = os.getloadavg()
-    ff = shutil.which("ffmpeg")
+    ff = find_ffmpeg()
     workers = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as td:
         files = make_files(Path(td), args.seconds)
-        rows = bench_decode(files, args.repeats, ff)
+        ff_startup = ffmpeg_startup_cpu(ff, Path(td), args.repeats) if ff else 0.0
+        rows = bench_decode(files, args.repeats, ff, ff_startup)
         pool = bench_pool(files, workers)
     vad = bench_vad(args.vad_seconds, args.repeats)
 
@@ -296,7 +332,14 @@ def main() -> None:
             "note": "shared development machine: other processes compete (see load_average), so "
                     "wall-time figures (thread pool scaling) are unreliable there and CPU-time figures "
                     "are inflated by contention; rerun on an idle machine for clean numbers",
-            "ffmpeg_cli": ff or "ffmpeg binary not found on this machine: CLI comparison not measured",
+            "ffmpeg_cli": ({"path": ff, "version": ffmpeg_version(ff),
+                            "command": "ffmpeg -nostdin -v error -threads 1 -i FILE -ac 1 -ar 16000 -f f32le -",
+                            "timing": "child user+sys CPU time (getrusage RUSAGE_CHILDREN), best of repeats; "
+                                      "ffmpeg_cli_cpu_s_per_audio_h includes process start-up, "
+                                      "ffmpeg_cli_net_* subtracts one run on a 0.1 s WAV",
+                            "startup_cpu_s": round(ff_startup, 4)}
+                           if ff else "ffmpeg binary not found (neither on PATH nor imageio-ffmpeg): "
+                                      "CLI comparison not measured"),
         },
         "decode": rows,
         "thread_pool": pool,
@@ -309,12 +352,16 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=1) + "\n")
 
     print(f"{'codec':6} {'rate':>6} {'load_audio':>12} {'RTFx':>7} {'decode only':>12}"
-          + (f" {'ffmpeg CLI':>11}" if ff else ""))
-    print(f"{'':6} {'Hz':>6} {'CPU s/h':>12} {'1 core':>7} {'CPU s/h':>12}" + (f" {'CPU s/h':>11}" if ff else ""))
+          + (f" {'ffmpeg CLI':>11} {'CLI net':>8}" if ff else ""))
+    print(f"{'':6} {'Hz':>6} {'CPU s/h':>12} {'1 core':>7} {'CPU s/h':>12}"
+          + (f" {'CPU s/h':>11} {'CPU s/h':>8}" if ff else ""))
     for r in rows:
         print(f"{r['codec']:6} {r['rate']:>6} {r['load_audio_cpu_s_per_audio_h']:>12.1f} "
               f"{r['load_audio_rtfx_1core']:>7.0f} {r['decode_only_cpu_s_per_audio_h']:>12.1f}"
-              + (f" {r['ffmpeg_cli_cpu_s_per_audio_h']:>11.1f}" if ff else ""))
+              + (f" {r['ffmpeg_cli_cpu_s_per_audio_h']:>11.1f} {r['ffmpeg_cli_net_cpu_s_per_audio_h']:>8.1f}"
+                 if ff else ""))
+    if ff:
+        print(f"ffmpeg CLI: {ff} (start-up {ff_startup * 1000:.0f} ms CPU per run, subtracted in 'CLI net')")
     if not ff:
         print("ffmpeg CLI: binary not found, not compared")
     print(f"thread pool ({workers} workers): RTFx {pool['rtfx_pool']} vs 1 thread {pool['rtfx_1_thread']} "

@@ -69,7 +69,25 @@ class FileResult:
 
 @dataclass
 class JobReport:
-    """What a job did. Times in seconds; CPU figures are CPU seconds (all threads)."""
+    """What a job did. Times in seconds; CPU figures are CPU seconds (all threads).
+
+    Stage accounting (all measured by :func:`run_job`):
+
+    * ``decode_cpu_s`` / ``vad_cpu_s``: per-thread CPU clocks (``time.thread_time``) of the
+      worker threads around container decode + downmix + resample to the model rate, and
+      around VAD segmentation.
+    * ``model_cpu_s``: the rest of the process's CPU time (model calls, merging, rendering,
+      writing, bookkeeping).
+    * ``model_busy_s``: main-thread wall seconds inside ``model.transcribe_batch`` calls (on
+      CUDA followed by ``torch.cuda.synchronize()``, so GPU work is included);
+      ``model_busy_s / wall_s`` is the model-stage ("GPU busy") fraction.
+    * ``finish_s``: main-thread wall seconds merging piece results, rendering and writing
+      outputs and summary lines.
+    * ``workers``: decode/VAD threads; ``batch_size``: the largest batch asked for;
+      ``batch_pieces``: pieces per model call, in call order.
+    * ``nvml``: :class:`~flashasr.jobs.gpumon.NvmlSampler` result (NVML GPU utilisation over
+      the job) on CUDA, else ``{"available": False, "reason": ...}``; None when not asked.
+    """
 
     results: list[FileResult] = field(default_factory=list)
     wall_s: float = 0.0
@@ -78,11 +96,16 @@ class JobReport:
     vad_cpu_s: float = 0.0
     model_cpu_s: float = 0.0
     model_busy_s: float = 0.0
+    finish_s: float = 0.0
     n_batches: int = 0
     n_pieces: int = 0
     device: str = "cpu"
     model: str = ""
     interrupted: bool = False
+    workers: int = 0
+    batch_size: int = 0
+    batch_pieces: list[int] = field(default_factory=list)
+    nvml: dict | None = None
 
     @property
     def ok(self) -> list[FileResult]:
@@ -115,13 +138,58 @@ class JobReport:
             return {"decode": 0.0, "vad": 0.0, "model": 0.0}
         return {"decode": self.decode_cpu_s / h, "vad": self.vad_cpu_s / h, "model": self.model_cpu_s / h}
 
+    @property
+    def model_busy_fraction(self) -> float:
+        """Fraction of the job's wall time spent inside model calls (0..1)."""
+        return min(1.0, self.model_busy_s / self.wall_s) if self.wall_s > 0 else 0.0
+
+    @property
+    def gpu_busy_fraction(self) -> float | None:
+        """:attr:`model_busy_fraction` when the model runs on CUDA (its calls are synchronised,
+        so this is the share of wall time the GPU stage held the pipeline), else None."""
+        return self.model_busy_fraction if self.device.startswith("cuda") else None
+
+    @property
+    def cpu_stage_utilisation(self) -> float:
+        """Decode + VAD CPU seconds / (workers x wall seconds): how much of the worker pool's
+        capacity the CPU stage used (near 1: the CPU stage bounds throughput)."""
+        cap = self.workers * self.wall_s
+        return (self.decode_cpu_s + self.vad_cpu_s) / cap if cap > 0 else 0.0
+
+    @property
+    def main_thread_busy_fraction(self) -> float:
+        """(model calls + merging/rendering/writing) wall seconds / job wall seconds."""
+        return min(1.0, (self.model_busy_s + self.finish_s) / self.wall_s) if self.wall_s > 0 else 0.0
+
+    def bound_by(self) -> str:
+        """Which stage bounds throughput, from the fractions above: ``model`` (model calls
+        >= 80 % of wall time), ``cpu_stage`` (worker pool >= 80 % used), ``main_thread``
+        (model calls + output work >= 80 %), else ``input`` (nothing saturated: too little
+        work in flight, I/O, or start-up and tail effects dominate)."""
+        if self.model_busy_fraction >= 0.8:
+            return "model"
+        if self.cpu_stage_utilisation >= 0.8:
+            return "cpu_stage"
+        if self.main_thread_busy_fraction >= 0.8:
+            return "main_thread"
+        return "input"
+
     def to_dict(self) -> dict:
         return {
             "files_ok": len(self.ok), "files_skipped": len(self.skipped), "files_failed": len(self.failed),
             "audio_s": round(self.audio_s, 3), "wall_s": round(self.wall_s, 3),
             "speed_factor": round(self.speed_factor, 2),
             "cpu_s_per_audio_hour": {k: round(v, 1) for k, v in self.cpu_per_audio_hour().items()},
-            "model_busy_fraction": round(self.model_busy_s / self.wall_s, 3) if self.wall_s else 0.0,
+            "model_busy_fraction": round(self.model_busy_fraction, 3),
+            "gpu_busy_fraction": None if self.gpu_busy_fraction is None else round(self.gpu_busy_fraction, 3),
+            "nvml": self.nvml,
+            "model_busy_s": round(self.model_busy_s, 3), "finish_s": round(self.finish_s, 3),
+            "cpu_s": {"decode": round(self.decode_cpu_s, 3), "vad": round(self.vad_cpu_s, 3),
+                      "model": round(self.model_cpu_s, 3)},
+            "workers": self.workers, "batch_size": self.batch_size,
+            "cpu_stage_utilisation": round(self.cpu_stage_utilisation, 3),
+            "main_thread_busy_fraction": round(self.main_thread_busy_fraction, 3),
+            "bound_by": self.bound_by(),
             "batches": self.n_batches, "pieces": self.n_pieces, "device": self.device, "model": self.model,
             "interrupted": self.interrupted,
         }
@@ -137,8 +205,19 @@ class JobReport:
             f"wall       {self.wall_s:.2f} s   speed factor {self.speed_factor:.1f}x real time",
             f"CPU s per audio hour   decode {c['decode']:.1f}   vad {c['vad']:.1f}   model+other {c['model']:.1f}",
         ]
+        if self.workers and self.wall_s > 0:
+            lines.append(f"stages     {self.workers} decode threads {100 * self.cpu_stage_utilisation:.0f} % used, "
+                         f"model calls {100 * self.model_busy_fraction:.0f} % of wall, "
+                         f"outputs {100 * self.finish_s / self.wall_s:.0f} %; bound by {self.bound_by()}")
         if self.device.startswith("cuda") and self.wall_s > 0:
-            lines.append(f"GPU busy   {100 * self.model_busy_s / self.wall_s:.1f} % of wall time (model calls)")
+            line = f"GPU busy   {100 * self.model_busy_fraction:.1f} % of wall time (model calls)"
+            if self.nvml is not None:
+                if self.nvml.get("available"):
+                    line += (f"; NVML utilisation mean {self.nvml['mean_util_pct']:.0f} % "
+                             f"({self.nvml['samples']} samples)")
+                else:
+                    line += f"; NVML: {self.nvml.get('reason', 'unavailable')}"
+            lines.append(line)
         return "\n".join(lines)
 
 
@@ -206,6 +285,24 @@ def default_batch_size(device: str = "cpu") -> int:
     return 16 if str(device).startswith("cuda") else 1
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _start_gpu_monitor(device: str, want: bool | None):
+    """A started :class:`~flashasr.jobs.gpumon.NvmlSampler` for a CUDA job, else None."""
+    if want is False or not device.startswith("cuda") or not _cuda_available():
+        return None
+    from .gpumon import NvmlSampler
+
+    return NvmlSampler(device).start()
+
+
 def run_job(
     inputs: Iterable[str | os.PathLike | InputItem],
     model,
@@ -226,6 +323,7 @@ def run_job(
     batch_wait_s: float = 0.05,
     decode_fn: Callable | None = None,
     split_fn: Callable | None = None,
+    gpu_monitor: bool | None = None,
 ) -> JobReport:
     """Transcribe many inputs with one model; the Python API behind ``flashasr transcribe``.
 
@@ -252,7 +350,10 @@ def run_job(
         max_buffered_audio_s: decoded audio (seconds) held before new decodes wait.
         batch_wait_s: how long a partial batch waits for more decoded pieces.
         decode_fn, split_fn: replace :func:`flashasr.audio.load_audio` /
-            :func:`flashasr.audio.vad.split_for_asr` (tests).
+            :func:`flashasr.audio.vad.split_for_asr` (tests, benchmarks with pre-decoded audio).
+        gpu_monitor: sample NVML GPU utilisation in a background thread during the job
+            (:class:`~flashasr.jobs.gpumon.NvmlSampler`, result in ``report.nvml``); None: on
+            when the model's device is CUDA and ``torch.cuda`` is available.
     Returns:
         :class:`JobReport`; ``report.exit_code`` is non-zero when any input failed.
         On KeyboardInterrupt the job stops starting work, keeps the finished outputs
@@ -294,7 +395,7 @@ def run_job(
     prefetch = max(2, 2 * n_workers)
     max_buffered = int(max_buffered_audio_s * sr)
 
-    report = JobReport(device=device, model=model_name)
+    report = JobReport(device=device, model=model_name, workers=n_workers, batch_size=batch_size)
     out_dir = Path(output_dir) if output_dir is not None else None
     summary = None
     if out_dir is not None:
@@ -375,6 +476,7 @@ def run_job(
         return _Prepared(item, samples, pieces, t0, c1 - c0, c2 - c1)
 
     def _finish(st: _FileState) -> None:
+        t_fin = time.perf_counter()
         dur = st.samples.size / sr
         res = FileResult(item=st.item, status="ok", duration=dur, n_pieces=len(st.pieces))
         if st.error is not None:
@@ -398,7 +500,11 @@ def run_job(
         res.processing_s = time.perf_counter() - st.t0
         st.samples = np.empty(0, np.float32)
         _emit(st.idx, res)
+        report.finish_s += time.perf_counter() - t_fin
 
+    sampler = _start_gpu_monitor(device, gpu_monitor)
+    if sampler is None and gpu_monitor:
+        report.nvml = {"available": False, "reason": f"model device is {device!r}, or torch.cuda is unavailable"}
     pool = cf.ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="flashasr-decode")
     futures: dict[cf.Future, int] = {}
     active: dict[int, _FileState] = {}
@@ -443,6 +549,7 @@ def run_job(
         report.model_busy_s += time.perf_counter() - t0
         report.n_batches += 1
         report.n_pieces += len(batch)
+        report.batch_pieces.append(len(batch))
         for (fi, pi), out, err in zip(batch, outs, errs):
             st = active[fi]
             if err is not None and st.error is None:
@@ -524,6 +631,8 @@ def run_job(
         report.wall_s = time.perf_counter() - t_job
         total_cpu = time.process_time() - cpu_job
         report.model_cpu_s = max(0.0, total_cpu - report.decode_cpu_s - report.vad_cpu_s)
+        if sampler is not None:
+            report.nvml = sampler.stop()
         if summary is not None:
             try:
                 summary.compact([str(it.path) for it in items])

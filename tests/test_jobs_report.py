@@ -1,0 +1,220 @@
+"""Job report additions: model/GPU busy fraction, per-stage CPU accounting, the stage that
+bounds throughput, per-call batch sizes, and the NVML utilisation sampler (with a fake NVML
+module: the CPU CI has no GPU and no pynvml)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flashasr.jobs import JobReport, run_job
+from flashasr.jobs import gpumon, runner
+from flashasr.jobs.gpumon import NvmlSampler
+from flashasr.models.base import ASRModel
+from flashasr.types import Segment, Transcript
+
+SR = 16000
+
+
+class SleepModel(ASRModel):
+    """Sleeps ``delay`` seconds per call (stands in for a busy accelerator); text = length."""
+
+    name = "sleep-model"
+    family = "parakeet"
+    max_segment_seconds = 30.0
+
+    def __init__(self, delay: float = 0.0, device: str = "cpu"):
+        self.delay = delay
+        self.device = device
+        self.calls: list[int] = []
+
+    def transcribe_waveform(self, w, *, language=None, word_timestamps=False):
+        d = len(w) / SR
+        return Transcript(text=f" n{len(w)}", language=language, duration=d, segments=[Segment(0, 0.0, d, f" n{len(w)}")])
+
+    def transcribe_batch(self, ws, *, language=None, word_timestamps=False):
+        self.calls.append(len(ws))
+        time.sleep(self.delay)
+        return [self.transcribe_waveform(w) for w in ws]
+
+
+def fixed_split(samples, sr, max_s, method):
+    n = int(max_s * sr)
+    return [(a, min(a + n, len(samples))) for a in range(0, len(samples), n)]
+
+
+def _write_wav(path: Path, seconds: float, seed: int) -> None:
+    x = (np.random.default_rng(seed).standard_normal(int(seconds * SR)) * 0.1).clip(-1, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(SR)
+        w.writeframes((x * 32767).astype("<i2").tobytes())
+
+
+@pytest.fixture()
+def wavs(tmp_path) -> Path:
+    d = tmp_path / "in"
+    for i, s in enumerate([2.0, 3.0, 7.5, 12.0]):
+        _write_wav(d / f"c{i}.wav", s, i)
+    return d
+
+
+class FakeNvml(types.SimpleNamespace):
+    """Minimal pynvml stand-in: utilisation values from a list, then the last one forever."""
+
+    def __init__(self, utils, fail_init: bool = False):
+        super().__init__()
+        self.utils = list(utils)
+        self.fail_init = fail_init
+        self.inited = 0
+        self.shut = 0
+        self.handles: list = []
+        self.lock = threading.Lock()
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise RuntimeError("NVML Shared Library Not Found")
+        self.inited += 1
+
+    def nvmlShutdown(self):
+        self.shut += 1
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        self.handles.append(("index", i))
+        return ("h", i)
+
+    def nvmlDeviceGetHandleByUUID(self, u):
+        self.handles.append(("uuid", u))
+        return ("h", u)
+
+    def nvmlDeviceGetName(self, h):
+        return b"Fake GPU"
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        with self.lock:
+            v = self.utils.pop(0) if len(self.utils) > 1 else self.utils[0]
+        return types.SimpleNamespace(gpu=v, memory=0)
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return types.SimpleNamespace(used=123 * 2**20, total=2**30, free=2**30 - 123 * 2**20)
+
+
+def test_nvml_sampler_mean_max_and_shutdown():
+    nv = FakeNvml([10, 30, 50, 50])
+    s = NvmlSampler("cuda:0", interval_s=0.01, nvml=nv).start()
+    time.sleep(0.2)
+    r = s.stop()
+    assert r["available"] and r["name"] == "Fake GPU"
+    assert r["samples"] >= 5 and r["max_util_pct"] == 50.0
+    # the first samples are 10 and 30, then 50 forever: the mean lies strictly between
+    assert 30.0 < r["mean_util_pct"] < 50.0
+    assert r["max_memory_used_bytes"] == 123 * 2**20
+    assert nv.inited == 1 and nv.shut == 1
+    n = r["samples"]
+    time.sleep(0.05)
+    assert s.result()["samples"] == n  # the thread really stopped
+
+
+def test_nvml_sampler_unavailable_says_why(monkeypatch):
+    r = NvmlSampler("cuda", nvml=FakeNvml([0], fail_init=True)).start().stop()
+    assert r == {"available": False, "reason": r["reason"]} and "NVML Shared Library Not Found" in r["reason"]
+
+    def no_pynvml():
+        raise ImportError("No module named 'pynvml'")
+
+    monkeypatch.setattr(gpumon, "_import_nvml", no_pynvml)
+    r = NvmlSampler("cuda").start().stop()
+    assert not r["available"] and "pynvml" in r["reason"] and "nvidia-ml-py" in r["reason"]
+
+
+def test_nvml_index_follows_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert gpumon._nvml_index_for(1) == 5 and gpumon._nvml_index_for(0) == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpumon._nvml_index_for(1) == 1
+
+
+def test_busy_fraction_and_batch_record_from_a_slow_model(wavs):
+    m = SleepModel(delay=0.25, device="cuda:0")  # a "CUDA" model; torch.cuda is absent here
+    r = run_job([wavs], m, None, "text", batch_size=2, split_fn=fixed_split, max_segment_s=5,
+                workers=2, batch_wait_s=5, gpu_monitor=False)
+    assert r.exit_code == 0 and len(r.ok) == 4
+    # pieces: 2 s, 3 s, 7.5 s -> 5 + 2.5, 12 s -> 5 + 5 + 2: 7 pieces in batches of <= 2
+    assert r.n_pieces == 7 and sum(r.batch_pieces) == 7 and len(r.batch_pieces) == r.n_batches
+    assert max(r.batch_pieces) == 2 and r.batch_pieces == m.calls
+    assert r.model_busy_s >= 0.25 * r.n_batches * 0.95
+    assert 0 < r.model_busy_fraction <= 1 and r.gpu_busy_fraction == r.model_busy_fraction
+    assert r.model_busy_fraction > 0.5  # sleeping dominates decoding four short WAVs
+    assert r.nvml is None  # not asked for
+    d = r.to_dict()
+    assert d["gpu_busy_fraction"] == round(r.model_busy_fraction, 3) and d["workers"] == 2
+    assert d["batch_size"] == 2 and d["cpu_s"]["decode"] >= 0 and d["bound_by"] in ("model", "input")
+    assert "GPU busy" in r.table() and "bound by" in r.table()
+
+
+def test_cpu_device_has_no_gpu_fraction_and_stage_cpu_is_counted(wavs):
+    burn = 0.15
+
+    def slow_decode(path, rate):  # burns CPU like a costly codec
+        from flashasr.audio import load_audio
+
+        t = time.thread_time()
+        while time.thread_time() - t < burn:
+            sum(range(1000))
+        return load_audio(path, target_rate=rate)
+
+    r = run_job([wavs], SleepModel(), None, "text", batch_size=4, split_fn=fixed_split,
+                workers=1, decode_fn=slow_decode)
+    assert r.gpu_busy_fraction is None and r.nvml is None and "GPU busy" not in r.table()
+    assert r.decode_cpu_s >= 4 * burn * 0.99  # per-thread CPU clocks see every burnt second
+    want = (r.decode_cpu_s + r.vad_cpu_s) / (1 * r.wall_s)
+    assert r.cpu_stage_utilisation == pytest.approx(want)
+    c = r.cpu_per_audio_hour()
+    assert c["decode"] == pytest.approx(r.decode_cpu_s / (r.audio_s / 3600))
+    assert r.to_dict()["cpu_s_per_audio_hour"]["decode"] == round(c["decode"], 1)
+
+
+def test_bound_by_rules():
+    def rep(**kw):
+        return JobReport(wall_s=10.0, workers=4, device="cuda", **kw)
+
+    assert rep(model_busy_s=9.0).bound_by() == "model"
+    assert rep(model_busy_s=2.0, decode_cpu_s=30.0, vad_cpu_s=5.0).bound_by() == "cpu_stage"
+    assert rep(model_busy_s=5.0, finish_s=4.0, decode_cpu_s=4.0).bound_by() == "main_thread"
+    assert rep(model_busy_s=1.0, decode_cpu_s=4.0).bound_by() == "input"
+    assert rep(model_busy_s=1.0, decode_cpu_s=4.0).cpu_stage_utilisation == pytest.approx(0.1)
+    assert JobReport().bound_by() == "input" and JobReport().model_busy_fraction == 0.0
+
+
+def test_run_job_samples_nvml_on_cuda(wavs, monkeypatch):
+    nv = FakeNvml([80, 90])
+    monkeypatch.setattr(runner, "_cuda_available", lambda: True)
+    monkeypatch.setattr(gpumon, "_import_nvml", lambda: nv)
+    r = run_job([wavs], SleepModel(delay=0.1, device="cuda"), None, "text", batch_size=8,
+                split_fn=fixed_split, workers=2)
+    assert r.nvml is not None and r.nvml["available"] and r.nvml["samples"] >= 2
+    assert 80.0 <= r.nvml["mean_util_pct"] <= 90.0 and nv.shut == 1
+    assert "NVML utilisation mean" in r.table()
+    assert r.to_dict()["nvml"]["max_util_pct"] == 90.0
+
+
+def test_run_job_nvml_missing_is_reported_not_fatal(wavs, monkeypatch):
+    def no_pynvml():
+        raise ImportError("No module named 'pynvml'")
+
+    monkeypatch.setattr(runner, "_cuda_available", lambda: True)
+    monkeypatch.setattr(gpumon, "_import_nvml", no_pynvml)
+    r = run_job([wavs], SleepModel(device="cuda"), None, "text", split_fn=fixed_split, workers=1)
+    assert r.exit_code == 0 and r.nvml["available"] is False and "pynvml" in r.nvml["reason"]
+    assert "NVML: pynvml not importable" in r.table()
+    # explicitly asked on a CPU model: unavailable with the reason
+    r2 = run_job([wavs], SleepModel(), None, "text", split_fn=fixed_split, workers=1, gpu_monitor=True)
+    assert r2.nvml["available"] is False and "cpu" in r2.nvml["reason"]
