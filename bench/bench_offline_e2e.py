@@ -317,6 +317,21 @@ def environment(device: str) -> dict:
     return env
 
 
+def filesystem_of(path: Path) -> dict:
+    """Mount point and filesystem type holding ``path`` (from /proc/mounts; fsync cost depends on it)."""
+    best = ("", "?", "?")
+    try:
+        p = os.path.realpath(path)
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and (p == parts[1] or p.startswith(parts[1].rstrip("/") + "/")) \
+                    and len(parts[1]) >= len(best[0]):
+                best = (parts[1], parts[2], parts[0])
+    except OSError:
+        pass
+    return {"path": str(path), "mount": best[0], "fstype": best[1], "device": best[2]}
+
+
 def gpu_peak_reset(cuda: bool) -> None:
     if cuda:
         import torch
@@ -516,6 +531,8 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
         outs.append(Path(os.environ["OUT"]) / f"offline_e2e_{tag}.json")
     d = res.data
     d["env"] = environment(args.device)
+    d["env"]["work_dir_filesystem"] = filesystem_of(tmp_root)
+    d["env"]["corpus_filesystem"] = filesystem_of(Path(args.corpus or tmp_root))
     d["args"] = vars(args).copy()
     res.save()
     log(f"env: {d['env'].get('gpu', 'no GPU')}, torch {d['env'].get('torch')}, {os.cpu_count()} CPUs; "
