@@ -332,6 +332,26 @@ def filesystem_of(path: Path) -> dict:
     return {"path": str(path), "mount": best[0], "fstype": best[1], "device": best[2]}
 
 
+def write_cost(d: Path, n: int = 40) -> dict:
+    """Milliseconds per output write (``atomic_write_text``: write, fsync, rename) and per
+    ``summary.jsonl`` line (append, fsync) in folder ``d``: the runner's per-file I/O."""
+    from flashasr.jobs.outputs import Summary, atomic_write_text
+
+    d.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"text": "x" * 400, "segments": [{"id": i, "text": "y" * 40} for i in range(10)]})
+    t = time.perf_counter()
+    for i in range(n):
+        atomic_write_text(d / f"w{i}.json", text)
+    t1 = time.perf_counter()
+    s = Summary(d)
+    for i in range(n):
+        s.append({"path": f"/in/{i}.mp3", "status": "ok", "output": f"w{i}.json"})
+    t2 = time.perf_counter()
+    shutil.rmtree(d, ignore_errors=True)
+    return {"atomic_write_ms": round(1000 * (t1 - t) / n, 3), "summary_append_ms": round(1000 * (t2 - t1) / n, 3),
+            "writes": n, "bytes_per_output": len(text)}
+
+
 def gpu_peak_reset(cuda: bool) -> None:
     if cuda:
         import torch
@@ -461,13 +481,13 @@ def job_row(name: str, rep, extra: dict | None = None) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'phase':34} {'audio h':>8} {'wall s':>8} {'speed':>9} {'model busy':>10} {'NVML':>6} "
+    print(f"\n{'phase':40} {'audio h':>8} {'wall s':>8} {'speed':>9} {'model busy':>10} {'NVML':>6} "
           f"{'peak GiB':>8}", flush=True)
     for r in rows:
         nv = r.get("nvml") or {}
         nvs = f"{nv['mean_util_pct']:.0f}%" if nv.get("available") else "-"
         mb = r.get("model_busy_fraction")
-        print(f"{r['phase'][:34]:34} {r.get('audio_h', 0):8.3f} {r.get('wall_s', 0):8.2f} "
+        print(f"{r['phase'][:40]:40} {r.get('audio_h', 0):8.3f} {r.get('wall_s', 0):8.2f} "
               f"{r.get('speed_factor', 0):8.0f}x {'' if mb is None else f'{100 * mb:.0f}%':>10} {nvs:>6} "
               f"{r.get('peak_gpu_allocated_gib', ''):>8}" + ("  (partial)" if r.get("interrupted") else ""),
               flush=True)
@@ -533,6 +553,10 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
     d["env"] = environment(args.device)
     d["env"]["work_dir_filesystem"] = filesystem_of(tmp_root)
     d["env"]["corpus_filesystem"] = filesystem_of(Path(args.corpus or tmp_root))
+    try:
+        d["env"]["work_dir_write_cost"] = write_cost(tmp_root / "write_cost")
+    except OSError as e:
+        d["env"]["work_dir_write_cost"] = f"not measured: {e}"
     d["args"] = vars(args).copy()
     res.save()
     log(f"env: {d['env'].get('gpu', 'no GPU')}, torch {d['env'].get('torch')}, {os.cpu_count()} CPUs; "
@@ -586,8 +610,13 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
     seg_max = float(getattr(model, "max_segment_seconds", 30.0))
     workers = args.workers or default_workers(args.device)
     bsz_default = default_batch_size(args.device)
-    batch_sizes = [bsz_default if b in ("default", "") else int(b)
-                   for b in (args.batch_sizes or "default").split(",")]
+    batch_sizes = []
+    for b in (args.batch_sizes or "default").split(","):
+        b = b.strip()
+        v = bsz_default if b in ("default", "") else int(getattr(model, "batch_size", bsz_default) or bsz_default) \
+            if b == "model" else int(b)
+        if v not in batch_sizes:
+            batch_sizes.append(v)
     d["model"] = {"spec": args.model, "name": getattr(model, "name", None), "class": type(model).__name__,
                   "device": str(getattr(model, "device", args.device)), "load_s": round(load_s, 2),
                   "max_segment_seconds": seg_max, "model_batch_size": getattr(model, "batch_size", None),
@@ -887,7 +916,8 @@ def main(argv=None) -> int:
     r.add_argument("--device", default="cuda")
     r.add_argument("--workers", type=int, default=None, help="decode threads (default: the runner's)")
     r.add_argument("--batch-sizes", default=None,
-                   help="comma list of run_job batch sizes, 'default' = the runner's (default: default)")
+                   help="comma list of run_job batch sizes: numbers, 'default' (the runner's default) and "
+                        "'model' (the model's own batch_size attribute); default: default")
     r.add_argument("--format", default="json")
     r.add_argument("--segmentation", default="vad", choices=("vad", "fixed"),
                    help="run_job segmentation (fixed: when onnxruntime/silero-vad are missing)")
