@@ -633,7 +633,7 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
     res.save()
 
     # the remaining time is shared between the parts by weight
-    parts = [("warmup", 1.0)] + [(f"a{b}", 4.0) for b in batch_sizes] + [("predecode", 0.7)] \
+    parts = [(f"warmup{b}", 0.7) for b in batch_sizes] + [(f"a{b}", 4.0) for b in batch_sizes] + [("predecode", 0.7)] \
         + [(f"b1_{b}", 2.0) for b in batch_sizes] + [(f"b2_{b}", 1.0) for b in batch_sizes] + [("b3", 1.0)]
     weights = dict(parts)
 
@@ -680,13 +680,16 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
             log("  | " + line)
         return rep
 
-    # warm-up: one copy of the corpus (graph captures of new shapes, VAD session, page cache)
-    if left() > 5:
+    # warm-up: one copy of the corpus per batch size (the GPU decoder captures a graph per new
+    # power-of-two batch/length bucket; VAD session; page cache)
+    for b in batch_sizes:
+        if left() < 5:
+            break
         try:
-            job("warmup (1 corpus copy, from disk)", [inputs_root / "rep000"], len(files), tmp_root / "out_warm",
-                batch_sizes[0], cap("warmup"))
+            job(f"warmup: 1 copy from disk, batch {b}", [inputs_root / "rep000"], len(files),
+                tmp_root / f"out_warm{b}", b, cap(f"warmup{b}"))
         except Exception as e:
-            res.error("warmup", e)
+            res.error(f"warmup{b}", e)
 
     # (a) from disk
     a_rows = {}
