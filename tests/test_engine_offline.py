@@ -99,3 +99,47 @@ def test_offline_engine_gpu_graphs_equal_reference():
     b = eng.transcribe_arrays(many, pipelined=True)
     assert [i.token_ids for i in a.items] == [i.token_ids for i in b.items]
     assert len(b.batches) > 4
+
+
+def test_plan_is_the_cheapest_partition_and_covers_every_input():
+    """plan(): every input once, batches fit their profile, and the cost (padded samples +
+    launch cost) equals the brute-force optimum over contiguous partitions of the sorted order."""
+    import itertools
+
+    model = _model()
+    profiles = [Profile(b, s) for s in (1.0, 2.0, 4.0) for b in (1, 2, 4, 8)] + [Profile(16, 1.0)]
+    eng = OfflineParakeetEngine(model, profiles=profiles, launch_cost_s=0.5)
+    sel = eng.encoder.select
+    rng = np.random.default_rng(7)
+    for trial in range(30):
+        n = int(rng.integers(1, 11))
+        lengths = [int(x) for x in rng.integers(0, 70000, n)]  # some < 1 frame, some > 4 s (eager)
+        plan = eng.plan(lengths)
+        seen = sorted(i for _, idx in plan for i in idx)
+        assert seen == sorted(i for i in range(n) if lengths[i] >= eng.min_samples)
+        for p, idx in plan:
+            if p is None:
+                assert len(idx) == 1 and lengths[idx[0]] > 64000
+            else:
+                assert len(idx) <= p.batch and max(lengths[i] for i in idx) <= p.samples
+
+        def cost(batches):
+            return sum(p.batch * p.samples + 0.5 * 16000 for p, _ in batches)
+
+        got = cost([(p, idx) for p, idx in plan if p is not None])
+        rest = sorted((i for i in range(n) if eng.min_samples <= lengths[i] <= 64000), key=lambda i: -lengths[i])
+        best = float("inf")
+        for cuts in itertools.product((0, 1), repeat=max(0, len(rest) - 1)):
+            groups, cur = [], [rest[0]] if rest else []
+            for c, i in zip(cuts, rest[1:]):
+                if c:
+                    groups.append(cur)
+                    cur = []
+                cur.append(i)
+            if cur:
+                groups.append(cur)
+            try:
+                best = min(best, cost([(sel(len(g), lengths[g[0]]), g) for g in groups]))
+            except Exception:  # a group no profile holds
+                continue
+        assert got == pytest.approx(best if rest else 0.0), (lengths, plan)
