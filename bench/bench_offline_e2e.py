@@ -706,12 +706,14 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
             res.error(f"a{b}", e)
 
     # pre-decode the distinct files (also the single-thread stage costs per format)
-    arrays = None
+    arrays = cost = None
     if left() > 5:
         try:
             log("predecode: distinct corpus files, per-thread CPU clocks")
-            with TimeBox(cap("predecode")):
+            with TimeBox(max(cap("predecode"), min(30.0, 0.3 * left()))):  # the b parts need it
                 arrays, cost = predecode(files, sr, seg_max, workers, args.segmentation)
+            if arrays is None:
+                raise KeyboardInterrupt
             d["stage_cost_single_thread"] = cost
             d["stage_cost_note"] = ("per file, per-thread CPU clocks: decode = PyAV container decode at the "
                                     "source rate (load_audio target_rate=None, includes downmix); load_audio = "

@@ -43,7 +43,7 @@ echo "== benchmark"
 timeout 265 python3 $W bench/bench_offline_e2e.py run --corpus .devjobs/corpus --hours 4 \
     --model random:parakeet-tdt-0.6b-v3 --device cuda --batch-sizes default,128,model --max-buffered-s 3600 \
     --segmentation "$SEG" --max-wall-s 235 --work-dir /tmp --progress-s 5 2>&1 \
-  | grep -v -i "warning" | tee "$OUT/offline_e2e.log" | tail -60
+  | grep --line-buffered -v -i "warning" | tee "$OUT/offline_e2e.log" | tail -60
 echo "exit ${PIPESTATUS[0]}"
 cp -f bench/results/offline_e2e_*.json "$OUT/" 2>/dev/null
 ls -la "$OUT"

@@ -8,9 +8,9 @@ the mean, the maximum and the number of samples. It needs the ``pynvml`` module 
 ``nvidia-ml-py``); without it, or without an NVIDIA driver, :meth:`NvmlSampler.result` says
 ``available: False`` and why, and nothing else changes.
 
-The device is matched to NVML by its UUID (so ``CUDA_VISIBLE_DEVICES`` remapping is
-respected); if torch does not expose the UUID, the ``CUDA_VISIBLE_DEVICES`` entry (or the
-torch index) is used as the NVML index.
+The device is matched to NVML through torch's own CUDA -> NVML index mapping (which follows
+``CUDA_VISIBLE_DEVICES``, UUIDs included), else by its UUID, else the numeric
+``CUDA_VISIBLE_DEVICES`` entry (or the torch index) is used as the NVML index.
 """
 
 from __future__ import annotations
@@ -50,13 +50,21 @@ def _handle_for(nvml, device: str):
         if torch.cuda.is_available():
             if ":" not in device:
                 idx = torch.cuda.current_device()
+            # torch's own CUDA -> NVML index mapping (handles CUDA_VISIBLE_DEVICES with UUIDs)
+            mapper = getattr(torch.cuda, "_get_nvml_device_index", None)
+            if mapper is not None:
+                try:
+                    return nvml.nvmlDeviceGetHandleByIndex(int(mapper(idx)))
+                except Exception:
+                    pass
             u = getattr(torch.cuda.get_device_properties(idx), "uuid", None)
             if u is not None:
                 uuid = str(u)
     except Exception:  # torch missing or not initialisable: fall back to the index
         uuid = None
     if uuid:
-        for cand in (uuid if uuid.startswith("GPU-") else f"GPU-{uuid}", uuid):
+        full = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        for cand in (full, full.encode(), uuid):
             try:
                 return nvml.nvmlDeviceGetHandleByUUID(cand)
             except Exception:  # the UUID spelling NVML wants differs between versions
