@@ -642,26 +642,36 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
         rest = sum(w for _, w in parts[i:])
         return left() * weights[part] / rest
 
-    def progress_cb(total: int):
-        state = {"n": 0, "t": time.perf_counter()}
+    def progress_cb(total: int, soft_deadline: float, state: dict):
+        """Progress lines; past ``soft_deadline`` it stops the job cleanly: a KeyboardInterrupt
+        raised here (main thread, between model calls) ends run_job as Ctrl-C would."""
+        state.update(n=0, t=time.perf_counter(), stopped=False)
 
         def cb(r):
             state["n"] += 1
-            if time.perf_counter() - state["t"] >= args.progress_s:
-                state["t"] = time.perf_counter()
+            now = time.perf_counter()
+            if now - state["t"] >= args.progress_s:
+                state["t"] = now
                 log(f"  {state['n']}/{total} files")
+            if now > soft_deadline and not state["stopped"]:
+                state["stopped"] = True
+                raise KeyboardInterrupt
         return cb
 
     def job(name: str, job_inputs, n_files: int, out_dir: Path, bs: int, seconds: float, **kw):
         gpu_peak_reset(cuda)
         log(f"{name}: {n_files} files, batch {bs}, time box {seconds:.0f} s")
         rep = None
-        with TimeBox(seconds) as tb:
+        state: dict = {}
+        # soft stop at the time box (between model calls, via on_result); hard interrupt 15 s later
+        with TimeBox(seconds + 15.0) as tb:
             rep = run_job(job_inputs, model, out_dir, args.format, batch_size=bs, workers=workers,
                           resume=False, progress=False, keep_transcripts=False,
-                          max_buffered_audio_s=args.max_buffered_s, on_result=progress_cb(n_files),
+                          max_buffered_audio_s=args.max_buffered_s,
+                          on_result=progress_cb(n_files, time.perf_counter() + seconds, state),
                           segmentation=args.segmentation,
                           **kw)
+        hit = bool(tb.fired or state.get("stopped"))
         if rep is None:  # interrupted before the runner started its own bookkeeping
             d["phases"].append({"phase": name, "interrupted": True, "time_box_s": round(seconds, 1)})
             res.save()
@@ -669,13 +679,14 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
             return None
         row = job_row(name, rep, gpu_peak(cuda))
         row["time_box_s"] = round(seconds, 1)
-        row["time_box_hit"] = bool(tb.fired)
+        row["time_box_hit"] = hit
+        row["hard_interrupt"] = bool(tb.fired)
         row["outputs_on_disk"] = sum(1 for _ in out_dir.rglob(f"*.{args.format}"))
         d["phases"].append(row)
         res.save()
         log(f"{name}: {rep.audio_s / 3600:.3f} h in {rep.wall_s:.2f} s = {rep.speed_factor:.0f}x; "
             f"model busy {100 * rep.model_busy_fraction:.0f} %, CPU stage {100 * rep.cpu_stage_utilisation:.0f} %"
-            f", bound by {rep.bound_by()}; failed {len(rep.failed)}" + (" (TIME BOX HIT)" if tb.fired else ""))
+            f", bound by {rep.bound_by()}; failed {len(rep.failed)}" + (" (TIME BOX HIT)" if hit else ""))
         for line in rep.table().splitlines():
             log("  | " + line)
         return rep
@@ -804,10 +815,13 @@ def model_loop(name, model, pieces, order, bs, seconds, cuda, device, Sampler, a
     log(f"{name}: {len(pieces)} pieces, time box {seconds:.0f} s")
     gpu_peak_reset(cuda)
     sampler = Sampler(device).start() if cuda else None
-    done_s, calls, fired = 0.0, 0, False
+    done_s, calls, stopped = 0.0, 0, False
     t = time.perf_counter()
-    with TimeBox(seconds) as tb:
+    with TimeBox(seconds + 15.0) as tb:  # backstop; the loop itself stops at the time box
         for s in range(0, len(order), bs):
+            if time.perf_counter() - t > seconds:
+                stopped = True
+                break
             chunk = [pieces[i] for i in order[s:s + bs]]
             model.transcribe_batch(chunk)
             calls += 1
@@ -817,7 +831,7 @@ def model_loop(name, model, pieces, order, bs, seconds, cuda, device, Sampler, a
 
         torch.cuda.synchronize()
     wall = time.perf_counter() - t
-    fired = tb.fired
+    fired = bool(tb.fired or stopped)
     row = {"phase": name, "audio_h": round(done_s / 3600, 4), "audio_s": round(done_s, 2), "wall_s": round(wall, 3),
            "speed_factor": round(done_s / wall, 2) if wall > 0 else 0.0, "calls": calls, "pieces": len(pieces),
            "model_busy_fraction": 1.0, "interrupted": fired, "time_box_s": round(seconds, 1),
@@ -841,8 +855,12 @@ def engine_loop(model, files, arrays, reps, seconds, cuda, device, Sampler, sr) 
     sampler = Sampler(device).start() if cuda else None
     tokens, done_s, calls = 0, 0.0, 0
     t = time.perf_counter()
-    with TimeBox(seconds) as tb:
+    stopped = False
+    with TimeBox(seconds + 15.0) as tb:  # backstop; the loop itself stops at the time box
         for _ in range(reps):
+            if time.perf_counter() - t > seconds:
+                stopped = True
+                break
             hyps = dec(pieces)
             tokens += sum(len(h.token_ids) for h in hyps)
             done_s += per_copy_s
@@ -855,7 +873,7 @@ def engine_loop(model, files, arrays, reps, seconds, cuda, device, Sampler, sr) 
     cal = getattr(model, "calibration", None) or {}
     row = {"phase": name, "audio_h": round(done_s / 3600, 4), "audio_s": round(done_s, 2), "wall_s": round(wall, 3),
            "speed_factor": round(done_s / wall, 2) if wall > 0 else 0.0, "calls": calls,
-           "pieces_per_call": len(pieces), "model_busy_fraction": 1.0, "interrupted": tb.fired,
+           "pieces_per_call": len(pieces), "model_busy_fraction": 1.0, "interrupted": bool(tb.fired or stopped),
            "time_box_s": round(seconds, 1), "tokens": tokens,
            "tokens_per_audio_s": round(tokens / done_s, 3) if done_s else None,
            "tokens_per_wall_s": round(tokens / wall, 1) if wall > 0 else None,
@@ -863,7 +881,7 @@ def engine_loop(model, files, arrays, reps, seconds, cuda, device, Sampler, sr) 
            "nvml": sampler.stop() if sampler else None, **gpu_peak(cuda)}
     log(f"{name}: {done_s / 3600:.3f} h in {wall:.2f} s = {row['speed_factor']:.0f}x; "
         f"{row['tokens_per_audio_s']} tokens per audio s (calibration {cal.get('tokens_per_s')}), "
-        f"{row['tokens_per_wall_s']} tokens per wall s" + (" (TIME BOX HIT)" if tb.fired else ""))
+        f"{row['tokens_per_wall_s']} tokens per wall s" + (" (TIME BOX HIT)" if row["interrupted"] else ""))
     return row
 
 
