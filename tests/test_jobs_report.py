@@ -218,3 +218,44 @@ def test_run_job_nvml_missing_is_reported_not_fatal(wavs, monkeypatch):
     # explicitly asked on a CPU model: unavailable with the reason
     r2 = run_job([wavs], SleepModel(), None, "text", split_fn=fixed_split, workers=1, gpu_monitor=True)
     assert r2.nvml["available"] is False and "cpu" in r2.nvml["reason"]
+
+
+# ------------------------------------------------ the end-to-end benchmark's assumptions
+
+def _bench_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_offline_e2e.py"
+    spec = importlib.util.spec_from_file_location("bench_offline_e2e", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_copies_are_distinct_inputs_and_pieces_match_the_runner(wavs, tmp_path):
+    """bench_offline_e2e lists every file several times (symlinks): the runner must keep every
+    copy (decoded again, own output), and the bench's in-memory pieces must be the runner's."""
+    b = _bench_module()
+    files = [{"path": p.name, "abspath": str(p.resolve())} for p in sorted(wavs.glob("*.wav"))]
+    root = tmp_path / "copies"
+    links = b.build_inputs(files, root, 3)
+    assert len(links) == 12 and all(p.is_symlink() or p.is_file() for p in links)
+    m = SleepModel()
+    seen: list[int] = []
+    orig = m.transcribe_batch
+
+    def record(ws, **kw):
+        seen.extend(len(w) for w in ws)
+        return orig(ws, **kw)
+
+    m.transcribe_batch = record
+    r = run_job([root], m, tmp_path / "out", "json", batch_size=1, split_fn=fixed_split, max_segment_s=5,
+                workers=2)
+    assert r.exit_code == 0 and len(r.ok) == 12 and len(list((tmp_path / "out").rglob("*.json"))) == 12
+    from flashasr.audio import load_audio
+
+    want = []
+    for f in files:
+        x = load_audio(f["abspath"]).samples
+        want += [bb - a for a, bb in b.runner_pieces(x, SR, 5.0, fixed_split, "fixed")]
+    assert sorted(seen) == sorted(want * 3)
