@@ -252,13 +252,14 @@ def _client_proc(port, pcms, n, packet_ms, partial_ms, ramp_s, seed, final_timeo
     q.put(out)
 
 
-def run_streams(server: Server, pcms: list[bytes], n: int, packet_ms: int, a) -> dict:
+def run_streams(server: Server, pcms: list[bytes], n: int, packet_ms: int, a, partial_ms: int | None = None) -> dict:
+    partial_ms = partial_ms or a.partial_ms
     procs = max(1, min(a.client_procs, n))
     shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     start_at = time.time() + 1.0 + n / 2000  # every client process connected and ready
-    ps = [ctx.Process(target=_client_proc, args=(server.port, pcms, s, packet_ms, a.partial_ms, a.ramp_s,
+    ps = [ctx.Process(target=_client_proc, args=(server.port, pcms, s, packet_ms, partial_ms, a.ramp_s,
                                                  1000 * i + n, a.final_timeout_s, start_at, q))
           for i, s in enumerate(shares) if s]
     for p in ps:
@@ -278,7 +279,7 @@ def run_streams(server: Server, pcms: list[bytes], n: int, packet_ms: int, a) ->
     calls = _metric(m1, "flashasr_engine_stage_seconds_count", 'stage="inference"') - \
         _metric(m0, "flashasr_engine_stage_seconds_count", 'stage="inference"')
     rows = _metric(m1, "flashasr_engine_batch_size_sum") - _metric(m0, "flashasr_engine_batch_size_sum")
-    return {"streams": n, "packet_ms": packet_ms, "client_procs": len(ps),
+    return {"streams": n, "packet_ms": packet_ms, "partial_interval_ms": partial_ms, "client_procs": len(ps),
             "partial_latency": _pct(agg["partial"]), "time_to_final": _pct(agg["ttf"]),
             "finals": len(agg["ttf"]), "finals_timed_out": agg["timeouts"], "error_events": agg["errors"],
             "connect_errors": agg["connect_errors"],
@@ -290,44 +291,73 @@ def run_streams(server: Server, pcms: list[bytes], n: int, packet_ms: int, a) ->
 
 
 # ----------------------------------------------------------------------------- offline
-def run_offline(server: Server, clips: list[tuple[str, bytes]], a) -> dict:
+def _offline_proc(base: str, bodies: list[bytes], order: list[int], concurrency: int, start_at: float, q) -> None:
     import httpx
 
-    bodies = [_wav(pcm) for _, pcm in clips]
-    order = [i % len(clips) for i in range(a.offline_requests)]
     lat: list[float] = []
-    errors = []
+    errors: list[int] = []
 
     async def go():
-        sem = asyncio.Semaphore(a.offline_concurrency)
-        limits = httpx.Limits(max_connections=a.offline_concurrency, max_keepalive_connections=a.offline_concurrency)
-        async with httpx.AsyncClient(base_url=server.base, timeout=600, limits=limits) as c:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        sem = asyncio.Semaphore(concurrency)
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as c:
             async def one(i):
                 async with sem:
                     t = time.perf_counter()
-                    r = await c.post("/v1/audio/transcriptions", files={"file": ("a.wav", bodies[i])},
-                                     data={"response_format": "json"})
-                    if r.status_code != 200:
-                        errors.append(r.status_code)
+                    try:
+                        r = await c.post("/v1/audio/transcriptions", files={"file": ("a.wav", bodies[i])},
+                                         data={"response_format": "json"})
+                        if r.status_code != 200:
+                            errors.append(r.status_code)
+                    except httpx.HTTPError:
+                        errors.append(-1)
                     lat.append(time.perf_counter() - t)
             await asyncio.gather(*(one(i) for i in order))
 
+    import resource
+
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    asyncio.run(go())
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    q.put({"lat": lat, "errors": errors, "cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)})
+
+
+def run_offline(server: Server, clips: list[tuple[str, bytes]], a) -> dict:
+    bodies = [_wav(pcm) for _, pcm in clips]
+    order = [i % len(clips) for i in range(a.offline_requests)]
+    procs = max(1, min(a.client_procs, a.offline_concurrency))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    start_at = time.time() + 1.0
+    ps = [ctx.Process(target=_offline_proc, args=(server.base, bodies, order[k::procs],
+                                                  max(1, a.offline_concurrency // procs), start_at, q))
+          for k in range(procs)]
+    for p in ps:
+        p.start()
+    time.sleep(max(0.0, start_at - time.time()))
     m0, cpu0 = server.metrics(), _tree_cpu_s(server.proc.pid)
     t0 = time.perf_counter()
-    asyncio.run(go())
+    outs = [q.get(timeout=900) for _ in ps]
     wall = time.perf_counter() - t0
     cpu = _tree_cpu_s(server.proc.pid) - cpu0
     m1 = server.metrics()
+    for p in ps:
+        p.join(10)
+    lat = sum((o["lat"] for o in outs), [])
+    errors = sum((o["errors"] for o in outs), [])
     audio_s = sum(len(clips[i][1]) for i in order) / 32000
     inf_s = _metric(m1, "flashasr_engine_stage_seconds_sum", 'stage="inference"') - \
         _metric(m0, "flashasr_engine_stage_seconds_sum", 'stage="inference"')
     calls = _metric(m1, "flashasr_engine_stage_seconds_count", 'stage="inference"') - \
         _metric(m0, "flashasr_engine_stage_seconds_count", 'stage="inference"')
-    return {"requests": len(order), "concurrency": a.offline_concurrency, "audio_s": round(audio_s, 1),
-            "wall_s": round(wall, 3), "speed_factor": round(audio_s / wall, 1), "errors": len(errors),
-            "latency": _pct(lat), "server_cpu_cores": round(cpu / wall, 2),
+    rows = _metric(m1, "flashasr_engine_batch_size_sum") - _metric(m0, "flashasr_engine_batch_size_sum")
+    return {"requests": len(order), "concurrency": a.offline_concurrency, "client_procs": procs,
+            "audio_s": round(audio_s, 1), "wall_s": round(wall, 3), "speed_factor": round(audio_s / wall, 1),
+            "errors": len(errors), "latency": _pct(lat), "server_cpu_cores": round(cpu / wall, 2),
+            "client_cpu_cores": round(sum(o["cpu_s"] for o in outs) / wall, 2),
             "engine_busy_fraction": round(inf_s / wall, 3), "engine_calls": int(calls),
-            "engine_inference_s": round(inf_s, 3)}
+            "engine_mean_batch": round(rows / calls, 1) if calls else None, "engine_inference_s": round(inf_s, 3)}
 
 
 def run_in_process(clips: list[tuple[str, bytes]], a) -> dict:
@@ -385,7 +415,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-clips", type=int, default=16)
     ap.add_argument("--streams", default="8,32", help="comma-separated concurrent stream counts")
     ap.add_argument("--packets", default="20,200", help="comma-separated packet sizes (ms)")
-    ap.add_argument("--extra", default="", help="more configs 'N:P,N:P' (e.g. the most streams, 200 ms only)")
+    ap.add_argument("--extra", default="", help="more configs 'N:P[:C],...' (streams:packet ms[:partial cadence ms])")
     ap.add_argument("--gc-compare", default="", help="configs 'N:P,...' also run on a --no-gc-freeze server")
     ap.add_argument("--partial-ms", type=int, default=500)
     ap.add_argument("--ramp-s", type=float, default=1.0)
@@ -397,6 +427,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ready-timeout-s", type=float, default=600.0)
     ap.add_argument("--budget-s", type=float, default=480.0, help="wall budget for everything")
     ap.add_argument("--name", default="serve_cpu")
+    ap.add_argument("--target-partial-p95-ms", type=float, default=100.0)
+    ap.add_argument("--target-final-p95-ms", type=float, default=150.0)
+    ap.add_argument("--only-in-process", action="store_true",
+                    help="no server: only the in-process reference on the same clips (its own JSON)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     import resource
@@ -405,9 +439,13 @@ def main(argv=None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     clips = _read_clips(Path(a.clips), a.clip_min_s, a.clip_max_s, a.max_clips)
     pcms = [pcm for _, pcm in clips]
-    stream_cfgs = [(int(n), int(p)) for n in a.streams.split(",") if n for p in a.packets.split(",") if p]
-    stream_cfgs += [tuple(map(int, x.split(":"))) for x in a.extra.split(",") if x]
-    gc_cfgs = [tuple(map(int, x.split(":"))) for x in a.gc_compare.split(",") if x]
+    def cfg(x: str) -> tuple[int, int, int]:  # "N:P" or "N:P:C" (C: partial cadence, ms)
+        v = [int(y) for y in x.split(":")]
+        return (v[0], v[1], v[2] if len(v) > 2 else a.partial_ms)
+
+    stream_cfgs = [(int(n), int(p), a.partial_ms) for n in a.streams.split(",") if n for p in a.packets.split(",") if p]
+    stream_cfgs += [cfg(x) for x in a.extra.split(",") if x]
+    gc_cfgs = [cfg(x) for x in a.gc_compare.split(",") if x]
     base_args = [*(["--model", a.model] if a.model else []), "--device", a.device, "--mode", a.mode,
                  "--workers", str(a.workers), "--max-batch", str(a.max_batch), "--batch-wait-ms",
                  str(a.batch_wait_ms), "--log-level", "warning", *a.server_args.split()]
@@ -432,13 +470,18 @@ def main(argv=None) -> int:
         return a.budget_s - (time.perf_counter() - t_start)
 
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    if a.only_in_process:
+        result["in_process"] = run_in_process(clips, a)
+        print(f"in process: {result['in_process']['speed_factor_best']}x (best of 3)", flush=True)
+        save()
+        return 0
     for freeze in (True, False):
         cfgs = stream_cfgs if freeze else gc_cfgs
         if not freeze and not cfgs:
             break
         key = "gc_freeze" if freeze else "no_gc_freeze"
         if left() < 60:
-            result["skipped"] += [{"streams": n, "packet_ms": p, key: True} for n, p in cfgs]
+            result["skipped"] += [{"streams": n, "packet_ms": p, "partial_ms": c, key: True} for n, p, c in cfgs]
             continue
         try:
             server = Server(base_args + ([] if freeze else ["--no-gc-freeze"]), tmp / f"bench-serve-{key}.log",
@@ -456,17 +499,18 @@ def main(argv=None) -> int:
                 result["offline_via_server"] = r
                 print(f"offline via server: {r['requests']} requests x{r['concurrency']} in flight: "
                       f"{r['speed_factor']}x, p50/p99 {r['latency'].get('p50_ms')}/{r['latency'].get('p99_ms')} ms, "
-                      f"errors {r['errors']}, engine busy {r['engine_busy_fraction']}", flush=True)
+                      f"errors {r['errors']}, engine busy {r['engine_busy_fraction']} batch {r['engine_mean_batch']}, "
+                      f"server cpu {r['server_cpu_cores']} client cpu {r['client_cpu_cores']}", flush=True)
                 save()
-            for n, pk in cfgs:
+            for n, pk, cad in cfgs:
                 need = a.ramp_s + max(len(p) for p in pcms) / 32000 + 15 + n / 500
                 if left() < need + (40 if freeze and gc_cfgs else 0):
-                    result["skipped"].append({"streams": n, "packet_ms": pk, key: True})
+                    result["skipped"].append({"streams": n, "packet_ms": pk, "partial_ms": cad, key: True})
                     continue
-                r = {"gc_freeze": freeze, **run_streams(server, pcms, n, pk, a)}
+                r = {"gc_freeze": freeze, **run_streams(server, pcms, n, pk, a, cad)}
                 result["streaming"].append(r)
                 p, f = r["partial_latency"], r["time_to_final"]
-                print(f"{key:12s} streams={n:5d} packet={pk:3d} ms  partial p50/p95/p99 {p.get('p50_ms')}/"
+                print(f"{key:12s} streams={n:5d} packet={pk:3d} ms cadence={cad} ms  partial p50/p95/p99 {p.get('p50_ms')}/"
                       f"{p.get('p95_ms')}/{p.get('p99_ms')} ms  final p50/p95/p99 {f.get('p50_ms')}/{f.get('p95_ms')}/"
                       f"{f.get('p99_ms')} ms  finals {r['finals']}/{n}  conn-err {r['connect_errors']}  cpu "
                       f"{r['server_cpu_cores']}  busy {r['engine_busy_fraction']} batch {r['engine_mean_batch']}",
@@ -488,6 +532,13 @@ def main(argv=None) -> int:
                   f"{r.get('server_over_in_process')}", flush=True)
         except Exception as e:  # noqa: BLE001
             result.setdefault("errors", []).append(f"in_process: {type(e).__name__}: {e}"[:1000])
+    ok = [r for r in result["streaming"] if r["gc_freeze"] and r["finals"] == r["streams"]
+          and r["partial_latency"].get("p95_ms", 1e9) <= a.target_partial_p95_ms
+          and r["time_to_final"].get("p95_ms", 1e9) <= a.target_final_p95_ms]
+    result["targets"] = {"partial_p95_ms": a.target_partial_p95_ms, "final_p95_ms": a.target_final_p95_ms,
+                         "most_streams_within": {f"packet {pk} ms, cadence {c} ms": max(
+                             r["streams"] for r in ok if (r["packet_ms"], r["partial_interval_ms"]) == (pk, c))
+                             for pk, c in sorted({(r["packet_ms"], r["partial_interval_ms"]) for r in ok})}}
     result["total_wall_s"] = round(time.perf_counter() - t_start, 1)
     save()
     print("wrote", out_path)
