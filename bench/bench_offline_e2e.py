@@ -469,6 +469,36 @@ class _Decoded:
         self.samples = samples
 
 
+class NullModel:
+    """A model that costs (almost) nothing: the CPU path's own ceiling (decode, resample, VAD,
+    merging, rendering, writing) when run through ``run_job``. Same sample rate and piece
+    length as the real model; each piece gets one segment with 2.5 words per second of audio
+    (about the real text volume), so rendering and writing do realistic work.
+    """
+
+    family = "parakeet"
+    name = "null"
+    device = "cpu"
+
+    def __init__(self, sample_rate: int, max_segment_seconds: float):
+        self.sample_rate = sample_rate
+        self.max_segment_seconds = max_segment_seconds
+
+    def transcribe_batch(self, waveforms, *, language=None, word_timestamps=False):
+        from flashasr.types import Segment, Transcript
+
+        out = []
+        for w in waveforms:
+            dur = len(w) / self.sample_rate
+            text = " word" * max(1, int(2.5 * dur))
+            out.append(Transcript(text=text, language=language, duration=dur,
+                                  segments=[Segment(0, 0.0, dur, text)], model=self.name))
+        return out
+
+    def transcribe_waveform(self, waveform, *, language=None, word_timestamps=False):
+        return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps)[0]
+
+
 def job_row(name: str, rep, extra: dict | None = None) -> dict:
     d = rep.to_dict()
     d["phase"] = name
@@ -604,7 +634,11 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
 
     # model
     t = time.perf_counter()
-    model = load_model(args.model, device=args.device)
+    if args.model == "null":  # the CPU path alone (pieces cut as for the GPU engine: 30 s)
+        model = NullModel(16000, 30.0)
+        args.null_phase = False
+    else:
+        model = load_model(args.model, device=args.device)
     load_s = time.perf_counter() - t
     sr = int(getattr(model, "sample_rate", 16000))
     seg_max = float(getattr(model, "max_segment_seconds", 30.0))
@@ -633,7 +667,8 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
     res.save()
 
     # the remaining time is shared between the parts by weight
-    parts = [(f"warmup{b}", 0.7) for b in batch_sizes] + [(f"a{b}", 4.0) for b in batch_sizes] + [("predecode", 0.7)] \
+    parts = [(f"warmup{b}", 0.7) for b in batch_sizes] + [(f"a{b}", 4.0) for b in batch_sizes] \
+        + ([("null", 2.5)] if args.null_phase else []) + [("predecode", 0.7)] \
         + [(f"b1_{b}", 2.0) for b in batch_sizes] + [(f"b2_{b}", 1.0) for b in batch_sizes] + [("b3", 1.0)]
     weights = dict(parts)
 
@@ -658,14 +693,14 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
                 raise KeyboardInterrupt
         return cb
 
-    def job(name: str, job_inputs, n_files: int, out_dir: Path, bs: int, seconds: float, **kw):
+    def job(name: str, job_inputs, n_files: int, out_dir: Path, bs: int, seconds: float, use_model=None, **kw):
         gpu_peak_reset(cuda)
         log(f"{name}: {n_files} files, batch {bs}, time box {seconds:.0f} s")
         rep = None
         state: dict = {}
         # soft stop at the time box (between model calls, via on_result); hard interrupt 15 s later
         with TimeBox(seconds + 15.0) as tb:
-            rep = run_job(job_inputs, model, out_dir, args.format, batch_size=bs, workers=workers,
+            rep = run_job(job_inputs, use_model or model, out_dir, args.format, batch_size=bs, workers=workers,
                           resume=False, progress=False, keep_transcripts=False,
                           max_buffered_audio_s=args.max_buffered_s,
                           on_result=progress_cb(n_files, time.perf_counter() + seconds, state),
@@ -685,7 +720,8 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
         d["phases"].append(row)
         res.save()
         log(f"{name}: {rep.audio_s / 3600:.3f} h in {rep.wall_s:.2f} s = {rep.speed_factor:.0f}x; "
-            f"model busy {100 * rep.model_busy_fraction:.0f} %, CPU stage {100 * rep.cpu_stage_utilisation:.0f} %"
+            f"model busy {100 * rep.model_busy_fraction:.0f} %, decode threads {100 * rep.cpu_pool_busy_fraction:.0f} % busy"
+            f" ({100 * rep.cpu_stage_utilisation:.0f} % on CPU)"
             f", bound by {rep.bound_by()}; failed {len(rep.failed)}" + (" (TIME BOX HIT)" if hit else ""))
         for line in rep.table().splitlines():
             log("  | " + line)
@@ -715,6 +751,14 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
                 a_rows[b] = (rep, d["phases"][-1])
         except Exception as e:
             res.error(f"a{b}", e)
+
+    # (c) the CPU path alone: the same inputs from disk with a model that costs nothing
+    if args.null_phase and left() > 5:
+        try:
+            job(f"c: from disk, null model, batch {batch_sizes[0]}", [inputs_root], len(inputs),
+                tmp_root / "out_null", batch_sizes[0], cap("null"), use_model=NullModel(sr, seg_max))
+        except Exception as e:
+            res.error("null", e)
 
     # pre-decode the distinct files (also the single-thread stage costs per format)
     arrays = cost = None
@@ -897,6 +941,8 @@ def analysis(d: dict, a_rows: dict, workers: int) -> dict:
         e = {"speed_factor_from_disk": round(rep.speed_factor, 1),
              "cpu_stage_cpu_s_needed": round(need, 2), "cpu_stage_capacity_s (workers x wall)": round(cap_s, 2),
              "cpu_stage_utilisation": round(rep.cpu_stage_utilisation, 3),
+             "cpu_pool_busy_fraction": round(rep.cpu_pool_busy_fraction, 3),
+             "cpu_stage_cpu_efficiency (CPU s / wall s inside decode+VAD)": round(rep.cpu_stage_cpu_efficiency, 3),
              "cpu_stage_ceiling_speed_factor": round(workers * 3600 / (c["decode"] + c["vad"]), 0)
              if (c["decode"] + c["vad"]) > 0 else None,
              "model_busy_fraction": round(rep.model_busy_fraction, 3),
@@ -912,11 +958,22 @@ def analysis(d: dict, a_rows: dict, workers: int) -> dict:
             e["speed_factor_in_memory_transcribe_batch"] = b2["speed_factor"]
             e["disk_vs_transcribe_batch"] = round(rep.speed_factor / b2["speed_factor"], 3)
         out[f"batch_{b}"] = e
+    c = next((p for p in d.get("phases", []) if p["phase"].startswith("c: ")), None)
+    if c and c.get("speed_factor"):
+        out["cpu_path_ceiling (null model from disk)"] = {
+            "speed_factor": c["speed_factor"], "cpu_s_per_audio_hour": c.get("cpu_s_per_audio_hour"),
+            "cpu_stage_utilisation": c.get("cpu_stage_utilisation"),
+            "cpu_pool_busy_fraction": c.get("cpu_pool_busy_fraction"),
+            "cpu_stage_cpu_efficiency": c.get("cpu_stage_cpu_efficiency"),
+            "main_thread_busy_fraction": c.get("main_thread_busy_fraction"), "bound_by": c.get("bound_by"),
+            "interrupted": c.get("interrupted")}
+        for b, (rep, _row) in a_rows.items():
+            out[f"batch_{b}"]["share_of_cpu_path_ceiling"] = round(rep.speed_factor / c["speed_factor"], 3)
     b3 = next((p for p in d.get("phases", []) if p["phase"].startswith("b3")), None)
     if b3 and b3.get("speed_factor"):
         out["engine_own_packing_speed_factor"] = b3["speed_factor"]
-    out["rule"] = ("bound_by: model if model calls >= 80 % of wall; cpu_stage if decode+VAD CPU s >= 80 % "
-                   "of workers x wall; main_thread if model calls + output writing >= 80 %; else input "
+    out["rule"] = ("bound_by: model if model calls >= 80 % of wall; cpu_stage if decode+VAD wall or CPU s "
+                   ">= 80 % of workers x wall; main_thread if model calls + output writing >= 80 %; else input "
                    "(nothing saturated); cpu_stage_ceiling = workers x 3600 / (decode + VAD CPU s per audio h)")
     return out
 
@@ -935,7 +992,8 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="run the benchmark")
     r.add_argument("--corpus", help="folder written by prepare")
     r.add_argument("--hours", type=float, default=None, help="input audio hours (default 4; smoke 0.03)")
-    r.add_argument("--model", default=None, help="model spec (default random:parakeet-tdt-0.6b-v3)")
+    r.add_argument("--model", default=None,
+                   help="model spec (default random:parakeet-tdt-0.6b-v3); 'null': a model that costs nothing")
     r.add_argument("--device", default="cuda")
     r.add_argument("--workers", type=int, default=None, help="decode threads (default: the runner's)")
     r.add_argument("--batch-sizes", default=None,
@@ -948,6 +1006,8 @@ def main(argv=None) -> int:
     r.add_argument("--max-wall-s", type=float, default=None,
                    help="overall time budget in s, model load included (default 250; smoke 55)")
     r.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
+    r.add_argument("--null-phase", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the inputs from disk with a model that costs nothing (the CPU path's ceiling)")
     r.add_argument("--smoke", action="store_true", help="CPU, tiny NeMo fixture, tiny inputs (< 60 s)")
     r.add_argument("--tag", default=None, help="result name: offline_e2e_<tag>.json (default gpu name / cpu)")
     r.add_argument("--json-out", default=None)

@@ -177,6 +177,10 @@ def test_cpu_device_has_no_gpu_fraction_and_stage_cpu_is_counted(wavs):
     assert r.decode_cpu_s >= 4 * burn * 0.99  # per-thread CPU clocks see every burnt second
     want = (r.decode_cpu_s + r.vad_cpu_s) / (1 * r.wall_s)
     assert r.cpu_stage_utilisation == pytest.approx(want)
+    # a thread's CPU clock never runs ahead of the wall clock around the same work
+    assert r.prepare_wall_s >= (r.decode_cpu_s + r.vad_cpu_s) * 0.99
+    assert 0 < r.cpu_stage_cpu_efficiency <= 1.01 and 0 < r.cpu_pool_busy_fraction <= 1
+    assert r.cpu_pool_busy_fraction == pytest.approx(min(1.0, r.prepare_wall_s / r.wall_s))
     c = r.cpu_per_audio_hour()
     assert c["decode"] == pytest.approx(r.decode_cpu_s / (r.audio_s / 3600))
     assert r.to_dict()["cpu_s_per_audio_hour"]["decode"] == round(c["decode"], 1)
@@ -190,6 +194,10 @@ def test_bound_by_rules():
     assert rep(model_busy_s=2.0, decode_cpu_s=30.0, vad_cpu_s=5.0).bound_by() == "cpu_stage"
     assert rep(model_busy_s=5.0, finish_s=4.0, decode_cpu_s=4.0).bound_by() == "main_thread"
     assert rep(model_busy_s=1.0, decode_cpu_s=4.0).bound_by() == "input"
+    # threads occupied but mostly waiting (GIL / no free core): still the CPU stage
+    slow = rep(model_busy_s=1.0, decode_cpu_s=8.0, prepare_wall_s=36.0)
+    assert slow.bound_by() == "cpu_stage" and slow.cpu_stage_cpu_efficiency == pytest.approx(8 / 36)
+    assert slow.cpu_pool_busy_fraction == pytest.approx(0.9)
     assert rep(model_busy_s=1.0, decode_cpu_s=4.0).cpu_stage_utilisation == pytest.approx(0.1)
     assert JobReport().bound_by() == "input" and JobReport().model_busy_fraction == 0.0
 

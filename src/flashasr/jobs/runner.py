@@ -83,6 +83,9 @@ class JobReport:
       ``model_busy_s / wall_s`` is the model-stage ("GPU busy") fraction.
     * ``finish_s``: main-thread wall seconds merging piece results, rendering and writing
       outputs and summary lines.
+    * ``prepare_wall_s``: wall seconds the worker threads spent inside decode + VAD (summed
+      over files); against ``workers x wall_s`` it says how occupied the pool was, against the
+      CPU seconds how much of that time the threads actually ran (GIL or CPU contention).
     * ``workers``: decode/VAD threads; ``batch_size``: the largest batch asked for;
       ``batch_pieces``: pieces per model call, in call order.
     * ``nvml``: :class:`~flashasr.jobs.gpumon.NvmlSampler` result (NVML GPU utilisation over
@@ -97,6 +100,7 @@ class JobReport:
     model_cpu_s: float = 0.0
     model_busy_s: float = 0.0
     finish_s: float = 0.0
+    prepare_wall_s: float = 0.0
     n_batches: int = 0
     n_pieces: int = 0
     device: str = "cpu"
@@ -157,18 +161,31 @@ class JobReport:
         return (self.decode_cpu_s + self.vad_cpu_s) / cap if cap > 0 else 0.0
 
     @property
+    def cpu_pool_busy_fraction(self) -> float:
+        """Wall seconds inside decode + VAD (all files) / (workers x wall seconds): how occupied
+        the worker pool was, whether its threads ran or waited for the GIL / a core."""
+        cap = self.workers * self.wall_s
+        return min(1.0, self.prepare_wall_s / cap) if cap > 0 else 0.0
+
+    @property
+    def cpu_stage_cpu_efficiency(self) -> float:
+        """Decode + VAD CPU seconds / wall seconds inside them (1: the threads ran all the time;
+        well below 1: they waited for the GIL or for a core)."""
+        return (self.decode_cpu_s + self.vad_cpu_s) / self.prepare_wall_s if self.prepare_wall_s > 0 else 0.0
+
+    @property
     def main_thread_busy_fraction(self) -> float:
         """(model calls + merging/rendering/writing) wall seconds / job wall seconds."""
         return min(1.0, (self.model_busy_s + self.finish_s) / self.wall_s) if self.wall_s > 0 else 0.0
 
     def bound_by(self) -> str:
         """Which stage bounds throughput, from the fractions above: ``model`` (model calls
-        >= 80 % of wall time), ``cpu_stage`` (worker pool >= 80 % used), ``main_thread``
-        (model calls + output work >= 80 %), else ``input`` (nothing saturated: too little
-        work in flight, I/O, or start-up and tail effects dominate)."""
+        >= 80 % of wall time), ``cpu_stage`` (the worker pool >= 80 % occupied or its CPU
+        >= 80 % used), ``main_thread`` (model calls + output work >= 80 %), else ``input``
+        (nothing saturated: too little work in flight, I/O, or start-up and tail effects)."""
         if self.model_busy_fraction >= 0.8:
             return "model"
-        if self.cpu_stage_utilisation >= 0.8:
+        if max(self.cpu_stage_utilisation, self.cpu_pool_busy_fraction) >= 0.8:
             return "cpu_stage"
         if self.main_thread_busy_fraction >= 0.8:
             return "main_thread"
@@ -188,6 +205,9 @@ class JobReport:
                       "model": round(self.model_cpu_s, 3)},
             "workers": self.workers, "batch_size": self.batch_size,
             "cpu_stage_utilisation": round(self.cpu_stage_utilisation, 3),
+            "prepare_wall_s": round(self.prepare_wall_s, 3),
+            "cpu_pool_busy_fraction": round(self.cpu_pool_busy_fraction, 3),
+            "cpu_stage_cpu_efficiency": round(self.cpu_stage_cpu_efficiency, 3),
             "main_thread_busy_fraction": round(self.main_thread_busy_fraction, 3),
             "bound_by": self.bound_by(),
             "batches": self.n_batches, "pieces": self.n_pieces, "device": self.device, "model": self.model,
@@ -206,7 +226,8 @@ class JobReport:
             f"CPU s per audio hour   decode {c['decode']:.1f}   vad {c['vad']:.1f}   model+other {c['model']:.1f}",
         ]
         if self.workers and self.wall_s > 0:
-            lines.append(f"stages     {self.workers} decode threads {100 * self.cpu_stage_utilisation:.0f} % used, "
+            lines.append(f"stages     {self.workers} decode threads {100 * self.cpu_pool_busy_fraction:.0f} % busy "
+                         f"({100 * self.cpu_stage_utilisation:.0f} % on CPU), "
                          f"model calls {100 * self.model_busy_fraction:.0f} % of wall, "
                          f"outputs {100 * self.finish_s / self.wall_s:.0f} %; bound by {self.bound_by()}")
         if self.device.startswith("cuda") and self.wall_s > 0:
@@ -229,6 +250,7 @@ class _Prepared:
     t0: float
     decode_cpu: float
     vad_cpu: float
+    wall: float = 0.0
 
 
 @dataclass
@@ -473,7 +495,7 @@ def run_job(
                 # VAD only decides whether it holds speech at all.
                 pieces = [(0, int(samples.size))]
         c2 = time.thread_time()
-        return _Prepared(item, samples, pieces, t0, c1 - c0, c2 - c1)
+        return _Prepared(item, samples, pieces, t0, c1 - c0, c2 - c1, time.perf_counter() - t0)
 
     def _finish(st: _FileState) -> None:
         t_fin = time.perf_counter()
@@ -605,6 +627,7 @@ def run_job(
                     continue
                 report.decode_cpu_s += prep.decode_cpu
                 report.vad_cpu_s += prep.vad_cpu
+                report.prepare_wall_s += prep.wall
                 st = _FileState(idx=i, item=item, samples=prep.samples, pieces=prep.pieces, t0=prep.t0,
                                 results=[None] * len(prep.pieces), remaining=len(prep.pieces),
                                 language=language or item.language)
