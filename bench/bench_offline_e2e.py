@@ -556,7 +556,7 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
 
     from flashasr.jobs import run_job
     from flashasr.jobs.gpumon import NvmlSampler
-    from flashasr.jobs.runner import default_batch_size, default_workers
+    from flashasr.jobs.runner import default_batch_size, default_cpu_pool, default_workers
     from flashasr.models.registry import load_model
 
     if args.smoke:
@@ -705,6 +705,7 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
                           max_buffered_audio_s=args.max_buffered_s,
                           on_result=progress_cb(n_files, time.perf_counter() + seconds, state),
                           segmentation=args.segmentation,
+                          cpu_pool=args.cpu_pool or default_cpu_pool(args.device),
                           **kw)
         hit = bool(tb.fired or state.get("stopped"))
         if rep is None:  # interrupted before the runner started its own bookkeeping
@@ -1006,6 +1007,9 @@ def main(argv=None) -> int:
     r.add_argument("--max-wall-s", type=float, default=None,
                    help="overall time budget in s, model load included (default 250; smoke 55)")
     r.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
+    r.add_argument("--cpu-pool", choices=("thread", "process"), default=None,
+                   help="run_job CPU-stage workers (default: the runner's default for --device; the null "
+                        "model phase uses the same)")
     r.add_argument("--null-phase", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the inputs from disk with a model that costs nothing (the CPU path's ceiling)")
     r.add_argument("--smoke", action="store_true", help="CPU, tiny NeMo fixture, tiny inputs (< 60 s)")

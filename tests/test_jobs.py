@@ -312,3 +312,35 @@ def test_summary_compact_never_drops_a_line_on_disk(tmp_path):
     s.compact(["/a.wav", "/b.wav"])
     recs = [json.loads(l) for l in s.path.read_text().splitlines()]
     assert [(r["path"], r["status"]) for r in recs] == [("/a.wav", "failed"), ("/b.wav", "ok")]
+
+
+def test_process_pool_equals_thread_pool_and_reports_bad_files(synth_dir, tmp_path):
+    """cpu_pool="process" (decode + VAD in worker processes, the CUDA default): same outputs as
+    threads, per-file errors (named) cross the process boundary, a missing file is one failure."""
+    d = tmp_path / "in"
+    import shutil
+
+    shutil.copytree(synth_dir, d)
+    (d / "bad").mkdir()
+    (d / "bad" / "zero.flac").write_bytes(b"")
+    (d / "bad" / "text.mp3").write_text("this is not audio\n")
+    gone = d / "bad" / "gone.wav"
+    _write_wav(gone, np.zeros(100, np.float32))
+    from flashasr.jobs.inputs import expand_inputs
+
+    items = expand_inputs([d])
+    gone.unlink()  # listed, then deleted before its decode
+    rt = run_job(items, HashModel(), tmp_path / "ot", "verbose_json", batch_size=4, workers=2, cpu_pool="thread")
+    rp = run_job(items, HashModel(), tmp_path / "op", "verbose_json", batch_size=4, workers=2, cpu_pool="process")
+    assert rt.cpu_pool == "thread" and rp.cpu_pool == "process"
+    assert _outputs(tmp_path / "ot") == _outputs(tmp_path / "op") and len(rp.ok) == 8
+    ft = {x.item.key: x.error_code for x in rt.failed}
+    fp = {x.item.key: x.error_code for x in rp.failed}
+    assert ft == fp and set(fp) == {"bad/zero", "bad/text", "bad/gone"}
+    for x in rp.failed:
+        assert x.item.path.name in x.error_message
+    assert rp.decode_cpu_s > 0 and rp.to_dict()["cpu_pool"] == "process"
+    from flashasr.errors import FlashASRError
+
+    with pytest.raises(FlashASRError, match="cpu_pool"):
+        run_job(items, HashModel(), None, cpu_pool="fibers")

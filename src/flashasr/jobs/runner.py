@@ -107,6 +107,7 @@ class JobReport:
     model: str = ""
     interrupted: bool = False
     workers: int = 0
+    cpu_pool: str = "thread"
     batch_size: int = 0
     batch_pieces: list[int] = field(default_factory=list)
     nvml: dict | None = None
@@ -203,7 +204,7 @@ class JobReport:
             "model_busy_s": round(self.model_busy_s, 3), "finish_s": round(self.finish_s, 3),
             "cpu_s": {"decode": round(self.decode_cpu_s, 3), "vad": round(self.vad_cpu_s, 3),
                       "model": round(self.model_cpu_s, 3)},
-            "workers": self.workers, "batch_size": self.batch_size,
+            "workers": self.workers, "cpu_pool": self.cpu_pool, "batch_size": self.batch_size,
             "cpu_stage_utilisation": round(self.cpu_stage_utilisation, 3),
             "prepare_wall_s": round(self.prepare_wall_s, 3),
             "cpu_pool_busy_fraction": round(self.cpu_pool_busy_fraction, 3),
@@ -226,7 +227,7 @@ class JobReport:
             f"CPU s per audio hour   decode {c['decode']:.1f}   vad {c['vad']:.1f}   model+other {c['model']:.1f}",
         ]
         if self.workers and self.wall_s > 0:
-            lines.append(f"stages     {self.workers} decode threads {100 * self.cpu_pool_busy_fraction:.0f} % busy "
+            lines.append(f"stages     {self.workers} decode {self.cpu_pool}s {100 * self.cpu_pool_busy_fraction:.0f} % busy "
                          f"({100 * self.cpu_stage_utilisation:.0f} % on CPU), "
                          f"model calls {100 * self.model_busy_fraction:.0f} % of wall, "
                          f"outputs {100 * self.finish_s / self.wall_s:.0f} %; bound by {self.bound_by()}")
@@ -293,6 +294,61 @@ def _default_split(samples: np.ndarray, sample_rate: int, max_segment_s: float, 
     return split_for_asr(samples, sample_rate, max_segment_s=max_segment_s, method=method)
 
 
+def _prepare_file(path: str, sr: int, seg_max: float, segmentation: str, decode=None, split=None) -> tuple:
+    """The CPU stage for one file: decode + resample (+ downmix) and VAD segmentation.
+
+    Runs in a decode thread or, with ``cpu_pool="process"``, in a worker process (then it is
+    called by name, with the default decode/split). Returns ``("ok", samples float32 [N],
+    pieces [(start, end) samples], t0, decode CPU s, VAD CPU s, wall s)`` or ``("err", code,
+    message)`` -- errors travel as plain strings, so any exception type crosses a process
+    boundary. ``t0`` is ``time.perf_counter()`` (CLOCK_MONOTONIC: comparable across processes
+    on Linux).
+    """
+    decode = decode or _default_decode
+    split = split or _default_split
+    t0 = time.perf_counter()
+    try:
+        c0 = time.thread_time()
+        wav = decode(path, sr)
+        samples = np.ascontiguousarray(np.asarray(wav.samples, dtype=np.float32).reshape(-1))
+        if samples.size == 0:
+            raise EmptyAudioError(f"{path}: the file holds no audio samples")
+        c1 = time.thread_time()
+        if segmentation == "none":
+            pieces = [(0, int(samples.size))]
+        else:
+            pieces = [(int(a), int(b)) for a, b in split(samples, sr, seg_max, segmentation)]
+            pieces = [(max(0, a), min(int(samples.size), b)) for a, b in pieces if b > a]
+            if pieces and samples.size <= int(seg_max * sr):
+                # A file that fits in one window goes in whole (as without segmentation):
+                # VAD only decides whether it holds speech at all.
+                pieces = [(0, int(samples.size))]
+        c2 = time.thread_time()
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported per file
+        return ("err", *_error_of(e, Path(path)))
+    return ("ok", samples, pieces, t0, c1 - c0, c2 - c1, time.perf_counter() - t0)
+
+
+def _worker_init() -> None:
+    """Decode worker process: one thread per library (the pool is the parallelism); Ctrl-C is
+    the parent's to handle."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[v] = "1"
+
+
+def default_cpu_pool(device: str = "cpu") -> str:
+    """``process`` on CUDA (the GPU needs the whole CPU stage of many cores: PyAV's per-frame
+    Python and the VAD's framing hold the GIL, so threads of one process stall each other --
+    measured on the H200 machine: 15 threads ran on CPUs 16 % of their busy time), ``thread``
+    on CPU (the model needs the remaining cores anyway; no start-up or copy cost)."""
+    return "process" if str(device).startswith("cuda") else "thread"
+
+
 def default_workers(device: str = "cpu") -> int:
     """Decode threads: half the cores on CPU (the model needs the rest), else cores - 1 (max 16)."""
     n = os.cpu_count() or 2
@@ -303,8 +359,10 @@ def default_workers(device: str = "cpu") -> int:
 
 def default_batch_size(device: str = "cpu") -> int:
     """Pieces per model call: 1 on CPU (measured: batching 8 Whisper windows on 2 CPU threads
-    was slower than one by one, 13.0x vs 15.4x, bench/results/whisper_cpu_vm.json), 16 on CUDA."""
-    return 16 if str(device).startswith("cuda") else 1
+    was slower than one by one, 13.0x vs 15.4x, bench/results/whisper_cpu_vm.json), 128 on CUDA
+    (the Parakeet GPU engine: 5,201x at 16 pieces per call, 7,423x at 128, 7,865x at 512 on the
+    H200, bench/results/offline_e2e_h200.json)."""
+    return 128 if str(device).startswith("cuda") else 1
 
 
 def _cuda_available() -> bool:
@@ -346,6 +404,7 @@ def run_job(
     decode_fn: Callable | None = None,
     split_fn: Callable | None = None,
     gpu_monitor: bool | None = None,
+    cpu_pool: str | None = None,
 ) -> JobReport:
     """Transcribe many inputs with one model; the Python API behind ``flashasr transcribe``.
 
@@ -364,7 +423,10 @@ def run_job(
             (whole file in one call; the model handles long audio itself).
         max_segment_s: longest piece in seconds (default and upper bound:
             ``model.max_segment_seconds``).
-        workers: decode/VAD threads (default :func:`default_workers`).
+        workers: decode/VAD workers (default :func:`default_workers`).
+        cpu_pool: ``thread`` or ``process`` workers for the CPU stage (default
+            :func:`default_cpu_pool`; always threads with a custom ``decode_fn``/``split_fn``).
+            Processes return the decoded samples through a pipe (one copy).
         resume: skip inputs whose complete output an earlier run recorded in the summary.
         progress: tqdm bar on stderr; None shows it only when stderr is a terminal.
         on_result: called in the main thread with each :class:`FileResult` as it finishes.
@@ -439,6 +501,25 @@ def run_job(
         else:
             todo.append(i)
 
+    if cpu_pool is None:
+        cpu_pool = default_cpu_pool(device)
+    if cpu_pool not in ("thread", "process"):
+        raise FlashASRError(f"cpu_pool must be 'thread' or 'process', got {cpu_pool!r}", code="invalid_request")
+    if decode_fn is not None or split_fn is not None or n_workers < 2 or not hasattr(os, "fork"):
+        cpu_pool = "thread"
+    report.cpu_pool = cpu_pool
+    if cpu_pool == "process":
+        import multiprocessing as mp
+
+        # fork (as PyTorch's DataLoader does with a CUDA parent: the workers never touch CUDA), started
+        # now, before this job starts any thread of its own; spawn would re-import the caller's main
+        # module, which breaks scripts without an ``if __name__ == "__main__"`` guard
+        pool = cf.ProcessPoolExecutor(max_workers=n_workers, mp_context=mp.get_context("fork"),
+                                      initializer=_worker_init)
+        pool.submit(int).result()  # fork every worker now
+    else:
+        pool = cf.ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="flashasr-decode")
+
     bar = None
     try:
         from tqdm import tqdm
@@ -476,26 +557,10 @@ def run_job(
         if r is not None:
             _emit(i, r)
 
-    def _prepare(i: int) -> _Prepared:
-        item = items[i]
-        t0 = time.perf_counter()
-        c0 = time.thread_time()
-        wav = decode(str(item.path), sr)
-        samples = np.ascontiguousarray(np.asarray(wav.samples, dtype=np.float32).reshape(-1))
-        if samples.size == 0:
-            raise EmptyAudioError(f"{item.display}: the file holds no audio samples")
-        c1 = time.thread_time()
-        if segmentation == "none":
-            pieces = [(0, int(samples.size))]
-        else:
-            pieces = [(int(a), int(b)) for a, b in split(samples, sr, seg_max, segmentation)]
-            pieces = [(max(0, a), min(int(samples.size), b)) for a, b in pieces if b > a]
-            if pieces and samples.size <= int(seg_max * sr):
-                # A file that fits in one window goes in whole (as without segmentation):
-                # VAD only decides whether it holds speech at all.
-                pieces = [(0, int(samples.size))]
-        c2 = time.thread_time()
-        return _Prepared(item, samples, pieces, t0, c1 - c0, c2 - c1, time.perf_counter() - t0)
+    def _submit(i: int) -> cf.Future:
+        if cpu_pool == "process":
+            return pool.submit(_prepare_file, str(items[i].path), sr, seg_max, segmentation)
+        return pool.submit(_prepare_file, str(items[i].path), sr, seg_max, segmentation, decode, split)
 
     def _finish(st: _FileState) -> None:
         t_fin = time.perf_counter()
@@ -527,7 +592,7 @@ def run_job(
     sampler = _start_gpu_monitor(device, gpu_monitor)
     if sampler is None and gpu_monitor:
         report.nvml = {"available": False, "reason": f"model device is {device!r}, or torch.cuda is unavailable"}
-    pool = cf.ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="flashasr-decode")
+
     futures: dict[cf.Future, int] = {}
     active: dict[int, _FileState] = {}
     pending: list[tuple[int, int]] = []  # (file idx, piece idx), arrival order
@@ -608,7 +673,7 @@ def run_job(
             # 1. keep the decoders busy, within the memory budget
             while todo and len(futures) < prefetch and (buffered < max_buffered or not active):
                 i = todo.popleft()
-                futures[pool.submit(_prepare, i)] = i
+                futures[_submit(i)] = i
             # 2. wait for decoded files unless a full batch is ready
             if futures and len(pending) < batch_size:
                 cf.wait(list(futures), timeout=(batch_wait_s if pending else None),
@@ -618,13 +683,17 @@ def run_job(
                 i = futures.pop(fut)
                 item = items[i]
                 try:
-                    prep = fut.result()
-                except Exception as e:
-                    code, msg = _error_of(e, item.path)
-                    if not msg.startswith(item.display) and item.display not in msg and str(item.path) not in msg:
+                    got = fut.result()
+                except Exception as e:  # e.g. a worker process died (BrokenProcessPool)
+                    got = ("err", *_error_of(e, item.path))
+                if got[0] == "err":
+                    code, msg = got[1], got[2]
+                    msg = msg.replace(str(item.path), item.display) if item.display not in msg else msg
+                    if not msg.startswith(item.display) and item.display not in msg:
                         msg = f"{item.display}: {msg}"
                     _emit(i, FileResult(item=item, status="failed", error_code=code, error_message=msg))
                     continue
+                prep = _Prepared(item, *got[1:])
                 report.decode_cpu_s += prep.decode_cpu
                 report.vad_cpu_s += prep.vad_cpu
                 report.prepare_wall_s += prep.wall
@@ -653,7 +722,9 @@ def run_job(
         report.results = [r for r in results if r is not None]
         report.wall_s = time.perf_counter() - t_job
         total_cpu = time.process_time() - cpu_job
-        report.model_cpu_s = max(0.0, total_cpu - report.decode_cpu_s - report.vad_cpu_s)
+        # process pool: the main process's CPU time holds no decode/VAD
+        report.model_cpu_s = max(0.0, total_cpu - (0.0 if cpu_pool == "process" else
+                                                   report.decode_cpu_s + report.vad_cpu_s))
         if sampler is not None:
             report.nvml = sampler.stop()
         if summary is not None:
