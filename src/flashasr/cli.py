@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-segment-s", type=_positive_float, default=None,
                    help="longest piece in seconds (default and maximum: the model's, 30 for Whisper)")
     t.add_argument("--workers", type=_positive_int, default=None,
-                   help="decode/VAD threads (default: half the cores on CPU, cores-1 on CUDA)")
+                   help="decode/VAD workers (default: half the cores on CPU, cores-1 up to 16 on CUDA)")
+    t.add_argument("--cpu-pool", choices=("thread", "process"), default=None,
+                   help="decode/VAD workers as threads or processes (default: processes on CUDA, where "
+                        "the GPU needs many cores fed without the GIL; threads on CPU)")
     t.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="skip inputs with a complete output from an earlier run (default: on)")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -169,7 +172,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         report = run_job(items, model, args.output_dir, args.format, language=args.language,
                          word_timestamps=args.word_timestamps, batch_size=args.batch_size,
                          segmentation=args.segmentation, max_segment_s=args.max_segment_s,
-                         workers=args.workers, resume=args.resume, progress=args.progress,
+                         workers=args.workers, cpu_pool=args.cpu_pool, resume=args.resume, progress=args.progress,
                          on_result=on_result, keep_transcripts=False)
     except FlashASRError as e:
         _err(f"error: [{e.code}] {e}")

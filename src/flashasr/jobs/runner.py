@@ -227,7 +227,7 @@ class JobReport:
             f"CPU s per audio hour   decode {c['decode']:.1f}   vad {c['vad']:.1f}   model+other {c['model']:.1f}",
         ]
         if self.workers and self.wall_s > 0:
-            lines.append(f"stages     {self.workers} decode {self.cpu_pool}s {100 * self.cpu_pool_busy_fraction:.0f} % busy "
+            lines.append(f"stages     {self.workers} decode {'processes' if self.cpu_pool == 'process' else 'threads'} {100 * self.cpu_pool_busy_fraction:.0f} % busy "
                          f"({100 * self.cpu_stage_utilisation:.0f} % on CPU), "
                          f"model calls {100 * self.model_busy_fraction:.0f} % of wall, "
                          f"outputs {100 * self.finish_s / self.wall_s:.0f} %; bound by {self.bound_by()}")
