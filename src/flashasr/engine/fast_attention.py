@@ -5,10 +5,11 @@ Same function as :class:`flashasr.models.parakeet.encoder.RelPositionMultiHeadAt
 -10000, SDPA, padded query rows zeroed; NeMo ``RelPositionMultiHeadAttention``), computed with
 fewer passes over the ``[B, H, T, 2T-1]`` position scores:
 
-* ``(q + v) p^T`` as ONE batched GEMM over heads (``[H, B*T, d_k] x [H, d_k, 2T-1]``) instead
+* ``(q + v) p^T`` as ONE batched GEMM over heads (``[H, B*T, d_k] x [H, d_k, P']``, ``P'`` =
+  ``2T-1`` rounded up to a multiple of 8 so the bf16 output rows stay 16-byte aligned) instead
   of a batch-broadcast matmul;
 * the Transformer-XL shift ``out[i, j] = x[i, T-1-i+j]`` as a zero-copy ``as_strided`` view
-  (row stride ``2T-2``) instead of pad + reshape + slice copies;
+  (row stride ``P'-1``) instead of pad + reshape + slice copies;
 * scale and mask in two passes into the contiguous SDPA bias.
 
 :func:`install_fast_attention` swaps the class of every attention module of an encoder (same
@@ -44,9 +45,16 @@ def _fast_forward(self, x, valid, pos_emb, context=(-1, -1), impl="sdpa"):
     w = self.pos_bias_v.to(q.dtype)
     qu = (q + u).transpose(1, 2)  # [B, H, T, dk]
     qw = (q + w).permute(2, 0, 1, 3).reshape(H, B * T, dk)  # [H, B*T, dk]
-    p = self.linear_pos(pos_emb.to(x.dtype)).view(P, H, dk).permute(1, 2, 0)  # [H, dk, P]
-    bd_full = torch.bmm(qw, p)  # [H, B*T, P]
-    bd = bd_full.as_strided((B, H, T, T), (T * P, B * T * P, P - 1, 1), bd_full.storage_offset() + T - 1)
+    # position columns padded to a multiple of 8: with an odd row length (2T - 1) the bf16 GEMM
+    # output rows are not 16-byte aligned and cuBLAS falls back to pre-Hopper kernels (seen in the
+    # H200 profile: cutlass_75 kernels, 11 % of the encoder). Padded columns are never read.
+    Pp = -(-P // 8) * 8
+    pe = pos_emb.to(x.dtype)
+    if Pp != P:
+        pe = F.pad(pe, (0, 0, 0, Pp - P))
+    p = self.linear_pos(pe).view(Pp, H, dk).permute(1, 2, 0)  # [H, dk, Pp]
+    bd_full = torch.bmm(qw, p)  # [H, B*T, Pp]
+    bd = bd_full.as_strided((B, H, T, T), (T * Pp, B * T * Pp, Pp - 1, 1), bd_full.storage_offset() + T - 1)
     scale = 1.0 / math.sqrt(dk)
     masked = ~(valid[:, None, :, None] & valid[:, None, None, :])
     bias = (bd * scale).masked_fill_(masked, _MASK_VALUE)
