@@ -122,6 +122,23 @@ def test_random_configs_fused_equals_unfused(i):
             torch.testing.assert_close(b[r, : int(l1)], a1[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("i", range(len(CONFIGS)))
+def test_conv_nhwc_equals_unfused(i):
+    """The opt-in channels-last conv module (matmul pointwise convs, NHWC depthwise conv), alone
+    and with the default fusions, on every config (symmetric/causal padding, BatchNorm/LayerNorm)."""
+    from flashasr.engine.fuse import EXTRA_TRANSFORMS
+
+    cfg = EncoderConfig(**CONFIGS[i])
+    torch.manual_seed(20 + i)
+    enc = ConformerEncoder(cfg)
+    _randomise_bn(enc, i)
+    feats, lens = _batch(cfg.feat_in, [333, 101, 260, 17], seed=i)
+    _, counts = _compare(enc, feats, lens, ("conv_nhwc",))
+    assert counts == {"conv_nhwc": cfg.n_layers}
+    _, counts = _compare(enc, feats, lens, ALL_TRANSFORMS + EXTRA_TRANSFORMS)
+    assert counts["conv_nhwc"] == cfg.n_layers
+
+
 def test_bf16_precision_path_close_to_float32():
     """Fold in float64 then cast: the bf16 fused encoder stays as close to float32 as the unfused one."""
     from flashasr.engine.profiles import prepare_encoder_precision
@@ -181,16 +198,19 @@ def test_gpu_profiles_fused_close_to_unfused_bf16_and_fp32():
     torch.backends.cudnn.allow_tf32 = False
     audio = torch.from_numpy(np.load(TINY / "reference.npz")["audio"][:3, :40000]).float()
     alen = torch.tensor([40000, 27000, 9000])
+    from flashasr.engine.fuse import EXTRA_TRANSFORMS
+
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
         outs = []
-        for fuse in (True, False):
+        for fuse in (True, False, ALL_TRANSFORMS + EXTRA_TRANSFORMS):
             m = ParakeetASR.from_nemo(TINY / "model.nemo", device="cuda")
             _randomise_bn(m.encoder, 7)
             ep = EncoderProfiles(m, [Profile(4, 3.0)], dtype=dtype, fuse=fuse, conv_channels_last=True,
                                  cudnn_benchmark=True)
             o, ol = ep.run(audio, alen)
             outs.append((o.float().clone(), ol.clone()))
-        (a, la), (b, lb) = outs
-        assert torch.equal(la, lb)
+        (a, la), (b, lb), (c, lc) = outs
+        assert torch.equal(la, lb) and torch.equal(la, lc)
         for i, n in enumerate(la.tolist()):  # error relative to the output's scale
             assert (a[i, :n] - b[i, :n]).abs().max() <= tol * a[i, :n].abs().max(), (dtype, i)
+            assert (c[i, :n] - b[i, :n]).abs().max() <= tol * b[i, :n].abs().max(), (dtype, i, "conv_nhwc")

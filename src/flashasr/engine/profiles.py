@@ -189,14 +189,15 @@ class EncoderProfiles:
             or "static" (one compilation per profile shape).
         fuse: apply :func:`flashasr.engine.fuse.fuse_encoder` (exact-math inference fusions:
             BatchNorm folded into the depthwise conv, redundant subsampling masks skipped, ...)
-            to the encoder in place before the precision cast; ``False`` keeps it unfused.
+            to the encoder in place before the precision cast; ``False`` keeps it unfused; a
+            sequence of transform names picks them (e.g. ``ALL_TRANSFORMS + EXTRA_TRANSFORMS``).
             Counts per transform in ``self.fusions``.
     """
 
     def __init__(self, model, profiles: Sequence[Profile] | None = None, *, dtype: torch.dtype | None = None,
                  project: bool = True, use_graphs: bool = True, compile: bool | str = False,
                  cudnn_benchmark: bool = False, conv_channels_last: bool = False, fast_attention: bool = True,
-                 fuse: bool = True):
+                 fuse: bool | Sequence[str] = True):
         self.model = model
         self.device = next(model.encoder.parameters()).device
         cuda = self.device.type == "cuda"
@@ -206,9 +207,9 @@ class EncoderProfiles:
             if model.encoder.training:
                 log.warning("encoder in training mode: inference fusions skipped")
             else:
-                from .fuse import fuse_encoder
+                from .fuse import ALL_TRANSFORMS, fuse_encoder
 
-                self.fusions = fuse_encoder(model.encoder)
+                self.fusions = fuse_encoder(model.encoder, ALL_TRANSFORMS if fuse is True else tuple(fuse))
         prepare_encoder_precision(model.encoder, self.dtype)
         self.fast_attention_modules = 0
         if fast_attention:
