@@ -344,3 +344,27 @@ def test_process_pool_equals_thread_pool_and_reports_bad_files(synth_dir, tmp_pa
 
     with pytest.raises(FlashASRError, match="cpu_pool"):
         run_job(items, HashModel(), None, cpu_pool="fibers")
+
+
+def test_batches_fill_up_beyond_the_decode_prefetch(tmp_path):
+    """Batches are not capped by the number of files being decoded (2 x workers): decoded files
+    wait (within max_buffered_audio_s) until a full batch is ready."""
+    d = tmp_path / "in"
+    rng = np.random.default_rng(3)
+    for k in range(40):
+        _write_wav(d / f"c{k:02d}.wav", (0.1 * rng.standard_normal(SR // 2)).astype(np.float32))
+    import time
+    from types import SimpleNamespace
+
+    class SlowModel(HashModel):  # the model is the slow stage, decoding is instant
+        def transcribe_batch(self, ws, **kw):
+            time.sleep(0.05)
+            return super().transcribe_batch(ws, **kw)
+
+    def instant_decode(path, sr):
+        return SimpleNamespace(samples=np.full(SR // 2, 0.01, np.float32))
+
+    m = SlowModel()
+    r = run_job([d], m, None, batch_size=16, workers=2, split_fn=fixed_split, decode_fn=instant_decode)
+    assert r.exit_code == 0 and len(r.ok) == 40
+    assert m.batches[:2] == [16, 16] and sum(m.batches) == 40, m.batches

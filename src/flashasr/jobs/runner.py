@@ -706,9 +706,12 @@ def run_job(
                 active[i] = st
                 buffered += st.samples.size
                 pending.extend((i, k) for k in range(len(prep.pieces)))
-            # 3. run a batch when full, or when nothing more is coming soon
-            # (a wait that timed out with nothing decoded means the decoders lag: don't idle)
-            if pending and (len(pending) >= batch_size or not futures or not done_now):
+            # 3. run a batch when full, or when nothing more is coming soon: no decode in flight and
+            # none that may start (inputs exhausted or the memory budget full), or a wait that timed
+            # out with nothing decoded (the decoders lag: don't idle). Decoded files that merely
+            # drained the in-flight set do not force a partial batch: more decodes start first.
+            more = bool(todo) and (buffered < max_buffered or not active)
+            if pending and (len(pending) >= batch_size or (not futures and not more) or not done_now):
                 batch, lang = _take_batch()
                 _run_batch(batch, lang)
     except KeyboardInterrupt:
