@@ -368,3 +368,32 @@ def test_batches_fill_up_beyond_the_decode_prefetch(tmp_path):
     r = run_job([d], m, None, batch_size=16, workers=2, split_fn=fixed_split, decode_fn=instant_decode)
     assert r.exit_code == 0 and len(r.ok) == 40
     assert m.batches[:2] == [16, 16] and sum(m.batches) == 40, m.batches
+
+
+def test_a_dying_decode_worker_fails_only_its_file(tmp_path, monkeypatch):
+    """A decode worker process that dies (SIGKILL, as an out-of-memory kill would) breaks the
+    process pool: the files in flight get one more try in a fresh pool, the file that kills its
+    worker twice is reported as decode_worker_died, every other file completes, nothing hangs."""
+    import signal
+
+    from flashasr.jobs import runner
+
+    d = tmp_path / "in"
+    rng = np.random.default_rng(5)
+    for k in range(6):
+        _write_wav(d / f"ok{k}.wav", (0.1 * rng.standard_normal(SR)).astype(np.float32))
+    _write_wav(d / "boom.wav", np.zeros(SR, np.float32))
+    real = runner._default_decode
+
+    def killer(path, sr):  # inherited by the forked workers
+        if path.endswith("boom.wav"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path, sr)
+
+    monkeypatch.setattr(runner, "_default_decode", killer)
+    r = run_job([d], HashModel(), tmp_path / "o", "text", workers=2, cpu_pool="process", split_fn=None)
+    status = {x.item.key: (x.status, x.error_code) for x in r.results}
+    assert status.pop("boom") == ("failed", "decode_worker_died")
+    assert all(v == ("ok", None) for v in status.values()) and len(status) == 6, status
+    assert r.cpu_pool == "process"
+    assert "boom.wav" in r.failed[0].error_message

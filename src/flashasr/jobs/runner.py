@@ -25,6 +25,7 @@ Pipeline (one job)::
 from __future__ import annotations
 
 import concurrent.futures as cf
+from concurrent.futures.process import BrokenProcessPool
 import os
 import sys
 import threading
@@ -338,6 +339,7 @@ def _worker_init() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the CLI's handler (a traceback when the pool stops us)
     for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[v] = "1"
 
@@ -509,17 +511,23 @@ def run_job(
     if decode_fn is not None or split_fn is not None or n_workers < 2 or not hasattr(os, "fork"):
         cpu_pool = "thread"
     report.cpu_pool = cpu_pool
-    if cpu_pool == "process":
-        import multiprocessing as mp
+    n_workers = max(1, min(n_workers, len(todo)))  # no more workers than files to decode
 
-        # fork (as PyTorch's DataLoader does with a CUDA parent: the workers never touch CUDA), started
-        # now, before this job starts any thread of its own; spawn would re-import the caller's main
-        # module, which breaks scripts without an ``if __name__ == "__main__"`` guard
-        pool = cf.ProcessPoolExecutor(max_workers=n_workers, mp_context=mp.get_context("fork"),
-                                      initializer=_worker_init)
-        pool.submit(int).result()  # fork every worker now
-    else:
-        pool = cf.ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="flashasr-decode")
+    def _new_pool():
+        if cpu_pool == "process":
+            import multiprocessing as mp
+
+            # fork (as PyTorch's DataLoader does with a CUDA parent: the workers never touch CUDA),
+            # started now, before this job starts any thread of its own; spawn would re-import the
+            # caller's main module, which breaks scripts without an ``if __name__ == "__main__"`` guard
+            p = cf.ProcessPoolExecutor(max_workers=n_workers, mp_context=mp.get_context("fork"),
+                                       initializer=_worker_init)
+            p.submit(int).result()  # fork every worker now
+            return p
+        return cf.ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="flashasr-decode")
+
+    pool = _new_pool()
+    report.workers = n_workers
 
     bar = None
     try:
@@ -679,10 +687,11 @@ def run_job(
     wake = threading.Event()
     ready: deque = deque()  # (file idx, _prepare_file result) decoded, not yet taken by the main thread
     feeding = threading.local()
-    state = {"stopping": False}
+    state = {"stopping": False, "broken": False, "restarts": 0}
+    retried: set[int] = set()  # files re-queued once after their decode worker process died
 
     def _room() -> bool:  # callers hold the lock
-        return (bool(todo) and not state["stopping"] and len(futures) < prefetch
+        return (bool(todo) and not state["stopping"] and not state["broken"] and len(futures) < prefetch
                 and (buffered < max_buffered or (not active and not ready)))
 
     def _on_done(f: cf.Future) -> None:
@@ -693,7 +702,19 @@ def run_job(
                 return
             try:
                 got = f.result()
-            except BaseException as e:  # noqa: BLE001 - a dead worker process, a cancelled decode
+            except BrokenProcessPool:
+                # a worker process died (killed, out of memory, a crash in a native library): every
+                # file in flight fails with this, innocent or not. Each gets one more try in a fresh
+                # pool; a file that breaks the pool twice is reported.
+                state["broken"] = True
+                if i not in retried and not state["stopping"]:
+                    retried.add(i)
+                    todo.appendleft(i)
+                    wake.set()
+                    return
+                got = ("err", "decode_worker_died", f"{items[i].path}: the decode worker process died "
+                                                    "while decoding this file (twice); it was killed or crashed")
+            except BaseException as e:  # noqa: BLE001 - a cancelled decode, ...
                 got = ("err", *_error_of(e, items[i].path))
             ready.append((i, got))
             if got[0] == "ok":
@@ -711,7 +732,12 @@ def run_job(
                     i = todo.popleft()
                     try:
                         f = _submit(i)
-                    except Exception as e:  # noqa: BLE001 - e.g. the process pool broke
+                    except BrokenProcessPool:  # replaced by the main thread (_replace_pool)
+                        todo.appendleft(i)
+                        state["broken"] = True
+                        wake.set()
+                        break
+                    except Exception as e:  # noqa: BLE001
                         ready.append((i, ("err", *_error_of(e, items[i].path))))
                         wake.set()
                         continue
@@ -720,10 +746,33 @@ def run_job(
         finally:
             feeding.busy = False
 
+    def _replace_pool() -> None:
+        """After a worker process died: kill the broken pool's processes (a survivor would block
+        forever on its result pipe), then a fresh pool (threads after 3 breaks)."""
+        nonlocal pool, cpu_pool
+        with lock:
+            if not state["broken"] or futures:
+                return  # wait until every future of the broken pool has reported
+            old = pool
+            for proc in list(getattr(old, "_processes", {}).values() or []):
+                try:
+                    proc.kill()
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            old.shutdown(wait=False, cancel_futures=True)
+            state["restarts"] += 1
+            if state["restarts"] > 3:
+                cpu_pool = report.cpu_pool = "thread"
+            pool = _new_pool()
+            state["broken"] = False
+
     try:
         _refill()
         timed_out = False
         while True:
+            if state["broken"]:
+                _replace_pool()
+                _refill()
             with lock:
                 got_now = list(ready)
                 ready.clear()
@@ -763,7 +812,7 @@ def run_job(
                 timed_out = False
                 _refill()  # finished files freed memory
                 continue
-            if not pending and not in_flight and not todo:
+            if not pending and not in_flight and not todo and not state["broken"]:
                 break
             if got_now:
                 timed_out = False
