@@ -397,3 +397,32 @@ def test_a_dying_decode_worker_fails_only_its_file(tmp_path, monkeypatch):
     assert all(v == ("ok", None) for v in status.values()) and len(status) == 6, status
     assert r.cpu_pool == "process"
     assert "boom.wav" in r.failed[0].error_message
+
+
+def test_unreadable_folders_are_reported_not_fatal(tmp_path, monkeypatch):
+    """A subfolder that cannot be listed and an input behind a folder that cannot be searched
+    (simulated: the tests may run as root) are reported as unreadable_input; the rest expands."""
+    d = tmp_path / "in"
+    _write_wav(d / "a.wav", np.zeros(800, np.float32))
+    _write_wav(d / "locked" / "b.wav", np.zeros(800, np.float32))
+    real_scandir, real_stat = os.scandir, os.stat
+
+    def scandir(path="."):
+        if os.fspath(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    def stat(path, *a, **kw):
+        if "/hidden/" in os.fspath(path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_stat(path, *a, **kw)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(os, "stat", stat)
+    missing: list = []
+    items = expand_inputs([d, str(tmp_path / "hidden" / "x.wav")], missing=missing)
+    assert [it.key for it in items] == ["a"]
+    assert sorted(e.code for e in missing) == ["unreadable_input", "unreadable_input"]
+    assert any("locked" in str(e) for e in missing) and any("hidden" in str(e) for e in missing)
+    with pytest.raises(InputError, match="permission denied"):
+        expand_inputs([str(tmp_path / "hidden" / "x.wav")])

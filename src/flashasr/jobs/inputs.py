@@ -131,9 +131,15 @@ def read_manifest(manifest: str | os.PathLike) -> list[InputItem]:
     return items
 
 
-def _walk_dir(d: Path) -> list[Path]:
+def _walk_dir(d: Path, unreadable: list | None = None) -> list[Path]:
+    """Audio files below ``d`` (sorted); folders that cannot be listed go to ``unreadable``."""
     out = []
-    for root, dirs, files in os.walk(d, followlinks=False):
+
+    def _onerror(e: OSError) -> None:
+        if unreadable is not None:
+            unreadable.append(e)
+
+    for root, dirs, files in os.walk(d, followlinks=False, onerror=_onerror):
         dirs.sort()
         for f in sorted(files):
             p = Path(root) / f
@@ -156,9 +162,11 @@ def expand_inputs(inputs: list[str | os.PathLike], *, missing: list | None = Non
         missing: if given, an input that does not exist (or a glob with no match) is appended
             to it as an :class:`InputError` and the others are still expanded; otherwise the
             first such input raises.
+        Folders that cannot be listed and inputs behind a folder that cannot be searched are
+        reported the same way (code ``unreadable_input``).
     Raises:
         InputError(code="input_not_found"): a path that does not exist or a glob with no match
-            (only when ``missing`` is None).
+            (only when ``missing`` is None); InputError(code="unreadable_input"): permission denied.
     """
 
     def _missing(err: InputError) -> None:
@@ -169,43 +177,10 @@ def expand_inputs(inputs: list[str | os.PathLike], *, missing: list | None = Non
     items: list[InputItem] = []
     for raw in inputs:
         s = os.fspath(raw)
-        p = Path(s).expanduser()
-        if p.is_dir():
-            for f in _walk_dir(p):
-                rel = f.relative_to(p).as_posix()
-                items.append(InputItem(path=Path(os.path.abspath(f)), key=_safe_key(_strip_ext(rel)),
-                                       display=str(f)))
-        elif p.is_file() and p.suffix.lower() in MANIFEST_EXTENSIONS:
-            items.extend(read_manifest(p))
-        elif p.exists() or p.is_symlink():
-            items.append(InputItem(path=Path(os.path.abspath(p)), key=_safe_key(_strip_ext(p.name)), display=s))
-        elif _has_magic(s):
-            matches = sorted(glob.glob(os.path.expanduser(s), recursive=True))
-            if not matches:
-                _missing(InputError(f"input {s!r}: the pattern matches no file", code="input_not_found"))
-                continue
-            # Base = the longest leading part of the pattern without wildcards.
-            parts = Path(os.path.expanduser(s)).parts
-            base_parts = []
-            for part in parts:
-                if _has_magic(part):
-                    break
-                base_parts.append(part)
-            base = Path(*base_parts) if base_parts else Path(".")
-            for m in matches:
-                mp = Path(m)
-                if mp.is_dir():
-                    continue
-                if not _is_audio(mp):
-                    continue
-                try:
-                    rel = mp.relative_to(base).as_posix()
-                except ValueError:
-                    rel = mp.name
-                items.append(InputItem(path=Path(os.path.abspath(mp)), key=_safe_key(_strip_ext(rel)),
-                                       display=m))
-        else:
-            _missing(InputError(f"input {s!r}: no such file or directory", code="input_not_found"))
+        try:
+            _expand_one(s, items, _missing)
+        except PermissionError as e:  # a parent folder that cannot be searched
+            _missing(InputError(f"input {s!r}: permission denied ({e.filename or s})", code="unreadable_input"))
     # De-duplicate by absolute path.
     seen: set[Path] = set()
     uniq = []
@@ -215,6 +190,51 @@ def expand_inputs(inputs: list[str | os.PathLike], *, missing: list | None = Non
         seen.add(it.path)
         uniq.append(it)
     return _dedupe_keys(uniq)
+
+
+def _expand_one(s: str, items: list[InputItem], _missing) -> None:
+    """Expand one input into ``items`` (see :func:`expand_inputs`)."""
+    p = Path(s).expanduser()
+    if p.is_dir():
+        unreadable: list[OSError] = []
+        for f in _walk_dir(p, unreadable):
+            rel = f.relative_to(p).as_posix()
+            items.append(InputItem(path=Path(os.path.abspath(f)), key=_safe_key(_strip_ext(rel)),
+                                   display=str(f)))
+        for e in unreadable:
+            _missing(InputError(f"folder {e.filename or s!r}: cannot be listed ({e.strerror or e}); its files "
+                                "were not transcribed", code="unreadable_input"))
+    elif p.is_file() and p.suffix.lower() in MANIFEST_EXTENSIONS:
+        items.extend(read_manifest(p))
+    elif p.exists() or p.is_symlink():
+        items.append(InputItem(path=Path(os.path.abspath(p)), key=_safe_key(_strip_ext(p.name)), display=s))
+    elif _has_magic(s):
+        matches = sorted(glob.glob(os.path.expanduser(s), recursive=True))
+        if not matches:
+            _missing(InputError(f"input {s!r}: the pattern matches no file", code="input_not_found"))
+            return
+        # Base = the longest leading part of the pattern without wildcards.
+        parts = Path(os.path.expanduser(s)).parts
+        base_parts = []
+        for part in parts:
+            if _has_magic(part):
+                break
+            base_parts.append(part)
+        base = Path(*base_parts) if base_parts else Path(".")
+        for m in matches:
+            mp = Path(m)
+            if mp.is_dir():
+                continue
+            if not _is_audio(mp):
+                continue
+            try:
+                rel = mp.relative_to(base).as_posix()
+            except ValueError:
+                rel = mp.name
+            items.append(InputItem(path=Path(os.path.abspath(mp)), key=_safe_key(_strip_ext(rel)),
+                                   display=m))
+    else:
+        _missing(InputError(f"input {s!r}: no such file or directory", code="input_not_found"))
 
 
 def _dedupe_keys(items: list[InputItem]) -> list[InputItem]:
