@@ -166,3 +166,43 @@ def test_scheduler_priorities_packing_and_coalescing():
     # offline: the oldest item anchors the batch, the closest lengths join it
     assert picks[1] == [(OFFLINE, 1000), (OFFLINE, 1100), (OFFLINE, 1200)]
     assert picks[2] == [(OFFLINE, 90000), (OFFLINE, 50000)]
+
+
+def test_stream_session_final_delta_completes_the_text_even_after_a_revision():
+    """Deltas end with the final's words after those already sent, also when the final revised a
+    word two partials had agreed on (before: no last delta at all, the rest of the utterance lost)."""
+    from types import SimpleNamespace
+
+    from flashasr.serve.stream import StreamSession
+
+    class Backend:
+        def __init__(self):
+            self.partials = ["And I", "And I knew"]
+
+        async def transcribe(self, samples, *, priority=None, **kw):
+            if priority == PARTIAL:
+                return SimpleNamespace(text=self.partials.pop(0) if self.partials else "And I knew")
+            return SimpleNamespace(text="And you knew for a paper like that.")
+
+    async def go():
+        events = []
+
+        async def emit(ev):
+            events.append(ev)
+
+        s = StreamSession(Backend(), emit, input_rate=16000, partial_interval_ms=100)
+        pcm = (np.zeros(1600, "<i2")).tobytes()
+        for _ in range(3):  # three partials' worth of audio, each partial awaited
+            await s.append_pcm16(pcm)
+            for _ in range(20):
+                await asyncio.sleep(0)
+        await s.commit()
+        await s.drain(5)
+        return events
+
+    events = asyncio.run(go())
+    deltas = [e["delta"] for e in events if e["type"].endswith("transcription.delta")]
+    final = next(e["transcript"] for e in events if e["type"].endswith("transcription.completed"))
+    assert deltas[0] == "And I"  # agreed by the first two partials
+    assert "".join(deltas) == "And I knew for a paper like that."  # 'I' was revised to 'you' by the final
+    assert final == "And you knew for a paper like that."

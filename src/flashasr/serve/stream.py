@@ -378,8 +378,11 @@ class StreamSession:
             return
         text = t.text.strip()
         words = _words(text)
-        if emitted and [_norm(w) for w in words[:len(emitted)]] == [_norm(w) for w in emitted] \
-                and len(words) > len(emitted):
+        if emitted and len(words) > len(emitted):
+            # the words after those already sent, as the last delta. If the final revised a word
+            # already sent (two partials agreed on it, the whole utterance says otherwise), the
+            # deltas cannot take it back: they then differ from the final in that word only, and
+            # ``completed.transcript`` is authoritative. Never leave the rest of the utterance out.
             await self.emit({"type": "conversation.item.input_audio_transcription.delta", "item_id": item,
                              "content_index": 0, "delta": " " + " ".join(words[len(emitted):])})
         elif not emitted and text:
