@@ -245,7 +245,9 @@ def test_bad_inputs_are_reported_and_others_finish(tmp_path):
 def test_bad_arguments_raise_clear_errors(synth_dir):
     from flashasr.errors import FlashASRError
 
-    for kw in ({"fmt": "doc"}, {"segmentation": "smart"}, {"batch_size": 0}):
+    for kw in ({"fmt": "doc"}, {"segmentation": "smart"}, {"batch_size": 0}, {"workers": 0},
+               {"max_segment_s": -1}, {"max_segment_s": float("nan")}, {"max_buffered_audio_s": 0},
+               {"cpu_pool": "fibers"}):
         with pytest.raises(FlashASRError) as e:
             run_job([synth_dir], HashModel(), None, **({"fmt": "text"} | kw))
         assert e.value.code == "invalid_request"

@@ -459,6 +459,18 @@ def run_job(
     if int(batch_size) < 1:
         raise FlashASRError(f"batch size must be >= 1, got {batch_size}", code="invalid_request")
     batch_size = int(batch_size)
+    import math
+
+    if max_segment_s is not None and not (math.isfinite(float(max_segment_s)) and float(max_segment_s) > 0):
+        raise FlashASRError(f"max_segment_s must be a positive number of seconds, got {max_segment_s}",
+                            code="invalid_request")
+    if cpu_pool not in (None, "thread", "process"):
+        raise FlashASRError(f"cpu_pool must be 'thread' or 'process', got {cpu_pool!r}", code="invalid_request")
+    if workers is not None and int(workers) < 1:
+        raise FlashASRError(f"workers must be >= 1 (or None for the default), got {workers}", code="invalid_request")
+    if not (math.isfinite(float(max_buffered_audio_s)) and float(max_buffered_audio_s) > 0):
+        raise FlashASRError(f"max_buffered_audio_s must be positive, got {max_buffered_audio_s}",
+                            code="invalid_request")
 
     t_job = time.perf_counter()
     cpu_job = time.process_time()
