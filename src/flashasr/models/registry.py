@@ -34,8 +34,14 @@ def _is_hub_id(spec: str) -> bool:
 
 
 def _find_parakeet_config(name: str) -> Path:
+    if not name.strip():
+        raise ModelLoadError("model 'random:': name a Parakeet config after 'random:' "
+                             "(e.g. random:parakeet-tdt-0.6b-v3 or random:path/to/model_config.yaml)",
+                             code="model_not_found")
     p = Path(name).expanduser()
     if p.suffix in (".yaml", ".yml") or p.exists():
+        if p.is_dir():
+            raise ModelLoadError(f"model 'random:{name}': is a folder, not a YAML config", code="model_not_found")
         if not p.is_file():
             raise ModelLoadError(f"model 'random:{name}': no such config file", code="model_not_found")
         return p
@@ -82,7 +88,13 @@ def _load_random_parakeet(name: str, device: str, dtype: str | None):
     from .parakeet.config import build_random_parakeet, calibrate_random_joint, shape_random_joint
 
     cfg = _find_parakeet_config(name)
-    asr = build_random_parakeet(cfg, device=device, dtype=dtype or "float32")
+    try:
+        asr = build_random_parakeet(cfg, device=device, dtype=dtype or "float32")
+    except (RuntimeError, AssertionError) as e:  # e.g. "Torch not compiled with CUDA enabled"
+        if "cuda" in str(device) or "device" in str(e).lower() or "cuda" in str(e).lower():
+            raise ModelLoadError(f"model 'random:{name}': cannot use device {device!r}: {e}",
+                                 code="invalid_device") from e
+        raise
     shape_random_joint(asr)
     asr = _maybe_gpu(asr, device)
     asr.name = f"random:{cfg.stem if name.endswith(('.yaml', '.yml')) else name}"

@@ -310,6 +310,10 @@ def load_yaml_config(path: str | os.PathLike) -> dict:
             d = yaml.safe_load(fh)
     except FileNotFoundError as e:
         raise ModelLoadError(f"config {str(path)!r}: no such file", code="model_not_found") from e
+    except IsADirectoryError as e:
+        raise ModelLoadError(f"config {str(path)!r} is a folder, not a YAML file", code="model_not_found") from e
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"config {str(path)!r} is not a text (YAML) file") from e
     except yaml.YAMLError as e:
         raise ModelLoadError(f"config {str(path)!r} is not valid YAML: {e}") from e
     if not isinstance(d, dict):
