@@ -428,3 +428,16 @@ def test_unreadable_folders_are_reported_not_fatal(tmp_path, monkeypatch):
     assert any("locked" in str(e) for e in missing) and any("hidden" in str(e) for e in missing)
     with pytest.raises(InputError, match="permission denied"):
         expand_inputs([str(tmp_path / "hidden" / "x.wav")])
+
+
+def test_two_formats_in_one_folder_keep_their_own_resume_records(synth_dir, tmp_path):
+    """A json run after a text run into the same folder does not make the next text run redo
+    everything: the journal keeps one record per (input, format)."""
+    out = tmp_path / "o"
+    run_job([synth_dir], HashModel(), out, "text", split_fn=fixed_split)
+    run_job([synth_dir], HashModel(), out, "json", split_fn=fixed_split)
+    m = HashModel()
+    r = run_job([synth_dir], m, out, "text", split_fn=fixed_split)
+    assert len(r.skipped) == 8 and m.batches == []
+    lines = [json.loads(l) for l in (out / "summary.jsonl").read_text().splitlines()]
+    assert sorted({l["format"] for l in lines}) == ["json", "text"] and len(lines) == 16

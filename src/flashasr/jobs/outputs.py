@@ -80,23 +80,30 @@ class Summary:
     the output folder), ``output_bytes``, ``processing_s`` (wall seconds from the start of
     decoding to the output being written), ``input_size``, ``input_mtime_ns``, ``format``,
     ``model``, ``options``. Unparsable lines (a line cut by a crash) are ignored.
+
+    Records are keyed by (input path, format): jobs writing different formats into one folder
+    each keep their own record, so a text run after a json run still finds its text outputs.
     """
 
     def __init__(self, output_dir: Path):
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / SUMMARY_NAME
         self._lock = threading.Lock()
-        self.previous: dict[str, dict] = {}
+        self.previous: dict[tuple[str, str | None], dict] = {}
         self._order: list[str] = []
 
-    def load(self) -> dict[str, dict]:
-        """Read earlier lines; the last line per input path wins. Returns {path: record}."""
+    def load(self) -> dict[tuple[str, str | None], dict]:
+        """Read earlier lines; the last line per (input path, format) wins. Returns {key: record}."""
         self.previous = self._read()
         return self.previous
 
-    def _read(self) -> dict[str, dict]:
-        """The journal on disk as {path: last record}; unparsable lines are skipped."""
-        recs: dict[str, dict] = {}
+    @staticmethod
+    def _key(rec: dict) -> tuple[str, str | None]:
+        return rec["path"], rec.get("format")
+
+    def _read(self) -> dict[tuple[str, str | None], dict]:
+        """The journal on disk as {(path, format): last record}; unparsable lines are skipped."""
+        recs: dict[tuple[str, str | None], dict] = {}
         if self.path.exists():
             for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
                 try:
@@ -104,12 +111,12 @@ class Summary:
                 except json.JSONDecodeError:
                     continue
                 if isinstance(rec, dict) and isinstance(rec.get("path"), str):
-                    recs[rec["path"]] = rec
+                    recs[self._key(rec)] = rec
         return recs
 
     def is_complete(self, path: Path, *, fmt: str, model: str, options: dict) -> dict | None:
         """The earlier ``ok`` record for ``path`` if its output can be reused, else None."""
-        rec = self.previous.get(str(path))
+        rec = self.previous.get((str(path), fmt))
         if not rec or rec.get("status") != "ok":
             return None
         sig = input_signature(path)
@@ -134,7 +141,7 @@ class Summary:
         with self._lock:
             # Memory first: a Ctrl-C (KeyboardInterrupt can land between any two bytecodes)
             # after the line reached the file must not let compact() drop it again.
-            self.previous[rec["path"]] = rec
+            self.previous[self._key(rec)] = rec
             self.output_dir.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a+b") as f:
                 if f.tell() > 0:  # a line cut by a crash must not swallow this one
@@ -154,14 +161,18 @@ class Summary:
             # lines on disk that memory lacks (none, unless an interrupt hit append)
             for p, r in self._read().items():
                 self.previous.setdefault(p, r)
+            by_path: dict[str, list] = {}
+            for k in self.previous:
+                by_path.setdefault(k[0], []).append(k)
             recs = []
             seen = set()
             for p in order:
-                if p in self.previous and p not in seen:
-                    recs.append(self.previous[p])
-                    seen.add(p)
-            for p, r in self.previous.items():
-                if p not in seen:
+                for k in by_path.get(p, []):
+                    if k not in seen:
+                        recs.append(self.previous[k])
+                        seen.add(k)
+            for k, r in self.previous.items():
+                if k not in seen:
                     recs.append(r)
             text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
             atomic_write_text(self.path, text)
