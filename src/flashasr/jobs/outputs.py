@@ -153,7 +153,7 @@ class Summary:
                 os.fsync(f.fileno())
 
     def compact(self, order: list[str]) -> None:
-        """Rewrite the journal atomically with one line per input, in ``order`` first.
+        """Rewrite the journal atomically with one line per (input, format), inputs in ``order`` first.
 
         Records of paths not in ``order`` (inputs of earlier runs) are kept after them.
         """
