@@ -226,17 +226,20 @@ class OfflineParakeetEngine:
             for k, i in enumerate(idx):
                 items[i] = OfflineItem(res.token_ids[k], res.token_frames[k], res.token_durations[k])
             batches.append((prof.batch if prof else None, prof.seconds if prof else None, len(idx)))
-        for i, it in enumerate(items):
-            if it is None:  # shorter than one encoder frame
-                items[i] = OfflineItem([], [], [])
         t["total"] = time.perf_counter() - t_start
+        return self._output(items, t, lengths, batches, modes)
+
+    def _output(self, items, t, lengths, batches, modes) -> OfflineOutput:
+        """Empty results for inputs shorter than one encoder frame, texts (outside ``total``)."""
+        for i, it in enumerate(items):
+            if it is None:
+                items[i] = OfflineItem([], [], [])
         if self.with_text and getattr(self.model, "tokenizer", None) is not None:
             t0 = time.perf_counter()
             for it in items:
                 it.text = self.model.tokenizer.decode(it.token_ids)
             t["text"] = time.perf_counter() - t0
         return OfflineOutput(items, t, sum(lengths) / self.sample_rate, batches, modes)
-
 
     def _run_pipelined(self, waves, lengths) -> OfflineOutput:
         main = torch.cuda.current_stream()
@@ -291,15 +294,7 @@ class OfflineParakeetEngine:
         t["total"] = time.perf_counter() - t_start
         t["encoder_gpu"] = sum(a.elapsed_time(b) for a, b, _, _ in ev) / 1e3
         t["decoder_gpu"] = sum(c.elapsed_time(d) for _, _, c, d in ev) / 1e3
-        for i, it in enumerate(items):
-            if it is None:
-                items[i] = OfflineItem([], [], [])
-        if self.with_text and getattr(self.model, "tokenizer", None) is not None:
-            t0 = time.perf_counter()
-            for it in items:
-                it.text = self.model.tokenizer.decode(it.token_ids)
-            t["text"] = time.perf_counter() - t0
-        return OfflineOutput(items, t, sum(lengths) / self.sample_rate, batches, modes)
+        return self._output(items, t, lengths, batches, modes)
 
 
 __all__ = ["OfflineParakeetEngine", "OfflineOutput", "OfflineItem"]

@@ -49,8 +49,7 @@ def _find_parakeet_config(name: str) -> Path:
     if os.environ.get("FLASHASR_SHARED"):
         roots.append(Path(os.environ["FLASHASR_SHARED"]))
     here = Path.cwd()
-    for d in (here, *here.parents):
-        roots += [d / "shared", d.parent / "shared"] if d == here else [d / "shared"]
+    roots += [d / "shared" for d in (here, *here.parents)]
     for r in roots:
         c = r / "fixtures" / "parakeet" / f"{name}.yaml"
         if c.is_file():
