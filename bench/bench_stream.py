@@ -34,6 +34,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
 CLIP = REPO.parent / "shared" / "audio" / "en" / "en-librivox-sense-sensibility-0870.wav"  # 7.1 s, 16 kHz
 
 
@@ -43,70 +44,27 @@ def _pcm(path: Path) -> bytes:
         return w.readframes(w.getnframes())
 
 
-def _cpu_s(pid: int) -> float:
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def _stream(port: int, pcm: bytes, packet_ms: int, delay: float, out: dict, deadline: float) -> None:
-    from websockets.asyncio.client import connect
-
-    await asyncio.sleep(delay)
-    step = 32 * packet_ms  # bytes of 16 kHz PCM16 per packet
-    async with connect(f"ws://127.0.0.1:{port}/v1/stream?sample_rate=16000&partial_interval_ms=500&partials=full",
-                       open_timeout=60, ping_interval=None, max_queue=None) as ws:
-        await ws.recv()
-        sent_at: list[float] = []  # wall time when byte offset k*step (end of packet k) was sent
-        state = {"commit": None}
-
-        async def reader():
-            async for msg in ws:
-                ev = json.loads(msg)
-                now = time.perf_counter()
-                if ev["type"].endswith("transcription.partial"):
-                    k = max(0, -(-ev["audio_end_ms"] * 32 // step) - 1)
-                    if k < len(sent_at):
-                        out["partial"].append(now - sent_at[k])
-                elif ev["type"].endswith("transcription.completed"):
-                    out["ttf"].append(now - state["commit"])
-                    return
-
-        rt = asyncio.ensure_future(reader())
-        t0 = time.perf_counter()
-        for k, off in enumerate(range(0, len(pcm), step)):
-            await asyncio.sleep(max(0.0, t0 + k * packet_ms / 1000 - time.perf_counter()))
-            await ws.send(pcm[off:off + step])
-            sent_at.append(time.perf_counter())
-        state["commit"] = time.perf_counter()
-        await ws.send(json.dumps({"type": "commit"}))
-        try:
-            await asyncio.wait_for(rt, max(1.0, deadline - time.perf_counter()))
-        except asyncio.TimeoutError:
-            out["timeouts"] += 1
-
-
-def _pct(a: list[float]) -> dict:
-    if not a:
-        return {"n": 0}
-    x = np.asarray(a) * 1000
-    return {"n": len(a), **{f"p{p}_ms": round(float(np.percentile(x, p)), 1) for p in (50, 90, 95, 99)}}
+# one stream client, percentiles and server CPU: shared with bench_serve.py (the multi-process,
+# any-model version of this benchmark)
+from bench_serve import _pct, _stream, _tree_cpu_s  # noqa: E402
 
 
 def run_config(server, pcm: bytes, n: int, packet_ms: int, timeout_s: float) -> dict:
-    out = {"partial": [], "ttf": [], "timeouts": 0}
+    out = {"partial": [], "ttf": [], "late_s": [], "timeouts": 0, "errors": 0, "connect_errors": 0,
+           "last_error": None}
     rng = np.random.default_rng(n * 1000 + packet_ms)
-    cpu0, t0 = _cpu_s(server.proc.pid), time.perf_counter()
+    cpu0, t0 = _tree_cpu_s(server.proc.pid), time.perf_counter()
     deadline = t0 + len(pcm) / 32000 + 1.0 + timeout_s
 
     async def go():
-        await asyncio.gather(*(_stream(server.port, pcm, packet_ms, float(rng.uniform(0, 1.0)), out, deadline)
+        await asyncio.gather(*(_stream(server.port, pcm, packet_ms, 500, float(rng.uniform(0, 1.0)), out, deadline)
                                for _ in range(n)), return_exceptions=False)
 
     import uvloop
 
     uvloop.run(go())
     wall = time.perf_counter() - t0
-    cpu = _cpu_s(server.proc.pid) - cpu0
+    cpu = _tree_cpu_s(server.proc.pid) - cpu0
     return {"streams": n, "packet_ms": packet_ms, "audio_s_per_stream": round(len(pcm) / 32000, 2),
             "partial_latency": _pct(out["partial"]), "time_to_final": _pct(out["ttf"]),
             "finals_timed_out": out["timeouts"], "server_cpu_cores": round(cpu / wall, 2), "wall_s": round(wall, 1)}
