@@ -814,7 +814,7 @@ def run_job(
             _refill()
             with lock:
                 in_flight = bool(futures) or bool(ready)
-                can_start = bool(todo) and (buffered < max_buffered or not active)
+                can_start = _room()
             # run a batch when full, or when nothing more is coming soon: no decode in flight and
             # none that may start (inputs exhausted or the memory budget full), or a wait that
             # timed out with nothing decoded (the decoders lag: don't idle)
