@@ -1,8 +1,8 @@
-"""The offline job runner: decode -> resample -> VAD in threads, cross-file batches on the model.
+"""The offline job runner: decode -> resample -> VAD in a worker pool, cross-file batches on the model.
 
 Pipeline (one job)::
 
-    inputs --(thread pool, ``workers`` threads)--> decode + resample (PyAV/soxr)
+    inputs --(``workers`` worker processes on CUDA / threads on CPU)--> decode + resample (PyAV/soxr)
            --> VAD segmentation into pieces <= model.max_segment_seconds
            --> pending-piece pool (bounded) --(main thread)--> model.transcribe_batch
            --> results routed back per file --> merge (global times) --> render
@@ -10,7 +10,11 @@ Pipeline (one job)::
 
 * Back-pressure: at most ``prefetch`` files are being decoded at once and new files
   are not started while the decoded-but-unfinished audio exceeds
-  ``max_buffered_audio_s``; memory stays bounded whatever the number of inputs.
+  ``max_buffered_audio_s``; memory stays bounded whatever the number of inputs. New decodes
+  start from the pool's completion callbacks too, so the workers keep going while the main
+  thread is inside a model call.
+* Worker processes (the CUDA default) avoid the GIL that PyAV's per-frame Python and the VAD
+  framing hold; a worker that dies costs its files one retry in a fresh pool, never the job.
 * Cross-file batching: a batch is the oldest pending piece plus the ``batch_size - 1``
   pending pieces (of any file, same language) closest to it in length, so batches are
   length-homogeneous (little padding) and no file waits behind later ones.
@@ -88,7 +92,7 @@ class JobReport:
     * ``prepare_wall_s``: wall seconds the worker threads spent inside decode + VAD (summed
       over files); against ``workers x wall_s`` it says how occupied the pool was, against the
       CPU seconds how much of that time the threads actually ran (GIL or CPU contention).
-    * ``workers``: decode/VAD threads; ``batch_size``: the largest batch asked for;
+    * ``workers``: decode/VAD workers (``cpu_pool``: threads or processes); ``batch_size``: the largest batch asked for;
       ``batch_pieces``: pieces per model call, in call order.
     * ``nvml``: :class:`~flashasr.jobs.gpumon.NvmlSampler` result (NVML GPU utilisation over
       the job) on CUDA, else ``{"available": False, "reason": ...}``; None when not asked.
