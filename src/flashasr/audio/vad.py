@@ -53,19 +53,23 @@ def _model_path(name: str = "silero_vad_16k_sequence.onnx") -> str:
     return path
 
 
+def _new_session(name: str):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(_model_path(name), so, providers=["CPUExecutionProvider"])
+
+
 def _get_session():
     """The shared onnxruntime session (thread-safe ``run``; created once, 1 thread)."""
     global _session
     if _session is None:
         with _session_lock:
             if _session is None:
-                import onnxruntime as ort
-
-                so = ort.SessionOptions()
-                so.intra_op_num_threads = 1
-                so.inter_op_num_threads = 1
-                so.log_severity_level = 3
-                _session = ort.InferenceSession(_model_path(), so, providers=["CPUExecutionProvider"])
+                _session = _new_session("silero_vad_16k_sequence.onnx")
     return _session
 
 
@@ -76,14 +80,7 @@ def _get_batch_session():
     if _batch_session is None:
         with _session_lock:
             if _batch_session is None:
-                import onnxruntime as ort
-
-                so = ort.SessionOptions()
-                so.intra_op_num_threads = 1
-                so.inter_op_num_threads = 1
-                so.log_severity_level = 3
-                _batch_session = ort.InferenceSession(_model_path("silero_vad.onnx"), so,
-                                                      providers=["CPUExecutionProvider"])
+                _batch_session = _new_session("silero_vad.onnx")
     return _batch_session
 
 
