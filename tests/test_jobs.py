@@ -342,6 +342,9 @@ def test_process_pool_equals_thread_pool_and_reports_bad_files(synth_dir, tmp_pa
     for x in rp.failed:
         assert x.item.path.name in x.error_message
     assert rp.decode_cpu_s > 0 and rp.to_dict()["cpu_pool"] == "process"
+    import signal
+
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # Ctrl-C held only while forking
     from flashasr.errors import FlashASRError
 
     with pytest.raises(FlashASRError, match="cpu_pool"):

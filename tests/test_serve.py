@@ -82,6 +82,7 @@ def test_openai_stream_sse(client, offline_text):
             done = ev.text
     assert deltas and done == offline_text
     assert "".join(deltas).strip() == offline_text
+    assert "".join(deltas) == done  # exactly: no leading space, nothing missing
 
 
 def test_models_health_ready_metrics(server, client):

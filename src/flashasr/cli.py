@@ -187,6 +187,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
              "re-run the same command to resume" if args.output_dir else "interrupted")
     if not args.quiet:
         _err(report.table())
+        if missing:  # inputs that never reached the job (not found, unreadable folder): also failures
+            _err(f"inputs     {len(missing)} not found or unreadable (the 'failed:' lines above); exit code 1")
         if args.output_dir:
             _err(f"outputs    {os.path.abspath(args.output_dir)} (summary.jsonl)")
     return EXIT_FAILED if missing and report.exit_code == EXIT_OK else report.exit_code

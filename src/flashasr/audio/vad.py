@@ -54,7 +54,13 @@ def _model_path(name: str = "silero_vad_16k_sequence.onnx") -> str:
 
 
 def _new_session(name: str):
-    import onnxruntime as ort
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        from ..errors import FlashASRError
+
+        raise FlashASRError("the Silero VAD needs onnxruntime, which is not installed "
+                            "(pip install onnxruntime)", code="missing_dependency") from e
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1

@@ -348,6 +348,26 @@ def _worker_init() -> None:
         os.environ[v] = "1"
 
 
+def _block_sigint() -> bool:
+    """Block SIGINT in this thread (main thread of a Unix process only); True if it did."""
+    import signal
+    import threading as _th
+
+    if not hasattr(signal, "pthread_sigmask") or _th.current_thread() is not _th.main_thread():
+        return False
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    return True
+
+
+def _unblock_sigint() -> None:
+    """Undo :func:`_block_sigint`; a SIGINT that arrived meanwhile is delivered now."""
+    import signal
+    import threading as _th
+
+    if hasattr(signal, "pthread_sigmask") and _th.current_thread() is _th.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def default_cpu_pool(device: str = "cpu") -> str:
     """``process`` on CUDA (the GPU needs the whole CPU stage of many cores: PyAV's per-frame
     Python and the VAD's framing hold the GIL, so threads of one process stall each other --
@@ -536,12 +556,23 @@ def run_job(
             # fork (as PyTorch's DataLoader does with a CUDA parent: the workers never touch CUDA),
             # started now, before this job starts any thread of its own; spawn would re-import the
             # caller's main module, which breaks scripts without an ``if __name__ == "__main__"`` guard
-            p = cf.ProcessPoolExecutor(max_workers=n_workers, mp_context=mp.get_context("fork"),
-                                       initializer=_worker_init)
-            p.submit(int).result()  # fork every worker now
+            # Ctrl-C held back while forking (a SIGINT landing inside fork's lock hooks was swallowed
+            # and the job ran on); a pending one is raised when the main loop unblocks it
+            masked = _block_sigint()
+            try:
+                p = cf.ProcessPoolExecutor(max_workers=n_workers, mp_context=mp.get_context("fork"),
+                                           initializer=_worker_init)
+                p.submit(int).result()  # fork every worker now
+            except BaseException:
+                if masked:
+                    _unblock_sigint()
+                raise
+            if masked and in_loop[0]:  # the first pool is unblocked at the top of the main loop's try
+                _unblock_sigint()
             return p
         return cf.ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="flashasr-decode")
 
+    in_loop = [False]
     pool = _new_pool()
     report.workers = n_workers
 
@@ -783,6 +814,8 @@ def run_job(
             state["broken"] = False
 
     try:
+        in_loop[0] = True
+        _unblock_sigint()  # a Ctrl-C during the first fork is raised here, inside the try
         _refill()
         timed_out = False
         while True:
@@ -846,6 +879,7 @@ def run_job(
             for f in list(futures):
                 f.cancel()
     finally:
+        _unblock_sigint()  # whatever happened before the loop started
         pool.shutdown(wait=True, cancel_futures=True)
         if bar is not None:
             bar.close()

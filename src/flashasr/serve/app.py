@@ -291,9 +291,24 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
             err = AudioError(msg, code=e.code)
             raise err from None
 
+    def _sse_pieces(transcript) -> list[str]:
+        """One delta per segment, cut out of the final text itself, so the deltas concatenate to
+        exactly the ``done`` text (segment texts carry their own leading spaces, or none)."""
+        done = transcript.text.strip()
+        pieces, pos = [], 0
+        for seg in transcript.segments:
+            t = (seg.text or "").strip()
+            i = done.find(t, pos) if t else -1
+            if i < 0:
+                continue
+            pieces.append(done[pos:i + len(t)])
+            pos = i + len(t)
+        if pos < len(done):
+            pieces.append(done[pos:])
+        return [p for p in pieces if p]
+
     async def _sse(transcript):
-        pieces = [s.text for s in transcript.segments if s.text] or ([transcript.text] if transcript.text else [])
-        for p in pieces:
+        for p in _sse_pieces(transcript):
             yield "data: " + json.dumps({"type": "transcript.text.delta", "delta": p}, ensure_ascii=False) + "\n\n"
         yield "data: " + json.dumps({"type": "transcript.text.done", "text": transcript.text.strip()},
                                     ensure_ascii=False) + "\n\n"
