@@ -73,7 +73,7 @@ def test_fixture_encoder_fused_equals_unfused():
     feats, flen = model.preprocessor(audio, alen)
     fused, counts = _compare(enc, feats, flen)
     n = len(enc.layers)
-    assert counts == {"bn_fold": n, "conv_pad": n, "inplace": n, "sub_masks": 1}
+    assert counts == {"bn_fold": n, "conv_pad": n, "inplace": n, "sub_masks": 1, "conv_nhwc": n, "add_norm": n}
     # the fold really changed the weights, and the BatchNorm no longer runs
     assert not torch.equal(fused.layers[0].conv.depthwise_conv.weight, enc.layers[0].conv.depthwise_conv.weight)
     calls = []
@@ -85,7 +85,7 @@ def test_fixture_encoder_fused_equals_unfused():
     # idempotent
     assert fuse_encoder(fused) == {t: 0 for t in ALL_TRANSFORMS}
     # the bit-identical transforms alone
-    _compare(enc, feats, flen, ("conv_pad", "inplace", "sub_masks"), exact=True)
+    _compare(enc, feats, flen, ("conv_pad", "inplace", "sub_masks", "add_norm"), exact=True)
 
 
 CONFIGS = [
@@ -113,7 +113,8 @@ def test_random_configs_fused_equals_unfused(i):
     assert counts["bn_fold"] == (cfg.n_layers if bn else 0)
     assert counts["conv_pad"] == (cfg.n_layers if cfg.conv_context_size is None else 0)
     assert counts["sub_masks"] == 1
-    _compare(enc, feats, lens, ("conv_pad", "inplace", "sub_masks"), exact=True)
+    assert counts["add_norm"] == cfg.n_layers
+    _compare(enc, feats, lens, ("conv_pad", "inplace", "sub_masks", "add_norm"), exact=True)
     # padding invariance survives the fusions: each row alone == its row in the padded batch
     with torch.no_grad():
         b, lb = fused(feats, lens, channels_last=True)
@@ -124,8 +125,8 @@ def test_random_configs_fused_equals_unfused(i):
 
 @pytest.mark.parametrize("i", range(len(CONFIGS)))
 def test_conv_nhwc_equals_unfused(i):
-    """The opt-in channels-last conv module (matmul pointwise convs, NHWC depthwise conv), alone
-    and with the default fusions, on every config (symmetric/causal padding, BatchNorm/LayerNorm)."""
+    """The channels-last conv module (matmul pointwise convs, NHWC depthwise conv), alone
+    and with the other fusions, on every config (symmetric/causal padding, BatchNorm/LayerNorm)."""
     from flashasr.engine.fuse import EXTRA_TRANSFORMS
 
     cfg = EncoderConfig(**CONFIGS[i])

@@ -20,14 +20,20 @@ rounding, and not at all where noted):
     (before the next 3x3 conv, or the final one) zeroes the same steps again, so valid steps are
     bit-identical. ReLU runs in place.
 
-``conv_nhwc`` (opt-in: in :data:`EXTRA_TRANSFORMS`, not in the default set until measured on
-    the GPU)
+``conv_nhwc`` (default since it was measured on the H200: +11.6 % end to end, 9,282x ->
+    10,355x, ``bench/results/gpu_e2e_conv_nhwc.json``)
     Conv module in the encoder's own ``[B, T, d]`` layout: the two pointwise convs as matmuls
     (``F.linear`` with the squeezed 1x1 weights), GLU on the last dimension, and the depthwise
     conv as a 2-D depthwise conv on a channels-last view (``[B, T, d]`` seen as NCHW
     ``[B, d, 1, T]`` without a copy), so the module does no transpose copies and cuDNN can run
     its NHWC depthwise kernel instead of PyTorch's native channels-first one (4.8 % of the
     encoder in the H200 profile). Same maths; float rounding may differ.
+
+``add_norm``
+    Conformer block: each residual step ``r = r + alpha * branch(LN(r))`` and the LayerNorm
+    after it run as one kernel (:func:`flashasr.engine.triton_norm.add_layer_norm`: Triton on
+    CUDA, else the unfused PyTorch maths, bit-identical). Per block 5 LayerNorms, 4 adds and 2
+    scales (and, for bf16 encoders, 10 float32 casts) become 5 kernels.
 
 Not done (not exact or not measured): skipping masks for unpadded batches (lengths are data
 inside CUDA graphs), fusing the first mask into the log-mel, bf16 joint projection.
@@ -43,10 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.parakeet.encoder import ConformerConvolution, ConformerEncoder, DwStridingSubsampling
+from ..models.parakeet.encoder import ConformerConvolution, ConformerEncoder, ConformerLayer, DwStridingSubsampling
+from .triton_norm import add_layer_norm, layer_norm
 
-ALL_TRANSFORMS = ("bn_fold", "conv_pad", "inplace", "sub_masks")  # the default set
-EXTRA_TRANSFORMS = ("conv_nhwc",)  # opt-in candidates (fuse=ALL_TRANSFORMS + EXTRA_TRANSFORMS)
+ALL_TRANSFORMS = ("bn_fold", "conv_pad", "inplace", "sub_masks", "conv_nhwc", "add_norm")  # the default set
+EXTRA_TRANSFORMS: tuple = ()  # opt-in candidates (fuse=ALL_TRANSFORMS + EXTRA_TRANSFORMS); none now
 
 
 class FusedConformerConvolution(ConformerConvolution):
@@ -66,7 +73,7 @@ class FusedConformerConvolution(ConformerConvolution):
         B, T, d = x.shape
         pw1, dw, pw2 = self.pointwise_conv1, self.depthwise_conv, self.pointwise_conv2
         x = F.glu(F.linear(x, pw1.weight.squeeze(-1), pw1.bias), dim=-1)  # [B, T, d]
-        x = x.masked_fill(~valid[:, :, None], 0.0)
+        x = torch.where(valid[:, :, None], x, 0.0)  # == masked_fill(~valid, 0): one kernel, not two
         k = dw.weight.shape[-1]
         x4 = x.view(B, 1, T, d).permute(0, 3, 1, 2)  # NCHW [B, d, 1, T], channels-last memory, no copy
         pad = dw.padding[0] if self._own_pad else 0
@@ -100,6 +107,23 @@ class FusedConformerConvolution(ConformerConvolution):
                 x = self.batch_norm(x)
         x = self.pointwise_conv2(F.silu(x, inplace=self._inplace))
         return x.transpose(1, 2)
+
+
+class FusedConformerLayer(ConformerLayer):
+    """:class:`ConformerLayer` whose residual adds are fused with the LayerNorm that follows
+    (``_add_norm``; see ``add_norm`` in the module docstring). Same maths as the unfused block."""
+
+    _add_norm = False
+
+    def forward(self, x, valid, pos_emb, context=(-1, -1), impl="sdpa"):
+        """``x [B, T, d]``, ``valid [B, T]`` bool, ``pos_emb`` -> ``[B, T, d]`` (as the unfused block)."""
+        if not self._add_norm:
+            return super().forward(x, valid, pos_emb, context, impl)
+        h = layer_norm(x, self.norm_feed_forward1)
+        r, h = add_layer_norm(x, self.feed_forward1(h), 0.5, self.norm_self_att)
+        r, h = add_layer_norm(r, self.self_attn(h, valid, pos_emb, context, impl), 1.0, self.norm_conv)
+        r, h = add_layer_norm(r, self.conv(h, valid), 1.0, self.norm_feed_forward2)
+        return add_layer_norm(r, self.feed_forward2(h), 0.5, self.norm_out)[1]
 
 
 class FusedDwStridingSubsampling(DwStridingSubsampling):
@@ -183,6 +207,12 @@ def fuse_encoder(encoder: ConformerEncoder, transforms=ALL_TRANSFORMS) -> dict:
             if "conv_nhwc" in transforms and not mod._nhwc:
                 mod._nhwc = True
                 counts["conv_nhwc"] += 1
+        elif isinstance(mod, ConformerLayer) and "add_norm" in transforms:
+            if type(mod) is ConformerLayer:
+                mod.__class__ = FusedConformerLayer
+            if isinstance(mod, FusedConformerLayer) and not mod._add_norm:
+                mod._add_norm = True
+                counts["add_norm"] += 1
         elif isinstance(mod, DwStridingSubsampling) and "sub_masks" in transforms:
             if type(mod) is DwStridingSubsampling:
                 mod.__class__ = FusedDwStridingSubsampling
@@ -192,5 +222,5 @@ def fuse_encoder(encoder: ConformerEncoder, transforms=ALL_TRANSFORMS) -> dict:
     return counts
 
 
-__all__ = ["fuse_encoder", "ALL_TRANSFORMS", "EXTRA_TRANSFORMS", "FusedConformerConvolution",
+__all__ = ["fuse_encoder", "ALL_TRANSFORMS", "EXTRA_TRANSFORMS", "FusedConformerConvolution", "FusedConformerLayer",
            "FusedDwStridingSubsampling"]
