@@ -36,6 +36,41 @@ def test_fast_attention_equals_reference_random():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_fused_qkv_one_copy_grad_path_and_mask_cache(use_bias):
+    """q/k/v weights become views of the one fused weight (state dict unchanged); the autograd
+    path equals the inference path; the per-forward mask cache notices a ``valid`` tensor that
+    was changed in place (same object, new contents)."""
+    torch.manual_seed(1)
+    d, h, T = 32, 4, 11
+    m = RelPositionMultiHeadAttention(d, h, use_bias=use_bias).eval()
+    with torch.no_grad():
+        m.pos_bias_u.normal_()
+        m.pos_bias_v.normal_()
+    ref = RelPositionMultiHeadAttention(d, h, use_bias=use_bias).eval()
+    ref.load_state_dict(m.state_dict())
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    assert install_fast_attention(torch.nn.Sequential(m)) == 1
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    W = m._qkv_weight
+    assert m.linear_q.weight.data_ptr() == W.data_ptr()
+    assert m.linear_v.weight.data_ptr() == W[2 * d:].data_ptr()
+    x = torch.randn(2, T, d)
+    valid = torch.arange(T)[None] < torch.tensor([T, 6])[:, None]
+    pos = relative_positions(T, d)
+    with torch.no_grad():
+        want = ref(x, valid, pos)
+        got = m(x, valid, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got_grad = m(x, valid, pos)  # grad enabled: no out= kernels
+    assert got_grad.requires_grad
+    torch.testing.assert_close(got_grad.detach(), want, rtol=1e-5, atol=1e-5)
+    valid[1, 6:9] = True  # in place: the cached key mask must be rebuilt
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, valid, pos), ref(x, valid, pos), rtol=1e-5, atol=1e-5)
+
+
 def test_fast_attention_in_encoder_matches_nemo_fixture():
     from flashasr.models.parakeet.model import ParakeetASR
 

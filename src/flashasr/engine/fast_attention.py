@@ -3,14 +3,25 @@
 Same function as :class:`flashasr.models.parakeet.encoder.RelPositionMultiHeadAttention`
 (Transformer-XL scores ``((q + u) k^T + rel_shift((q + v) p^T)) / sqrt(d_k)``, masked entries
 -10000, SDPA, padded query rows zeroed; NeMo ``RelPositionMultiHeadAttention``), computed with
-fewer passes over the ``[B, H, T, 2T-1]`` position scores:
+fewer kernels and fewer passes over the ``[B, H, T, 2T-1]`` position scores:
 
+* q, k and v as ONE GEMM with the bias ``[b_q + u, b_k, b_v]`` (``u`` = ``pos_bias_u`` folded
+  in; the three weights become row blocks of one ``[3d, d]`` tensor, no second copy), and
+  ``q + v`` as ``(q + u) + (v - u)`` written straight into the head-major layout of the
+  position GEMM;
 * ``(q + v) p^T`` as ONE batched GEMM over heads (``[H, B*T, d_k] x [H, d_k, P']``, ``P'`` =
   ``2T-1`` rounded up to a multiple of 8 so the bf16 output rows stay 16-byte aligned) instead
   of a batch-broadcast matmul;
 * the Transformer-XL shift ``out[i, j] = x[i, T-1-i+j]`` as a zero-copy ``as_strided`` view
   (row stride ``P'-1``) instead of pad + reshape + slice copies;
-* scale and mask in two passes into the contiguous SDPA bias.
+* the SDPA bias ``scale * bd + key_bias`` in one pass (``key_bias`` = -10000 on padded keys,
+  built once per encoder forward, not per layer; padded query rows are zeroed after the
+  attention as in the model, so the model's -10000 fill of those rows is not needed);
+* head merge and padded-row zeroing in one pass.
+
+Rounding differs from the model's (``b_q + u`` is added inside the GEMM epilogue), so results
+agree to float tolerance, not bit for bit. Install after the weights are final: the fused bias
+is computed at install.
 
 :func:`install_fast_attention` swaps the class of every attention module of an encoder (same
 parameters, same state dict) after checking, on random inputs, that the new forward equals the
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -31,37 +43,96 @@ log = logging.getLogger(__name__)
 _MASK_VALUE = -10000.0
 
 
+class _PerForward(threading.local):
+    """Tensors every layer of one encoder forward would otherwise rebuild: the key-mask bias,
+    the query-row mask and the padded, cast position embedding. Keyed on the identity and
+    in-place version counter of the ``valid`` / ``pos_emb`` tensors the encoder passes to all its
+    layers (held here, so an identity cannot be reused by a new tensor while cached)."""
+
+    valid = None
+    valid_version = -1
+    masks = None
+    pos = None
+    pos_key = None
+
+
+_PER_FORWARD = _PerForward()
+
+
+def _masks(valid: torch.Tensor, dtype: torch.dtype):
+    c = _PER_FORWARD
+    if c.valid is not valid or c.valid_version != valid._version or c.masks[0].dtype != dtype:
+        B, T = valid.shape
+        key_bias = torch.zeros(B, 1, 1, T, dtype=dtype, device=valid.device)
+        key_bias.masked_fill_(~valid[:, None, None, :], _MASK_VALUE)
+        c.valid, c.valid_version, c.masks = valid, valid._version, (key_bias, valid[:, :, None, None].to(dtype))
+    return c.masks
+
+
+def _padded_pos(pos_emb: torch.Tensor, dtype: torch.dtype, Pp: int) -> torch.Tensor:
+    c = _PER_FORWARD
+    key = (pos_emb, pos_emb._version, dtype, Pp)
+    if c.pos_key is None or c.pos_key[0] is not pos_emb or c.pos_key[1:] != key[1:]:
+        pe = pos_emb.to(dtype)
+        c.pos = F.pad(pe, (0, 0, 0, Pp - pe.shape[0])) if Pp != pe.shape[0] else pe
+        c.pos_key = key
+    return c.pos
+
+
+def _fuse_qkv(m) -> None:
+    """One ``[3d, d]`` weight whose row blocks ARE ``linear_q/k/v.weight`` (their data become
+    views of it: no second copy), and the bias ``[b_q + u, b_k, b_v]``; ``_vu = v - u``."""
+    d = m.h * m.d_k
+    lq, lk, lv = m.linear_q, m.linear_k, m.linear_v
+    W = torch.cat([lq.weight.detach(), lk.weight.detach(), lv.weight.detach()], 0)
+    lq.weight.data, lk.weight.data, lv.weight.data = W[:d], W[d:2 * d], W[2 * d:]
+    zero = torch.zeros(d, dtype=W.dtype, device=W.device)
+    bq = lq.bias.detach() if lq.bias is not None else zero
+    u = m.pos_bias_u.detach().reshape(d).to(W.dtype)
+    m._qkv_weight = W
+    m._qkv_bias = torch.cat([bq + u, lk.bias.detach() if lk.bias is not None else zero,
+                             lv.bias.detach() if lv.bias is not None else zero])
+    m._vu = (m.pos_bias_v.detach() - m.pos_bias_u.detach()).to(W.dtype)  # [H, d_k]
+
+
 def _fast_forward(self, x, valid, pos_emb, context=(-1, -1), impl="sdpa"):
     left, right = context
-    if left >= 0 or right >= 0 or impl != "sdpa":
+    if left >= 0 or right >= 0 or impl != "sdpa" or getattr(self, "_qkv_weight", None) is None:
         return self._flashasr_orig_forward(x, valid, pos_emb, context, impl)
     B, T, _ = x.shape
     H, dk = self.h, self.d_k
+    d = H * dk
     P = 2 * T - 1
-    q = self.linear_q(x).view(B, T, H, dk)
-    k = self.linear_k(x).view(B, T, H, dk).transpose(1, 2)
-    v = self.linear_v(x).view(B, T, H, dk).transpose(1, 2)
-    u = self.pos_bias_u.to(q.dtype)
-    w = self.pos_bias_v.to(q.dtype)
-    qu = (q + u).transpose(1, 2)  # [B, H, T, dk]
-    qw = (q + w).permute(2, 0, 1, 3).reshape(H, B * T, dk)  # [H, B*T, dk]
+    qkv = F.linear(x, self._qkv_weight, self._qkv_bias).view(B, T, 3, H, dk)  # q + u | k | v
+    qu = qkv[:, :, 0].transpose(1, 2)  # [B, H, T, dk] views
+    k = qkv[:, :, 1].transpose(1, 2)
+    v = qkv[:, :, 2].transpose(1, 2)
+    # q + v = (q + u) + (v - u), written straight into the [H, B*T, dk] layout of the position GEMM
+    grad = torch.is_grad_enabled()  # out= ops are inference-only
+    if grad:
+        qw = (qkv[:, :, 0] + self._vu).permute(2, 0, 1, 3).contiguous()
+    else:
+        qw = torch.empty(H, B, T, dk, dtype=x.dtype, device=x.device)
+        torch.add(qkv[:, :, 0], self._vu, out=qw.permute(1, 2, 0, 3))
     # position columns padded to a multiple of 8: with an odd row length (2T - 1) the bf16 GEMM
     # output rows are not 16-byte aligned and cuBLAS falls back to pre-Hopper kernels (seen in the
     # H200 profile: cutlass_75 kernels, 11 % of the encoder). Padded columns are never read.
     Pp = -(-P // 8) * 8
-    pe = pos_emb.to(x.dtype)
-    if Pp != P:
-        pe = F.pad(pe, (0, 0, 0, Pp - P))
-    p = self.linear_pos(pe).view(Pp, H, dk).permute(1, 2, 0)  # [H, dk, Pp]
-    bd_full = torch.bmm(qw, p)  # [H, B*T, Pp]
+    p = self.linear_pos(_padded_pos(pos_emb, x.dtype, Pp)).view(Pp, H, dk).permute(1, 2, 0)  # [H, dk, Pp]
+    bd_full = torch.bmm(qw.view(H, B * T, dk), p)  # [H, B*T, Pp]
     bd = bd_full.as_strided((B, H, T, T), (T * Pp, B * T * Pp, Pp - 1, 1), bd_full.storage_offset() + T - 1)
     scale = 1.0 / math.sqrt(dk)
-    masked = ~(valid[:, None, :, None] & valid[:, None, None, :])
-    bias = (bd * scale).masked_fill_(masked, _MASK_VALUE)
-    out = F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, scale=scale)
-    out = out * valid[:, None, :, None].to(out.dtype)
-    out = out.transpose(1, 2).reshape(B, T, H * dk)
-    return self.linear_out(out)
+    key_bias, q_mask = _masks(valid, x.dtype)
+    # masked keys: -10000 + scale*bd (the model fills exactly -10000): exp underflows to 0 either
+    # way. Padded query rows (the model fills them all) are zeroed below, as in the model.
+    bias = torch.add(key_bias, bd, alpha=scale)  # [B, H, T, T], one pass
+    out = F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, scale=scale)  # [B, H, T, dk]
+    if grad:
+        merged = (out.transpose(1, 2) * q_mask).contiguous()
+    else:
+        merged = torch.empty(B, T, H, dk, dtype=out.dtype, device=out.device)
+        torch.mul(out.transpose(1, 2), q_mask, out=merged)  # head merge + padded rows -> 0, one pass
+    return self.linear_out(merged.view(B, T, d))
 
 
 _CLASSES: dict = {}
@@ -101,6 +172,7 @@ def install_fast_attention(encoder: torch.nn.Module, *, check: bool = True) -> i
             valid = torch.arange(T, device=prm.device)[None, :] < lens[:, None]
             pos = relative_positions(T, d, prm.device)
             want = RelPositionMultiHeadAttention.forward(m, x, valid, pos)
+            _fuse_qkv(m)
             m.__class__ = _fast_class(RelPositionMultiHeadAttention)
             try:
                 got = m(x, valid, pos)
@@ -115,6 +187,8 @@ def install_fast_attention(encoder: torch.nn.Module, *, check: bool = True) -> i
             log.warning("fast attention check failed (%s: %s): not used", type(e).__name__, e)
             return 0
     for m in mods:
+        if getattr(m, "_qkv_weight", None) is None:
+            _fuse_qkv(m)
         m.__class__ = _fast_class(RelPositionMultiHeadAttention)
     return len(mods)
 
