@@ -39,6 +39,17 @@ def env_record() -> dict:
         rec.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), sm_count=p.multi_processor_count,
                    cudnn=torch.backends.cudnn.version())
     try:
+        from flashasr.engine.fuse import ALL_TRANSFORMS
+        from flashasr.engine.triton_norm import triton_status
+
+        rec["encoder_fusions_default"] = list(ALL_TRANSFORMS)
+        rec["triton_add_layer_norm"] = triton_status()
+        import triton
+
+        rec["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001
+        rec.setdefault("triton", f"unavailable: {e}")
+    try:
         from cuda.bindings import __version__ as cb
         from cuda.bindings import driver
         rec["cuda_bindings"] = cb

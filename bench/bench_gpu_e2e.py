@@ -32,6 +32,7 @@ VARIANTS = {
     "sequential": dict(pipelined=False, fit=False, compile=False),
     "pipelined": dict(pipelined=True, fit=False, compile=False),
     "pipelined_fit": dict(pipelined=True, fit=True, compile=False),
+    "pipelined_prio": dict(pipelined=True, fit=False, compile=False, decoder_priority=-1),
     "pipelined_fit_compiled": dict(pipelined=True, fit=True, compile="dynamic"),
 }
 
@@ -68,7 +69,7 @@ def main(argv=None):
                     if v["fit"] else choose_profiles(seconds_per_batch=a.seconds_per_batch))
         t0 = time.perf_counter()
         eng = OfflineParakeetEngine(model, profiles=profiles, decoder_dtype=dd, with_text=False,
-                                    compile=v["compile"], **TUNE)
+                                    compile=v["compile"], decoder_priority=v.get("decoder_priority", 0), **TUNE)
         if calib is None:  # calibrate the random joint once, on 64 real pieces
             audio, alen = eng.uploader.upload(speech[:64])
             f, flen = eng.encoder.forward_eager(audio, alen)

@@ -11,5 +11,5 @@ echo '{"cudnn_benchmark": true, "conv_channels_last": true}' > /tmp/tune_base.js
 echo '{"cudnn_benchmark": true, "conv_channels_last": true, "fuse": ["bn_fold", "conv_pad", "inplace", "sub_masks", "conv_nhwc"]}' > /tmp/tune_nhwc.json
 FLASHASR_TUNE=/tmp/tune_base.json timeout 150 python3 $F bench/bench_gpu_e2e.py --variants pipelined,sequential --name e2e_relpos_pad 2>&1 | grep -v Warning | tail -4
 FLASHASR_TUNE=/tmp/tune_nhwc.json timeout 150 python3 $F bench/bench_gpu_e2e.py --variants pipelined,sequential --name e2e_conv_nhwc 2>&1 | grep -v Warning | tail -4
-timeout 100 python3 $F bench/bench_gpu_profile.py 2>&1 | grep -v Warning | tail -20
+FLASHASR_TUNE=/tmp/tune_base.json timeout 90 python3 $F bench/bench_gpu_kernels.py 2>&1 | grep -v Warning | head -60
 ls $OUT

@@ -74,14 +74,18 @@ class OfflineParakeetEngine:
         launch_cost_s: fixed cost of one batch (graph replays, decoder, synchronisation) in
             seconds of audio the encoder would process meanwhile; :meth:`plan` trades it
             against padding (default 16 s: about 2 ms of an H200 at ~8,000x).
+        decoder_priority: CUDA priority of the pipelined decoder's side stream (0 = default,
+            the lowest; negative = higher than the encoder's stream, so the latency-bound
+            decoder steps are scheduled ahead of the encoder's large kernels).
     """
 
     def __init__(self, model, *, profiles: Sequence[Profile] | None = None, dtype: torch.dtype | None = None,
                  decoder_dtype: torch.dtype = torch.float32, decoder_mode: DecodeMode | str = DecodeMode.FULL_GRAPH,
                  use_graphs: bool = True, compile: bool | str = False, with_text: bool = True,
                  cudnn_benchmark: bool = False, conv_channels_last: bool = False, fast_attention: bool = True,
-                 fuse: bool = True, launch_cost_s: float = 16.0):
+                 fuse: bool = True, launch_cost_s: float = 16.0, decoder_priority: int = 0):
         self.model = model
+        self.decoder_priority = int(decoder_priority)
         self.launch_cost_s = float(launch_cost_s)
         self.device = next(model.encoder.parameters()).device
         model.predictor.to(decoder_dtype)
@@ -244,7 +248,7 @@ class OfflineParakeetEngine:
     def _run_pipelined(self, waves, lengths) -> OfflineOutput:
         main = torch.cuda.current_stream()
         if getattr(self, "_side", None) is None:
-            self._side = torch.cuda.Stream()
+            self._side = torch.cuda.Stream(priority=self.decoder_priority)
         side = self._side
         items: list[OfflineItem | None] = [None] * len(waves)
         t = {"host_prep": 0.0, "wait": 0.0}
