@@ -69,6 +69,11 @@ def test_fused_qkv_one_copy_grad_path_and_mask_cache(use_bias):
     valid[1, 6:9] = True  # in place: the cached key mask must be rebuilt
     with torch.no_grad():
         torch.testing.assert_close(m(x, valid, pos), ref(x, valid, pos), rtol=1e-5, atol=1e-5)
+    # a later dtype change converts the fused buffers too (no dtype mismatch, still equal)
+    m.double()
+    ref.double()
+    with torch.no_grad():
+        torch.testing.assert_close(m(x.double(), valid, pos.double()), ref(x.double(), valid, pos.double()))
 
 
 def test_fast_attention_in_encoder_matches_nemo_fixture():

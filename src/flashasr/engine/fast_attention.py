@@ -89,10 +89,12 @@ def _fuse_qkv(m) -> None:
     zero = torch.zeros(d, dtype=W.dtype, device=W.device)
     bq = lq.bias.detach() if lq.bias is not None else zero
     u = m.pos_bias_u.detach().reshape(d).to(W.dtype)
-    m._qkv_weight = W
-    m._qkv_bias = torch.cat([bq + u, lk.bias.detach() if lk.bias is not None else zero,
-                             lv.bias.detach() if lv.bias is not None else zero])
-    m._vu = (m.pos_bias_v.detach() - m.pos_bias_u.detach()).to(W.dtype)  # [H, d_k]
+    # non-persistent buffers: the state dict is unchanged, and a later module.to(dtype/device)
+    # converts them with the parameters (the views then become separate copies, still equal)
+    m.register_buffer("_qkv_weight", W, persistent=False)
+    m.register_buffer("_qkv_bias", torch.cat([bq + u, lk.bias.detach() if lk.bias is not None else zero,
+                                              lv.bias.detach() if lv.bias is not None else zero]), persistent=False)
+    m.register_buffer("_vu", (m.pos_bias_v.detach() - m.pos_bias_u.detach()).to(W.dtype), persistent=False)  # [H, d_k]
 
 
 def _fast_forward(self, x, valid, pos_emb, context=(-1, -1), impl="sdpa"):
