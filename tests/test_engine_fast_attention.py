@@ -91,3 +91,74 @@ def test_fast_attention_in_encoder_matches_nemo_fixture():
     for b, n in enumerate(z["encoded_lengths"]):
         torch.testing.assert_close(got[b, :, :n], ref[b, :, :n], rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(got[b, :, :n].numpy(), z["encoder_output"][b, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def _tiny_attention(seed=2, d=32, h=4):
+    torch.manual_seed(seed)
+    m = RelPositionMultiHeadAttention(d, h, use_bias=True).eval()
+    with torch.no_grad():
+        m.pos_bias_u.normal_()
+        m.pos_bias_v.normal_()
+    return m
+
+
+def test_inference_mode_and_encoder_cache():
+    """Whole encoder under torch.inference_mode (inference tensors have no version counter) and
+    twice in a row with different lengths: equal to the unpatched encoder every time."""
+    from flashasr.models.parakeet.model import ParakeetASR
+
+    model = ParakeetASR.from_nemo(TINY / "model.nemo")
+    ref = ParakeetASR.from_nemo(TINY / "model.nemo")
+    z = np.load(TINY / "reference.npz")
+    feats = torch.from_numpy(z["features"])
+    flen = torch.from_numpy(z["feature_lengths"])
+    assert install_fast_attention(model.encoder) == len(model.encoder.layers)
+    assert install_fast_attention(model.encoder) == len(model.encoder.layers)  # idempotent count
+    for f, fl in ((feats, flen), (feats[:2, :, :40], torch.tensor([40, 33]))):
+        with torch.inference_mode():
+            got, L = model.encoder(f, fl)
+            want, L2 = ref.encoder(f, fl)
+        assert L.tolist() == L2.tolist()
+        for b, n in enumerate(L.tolist()):
+            torch.testing.assert_close(got[b, :, :n], want[b, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_fused_tensors_follow_weight_changes():
+    """load_state_dict (in place and assign=True) and in-place edits after install rebuild the
+    fused q/k/v tensors: the fast forward keeps matching the model's forward."""
+    m = _tiny_attention()
+    ref = _tiny_attention()
+    assert install_fast_attention(torch.nn.Sequential(m)) == 1
+    x = torch.randn(2, 9, 32)
+    valid = torch.arange(9)[None] < torch.tensor([9, 5])[:, None]
+    pos = relative_positions(9, 32)
+    other = _tiny_attention(seed=7)
+    for change in ("load", "assign", "inplace", "double"):
+        with torch.no_grad():
+            if change == "load":
+                m.load_state_dict(other.state_dict())
+            elif change == "assign":
+                m.load_state_dict(_tiny_attention(seed=8).state_dict(), assign=True)
+            elif change == "inplace":
+                m.pos_bias_u.add_(1.0)
+                m.linear_k.bias.mul_(2.0)
+            else:
+                m.double()
+                ref.double()
+            ref.load_state_dict(m.state_dict())
+            xx, pp = (x.double(), pos.double()) if change == "double" else (x, pos)
+            torch.testing.assert_close(m(xx, valid, pp), ref(xx, valid, pp), rtol=1e-5, atol=1e-5, msg=change)
+
+
+def test_autograd_reaches_every_parameter():
+    m = _tiny_attention()
+    ref = _tiny_attention()
+    install_fast_attention(torch.nn.Sequential(m))
+    x = torch.randn(2, 7, 32)
+    valid = torch.arange(7)[None] < torch.tensor([7, 4])[:, None]
+    pos = relative_positions(7, 32)
+    m(x, valid, pos).square().sum().backward()
+    ref(x, valid, pos).square().sum().backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -116,7 +116,8 @@ class FusedConformerLayer(ConformerLayer):
     _add_norm = False
 
     def forward(self, x, valid, pos_emb, context=(-1, -1), impl="sdpa"):
-        """``x [B, T, d]``, ``valid [B, T]`` bool, ``pos_emb`` -> ``[B, T, d]`` (as the unfused block)."""
+        """``x [B, T, d]``, ``valid [B, T]`` bool, ``pos_emb [2T-1, d]`` (or the local-context
+        positions) -> ``[B, T, d]`` in ``x``'s dtype, as the unfused block."""
         if not self._add_norm:
             return super().forward(x, valid, pos_emb, context, impl)
         h = layer_norm(x, self.norm_feed_forward1)
