@@ -215,3 +215,48 @@ def test_gpu_profiles_fused_close_to_unfused_bf16_and_fp32():
         for i, n in enumerate(la.tolist()):  # error relative to the output's scale
             assert (a[i, :n] - b[i, :n]).abs().max() <= tol * a[i, :n].abs().max(), (dtype, i)
             assert (c[i, :n] - b[i, :n]).abs().max() <= tol * b[i, :n].abs().max(), (dtype, i, "conv_nhwc")
+
+
+def test_state_dict_round_trip_after_fold():
+    """Saving a fused encoder gives the model's own checkpoint (unfolded depthwise weights, no
+    extra bias); loading a checkpoint into a fused encoder re-folds it."""
+    cfg = EncoderConfig(**CONFIGS[0])  # use_bias=True
+    for use_bias in (True, False):
+        cfg = EncoderConfig(**{**CONFIGS[0], "use_bias": use_bias})
+        torch.manual_seed(30)
+        enc = ConformerEncoder(cfg).eval()
+        _randomise_bn(enc, 4)
+        want_sd = {k: v.clone() for k, v in enc.state_dict().items()}
+        fused = copy.deepcopy(enc)
+        assert fuse_encoder(fused)["bn_fold"] == cfg.n_layers
+        sd = fused.state_dict()
+        assert sd.keys() == want_sd.keys(), set(sd) ^ set(want_sd)
+        for k in sd:
+            assert torch.equal(sd[k], want_sd[k]), k
+        # a fresh unfused encoder takes the fused one's checkpoint strictly, and computes the same
+        fresh = ConformerEncoder(cfg).eval()
+        fresh.load_state_dict(sd, strict=True)
+        feats, lens = _batch(cfg.feat_in, [300, 120], seed=5)
+        with torch.no_grad():
+            a, la = enc(feats, lens, channels_last=True)
+            b, _ = fresh(feats, lens, channels_last=True)
+        assert torch.equal(a, b)
+        # another model's checkpoint into the fused encoder: re-folded, equals that model
+        torch.manual_seed(31)
+        other = ConformerEncoder(cfg).eval()
+        _randomise_bn(other, 6)
+        fused.load_state_dict(other.state_dict(), strict=True)
+        with torch.no_grad():
+            want, lw = other(feats, lens, channels_last=True)
+            got, lg = fused(feats, lens, channels_last=True)
+        for i, n in enumerate(lw.tolist()):
+            torch.testing.assert_close(got[i, :n], want[i, :n], rtol=1e-4, atol=1e-4)
+        assert torch.equal(fused.state_dict()["layers.0.conv.depthwise_conv.weight"],
+                           other.state_dict()["layers.0.conv.depthwise_conv.weight"])
+
+
+def test_fuse_encoder_argument_errors():
+    with pytest.raises(TypeError, match="ConformerEncoder"):
+        fuse_encoder(torch.nn.Linear(2, 2))
+    enc = ConformerEncoder(EncoderConfig(**CONFIGS[3])).eval()
+    assert fuse_encoder(enc, "inplace") == {"inplace": 1}  # one name as a string

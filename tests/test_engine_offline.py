@@ -143,3 +143,59 @@ def test_plan_is_the_cheapest_partition_and_covers_every_input():
             except Exception:  # a group no profile holds
                 continue
         assert got == pytest.approx(best if rest else 0.0), (lengths, plan)
+
+
+def test_offline_engine_guards_and_threads():
+    """NaN/inf inputs are refused by name (engine and plain model); [1, N] is accepted; a model in
+    training mode is put in eval mode; bad profile settings give invalid_profiles; concurrent
+    calls on one engine each get their own results."""
+    import threading
+
+    from flashasr.engine.profiles import choose_profiles
+    from flashasr.errors import AudioError, FlashASRError
+
+    model = _model()
+    model.encoder.train()
+    model.joint.train()
+    eng = OfflineParakeetEngine(model, profiles=[Profile(2, 2.0), Profile(4, 4.0)])
+    assert not any(m.training for p in (model.encoder, model.joint) for m in p.modules())
+    _, waves = _inputs()
+    bad = waves[0].copy()
+    bad[100] = np.nan
+    with pytest.raises(AudioError, match="input 1: contains NaN or infinite"):
+        eng.transcribe_arrays([waves[1], bad])
+    inf = waves[0].copy()
+    inf[5] = np.inf
+    with pytest.raises(FlashASRError, match="NaN or infinite"):
+        _model().transcribe_batch([inf])
+    big = np.full(16000, 1e20, np.float32)  # finite, squares overflow: still accepted
+    assert len(eng.transcribe_arrays([big]).items) == 1
+    one_row = eng.transcribe_arrays([waves[2][None, :]]).items[0].token_ids
+    assert one_row == eng.transcribe_arrays([waves[2]]).items[0].token_ids
+    for kwargs in (dict(profiles=[]), dict(launch_cost_s=float("nan"))):
+        with pytest.raises(FlashASRError, match="profiles|launch_cost_s") as e:
+            OfflineParakeetEngine(_model(), **kwargs)
+        assert e.value.code == "invalid_profiles"
+    for args in ((0, 2.0), (1, -2.0), (1, float("nan")), (1.5, 2.0)):
+        with pytest.raises(FlashASRError, match="invalid profile"):
+            Profile(*args)
+    for kwargs in (dict(max_seconds=0), dict(n_profiles=0), dict(seconds_per_batch=-1), dict(max_batch=0),
+                   dict(durations_s="12")):
+        with pytest.raises(FlashASRError) as e:
+            choose_profiles(**kwargs)
+        assert e.value.code == "invalid_profiles"
+    # threads: every call must get its own input's tokens
+    want = [eng.transcribe_arrays([w]).items[0].token_ids for w in waves[:5]]
+    got, errors = [None] * 5, []
+
+    def work(k):
+        try:
+            got[k] = eng.transcribe_arrays([waves[k]]).items[0].token_ids
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    for _ in range(3):
+        ts = [threading.Thread(target=work, args=(k,)) for k in range(5)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        assert errors == [] and got == want

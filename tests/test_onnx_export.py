@@ -165,3 +165,24 @@ def test_trt_engine_build_and_run(parakeet_onnx):  # pragma: no cover - needs Te
     f = torch.randn(2, 128, 300, device="cuda")
     out, out_len = eng.run(f, torch.tensor([300, 200], device="cuda"))
     assert out.shape[0] == 2 and out_len.tolist()[0] >= out_len.tolist()[1]
+
+
+def test_parakeet_export_after_an_engine_was_built_on_the_model(tmp_path):
+    """The engine fuses the encoder in place (BatchNorm fold, fast attention, add+LayerNorm): the
+    export still works and onnxruntime equals the untouched model's encoder."""
+    from flashasr.engine.offline import OfflineParakeetEngine
+    from flashasr.models.parakeet.model import ParakeetASR
+
+    m = ParakeetASR.from_nemo(NEMO)
+    plain = ParakeetASR.from_nemo(NEMO)
+    eng = OfflineParakeetEngine(m, profiles=[Profile(2, 2.0)])
+    assert eng.encoder.fast_attention_modules == len(m.encoder.layers)
+    path = export_parakeet_encoder(m, tmp_path / "after_engine.onnx", project=True)
+    f = torch.randn(2, m.encoder.cfg.feat_in, 150, generator=torch.Generator().manual_seed(3))
+    L = torch.tensor([150, 97])
+    with torch.no_grad():
+        ref, ref_len = ParakeetEncoderForExport(plain, project=True).eval()(f, L)
+    out, out_len = _session(path).run(None, {"features": f.numpy(), "lengths": L.numpy()})
+    assert np.array_equal(out_len, ref_len.numpy())
+    valid = np.arange(out.shape[1])[None, :] < out_len[:, None]
+    np.testing.assert_allclose(out[valid], ref.numpy()[valid], rtol=1e-4, atol=1e-4)

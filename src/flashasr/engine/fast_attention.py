@@ -149,13 +149,19 @@ def _unfuse(m) -> None:
     m.__dict__.pop("_qkv_source", None)
 
 
+def _exporting() -> bool:
+    """ONNX export or TorchScript tracing: the model's own forward (plain tensor ops, no
+    ``out=`` kernels or Python-side caches) is what gets recorded."""
+    return bool(torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or torch.jit.is_scripting())
+
+
 def _fast_forward(self, x, valid, pos_emb, context=(-1, -1), impl="sdpa"):
     """Same contract as ``RelPositionMultiHeadAttention.forward``: ``x [B, T, d]`` (float32 /
     bf16 / fp16), ``valid [B, T]`` bool, ``pos_emb [2T-1, d]`` -> ``[B, T, d]`` in ``x``'s dtype.
-    Local contexts, ``impl="math"`` and autograd with trainable parameters use the model's own
-    forward (the fused tensors are built without autograd)."""
+    Local contexts, ``impl="math"``, ONNX export / tracing and autograd with trainable
+    parameters use the model's own forward (the fused tensors are built without autograd)."""
     left, right = context
-    if left >= 0 or right >= 0 or impl != "sdpa" or "_qkv_weight" not in self._buffers or (
+    if left >= 0 or right >= 0 or impl != "sdpa" or "_qkv_weight" not in self._buffers or _exporting() or (
             torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
         return self._flashasr_orig_forward(x, valid, pos_emb, context, impl)
     if self._qkv_source != _source_key(self):  # weights replaced or edited since the fuse

@@ -8,7 +8,9 @@ rounding, and not at all where noted):
     Conformer conv module: eval-mode BatchNorm (``y = (x - mean) / sqrt(var + eps) * g + b``)
     folded into the preceding depthwise Conv1d: ``w' = w * s``, ``b' = (b_conv - mean) * s + b``
     with ``s = g / sqrt(var + eps)`` (computed in float64, stored in the conv's dtype). Removes the
-    normalisation pass (and, with bf16 encoders, its float32 up/down casts).
+    normalisation pass (and, with bf16 encoders, its float32 up/down casts). ``state_dict()``
+    still gives the unfolded weights (the model's checkpoint format; ``keep_vars=True`` gives
+    the live, folded parameters) and ``load_state_dict`` re-folds from what it loads.
 ``conv_pad``
     Depthwise conv with symmetric padding ``(k-1)/2`` (NeMo's non-causal case): the explicit
     ``F.pad`` copy is replaced by the conv's own zero padding (bit-identical).
@@ -171,6 +173,59 @@ def _fold_bn(conv: nn.Conv1d, bn: nn.BatchNorm1d) -> None:
         conv.bias.copy_(nb.to(dt))
 
 
+def _save_unfolded(mod: "FusedConformerConvolution") -> None:
+    """Keep the depthwise conv's own (unfolded) weight and bias, and hook ``state_dict`` /
+    ``load_state_dict`` so checkpoints keep the model's format: saving gives the unfolded
+    weights (and no bias the model did not have); loading re-folds from the loaded values."""
+    dw = mod.depthwise_conv
+    mod.register_buffer("_dw_weight_unfolded", dw.weight.detach().clone(), persistent=False)
+    mod.register_buffer("_dw_bias_unfolded", dw.bias.detach().clone() if dw.bias is not None else None,
+                        persistent=False)
+    mod._dw_had_bias = dw.bias is not None
+    mod._register_state_dict_hook(_state_dict_unfolded)
+    mod._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+    mod.register_load_state_dict_post_hook(_load_post_hook)
+
+
+def _state_dict_unfolded(mod, destination, prefix, local_metadata):
+    # keep_vars=True (the live Parameters: tracers, ONNX export, optimisers) gets the real,
+    # folded tensors; only a checkpoint (keep_vars=False, plain tensors) gets the model's format
+    if not mod._fold or isinstance(destination.get(prefix + "depthwise_conv.weight"), nn.Parameter):
+        return
+    destination[prefix + "depthwise_conv.weight"] = mod._dw_weight_unfolded.detach().clone()
+    if mod._dw_had_bias:
+        destination[prefix + "depthwise_conv.bias"] = mod._dw_bias_unfolded.detach().clone()
+    else:
+        destination.pop(prefix + "depthwise_conv.bias", None)
+
+
+def _load_pre_hook(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    if not mod._fold:
+        return
+    wk, bk = prefix + "depthwise_conv.weight", prefix + "depthwise_conv.bias"
+    mod._loading = (wk in state_dict, bk in state_dict)
+    if not mod._dw_had_bias and bk not in state_dict:  # the fold's bias is ours, not the model's
+        state_dict[bk] = torch.zeros_like(mod.depthwise_conv.bias)
+
+
+@torch.no_grad()
+def _load_post_hook(mod, incompatible_keys):
+    loading = mod.__dict__.pop("_loading", None)
+    if not mod._fold or loading is None:
+        return
+    dw = mod.depthwise_conv
+    w = dw.weight.detach().clone() if loading[0] else mod._dw_weight_unfolded
+    b = dw.bias.detach().clone() if (loading[1] and mod._dw_had_bias) else mod._dw_bias_unfolded
+    mod._dw_weight_unfolded.copy_(w)
+    if b is not None:
+        mod._dw_bias_unfolded.copy_(b)
+    dw.weight.copy_(mod._dw_weight_unfolded)
+    dw.bias.copy_(mod._dw_bias_unfolded if mod._dw_bias_unfolded is not None else torch.zeros_like(dw.bias))
+    bn = mod.batch_norm
+    if isinstance(bn, nn.BatchNorm1d):  # the engine's float32-norm subclass is one too
+        _fold_bn(dw, bn)
+
+
 def fuse_encoder(encoder: ConformerEncoder, transforms=ALL_TRANSFORMS) -> dict:
     """Apply the inference fusions ``transforms`` (subset of :data:`ALL_TRANSFORMS`) in place.
 
@@ -178,8 +233,13 @@ def fuse_encoder(encoder: ConformerEncoder, transforms=ALL_TRANSFORMS) -> dict:
     already applied transforms are skipped. Returns counts per transform (modules changed).
 
     Raises:
+        TypeError: ``encoder`` is not a ConformerEncoder.
         ValueError: unknown transform name, or the encoder is in training mode.
     """
+    if not isinstance(encoder, ConformerEncoder):
+        raise TypeError(f"fuse_encoder expects a ConformerEncoder, got {type(encoder).__name__}")
+    if isinstance(transforms, str):
+        transforms = (transforms,)
     bad = set(transforms) - set(ALL_TRANSFORMS) - set(EXTRA_TRANSFORMS)
     if bad:
         raise ValueError(f"unknown fusion transforms {sorted(bad)} (known: {ALL_TRANSFORMS + EXTRA_TRANSFORMS})")
@@ -192,6 +252,7 @@ def fuse_encoder(encoder: ConformerEncoder, transforms=ALL_TRANSFORMS) -> dict:
                 mod.__class__ = FusedConformerConvolution
             if "bn_fold" in transforms and not mod._fold and mod.norm_type == "batch_norm" \
                     and isinstance(mod.batch_norm, nn.BatchNorm1d) and mod.batch_norm.track_running_stats:
+                _save_unfolded(mod)
                 _fold_bn(mod.depthwise_conv, mod.batch_norm)
                 mod._fold = True
                 counts["bn_fold"] += 1

@@ -14,6 +14,8 @@ eagerly at their own shape (logged); empty inputs give empty results.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -21,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import AudioError
+from ..errors import AudioError, FlashASRError
 from .features_gpu import PinnedUploader
 from .profiles import EncoderProfiles, Profile, choose_profiles
 from .tdt_graphs import DecodeMode, TDTGraphDecoder
@@ -77,6 +79,16 @@ class OfflineParakeetEngine:
         decoder_priority: CUDA priority of the pipelined decoder's side stream (0 = default,
             the lowest; negative = higher than the encoder's stream, so the latency-bound
             decoder steps are scheduled ahead of the encoder's large kernels).
+
+    The engine works IN PLACE on ``model`` (one copy of the weights): it puts the model in eval
+    mode, applies the exact-math encoder fusions and fast attention, casts the encoder to
+    ``dtype`` (norms float32) and the predictor/joint to ``decoder_dtype``. The model's own
+    methods keep working (the fused encoder computes the same function, ``state_dict`` still
+    gives the unfused weights), but in the engine's precision. Calls are serialised by a lock:
+    static buffers, CUDA graphs and the pinned upload buffer are single-user.
+
+    Raises:
+        FlashASRError: ``invalid_profiles`` for an empty profile list or a bad ``launch_cost_s``.
     """
 
     def __init__(self, model, *, profiles: Sequence[Profile] | None = None, dtype: torch.dtype | None = None,
@@ -84,7 +96,20 @@ class OfflineParakeetEngine:
                  use_graphs: bool = True, compile: bool | str = False, with_text: bool = True,
                  cudnn_benchmark: bool = False, conv_channels_last: bool = False, fast_attention: bool = True,
                  fuse: bool = True, launch_cost_s: float = 16.0, decoder_priority: int = 0):
+        if profiles is not None and len(profiles) == 0:
+            raise FlashASRError("OfflineParakeetEngine: profiles is empty (pass None for the defaults)",
+                                code="invalid_profiles")
+        if not (isinstance(launch_cost_s, (int, float)) and math.isfinite(launch_cost_s) and launch_cost_s >= 0):
+            raise FlashASRError(f"OfflineParakeetEngine: launch_cost_s must be a finite number >= 0, got "
+                                f"{launch_cost_s!r}", code="invalid_profiles")
+        parts = [p for p in (getattr(model, n, None) for n in ("encoder", "predictor", "joint", "preprocessor"))
+                 if isinstance(p, torch.nn.Module)]
+        if any(m.training for p in parts for m in p.modules()):
+            log.info("OfflineParakeetEngine: model put in eval mode (inference; BatchNorm running statistics)")
+            for p in parts:
+                p.eval()
         self.model = model
+        self._lock = threading.RLock()
         self.decoder_priority = int(decoder_priority)
         self.launch_cost_s = float(launch_cost_s)
         self.device = next(model.encoder.parameters()).device
@@ -179,15 +204,26 @@ class OfflineParakeetEngine:
         ``wait`` (host blocked on results) and ``total``. Not pipelined: stages run one after the
         other with a synchronisation between them, and the timings split the wall time.
 
+        Thread-safe: concurrent calls run one after the other.
+
         Raises:
-            AudioError: an input is not a 1-D float array.
+            AudioError: an input is not a 1-D float array, or contains NaN or infinite samples.
         """
         waves = []
         for i, w in enumerate(waveforms):
             a = np.asarray(w)
+            if a.ndim == 2 and 1 in a.shape:  # [1, N] / [N, 1], as ParakeetASR accepts
+                a = a.reshape(-1)
             if a.ndim != 1 or not np.issubdtype(a.dtype, np.floating):
                 raise AudioError(f"input {i}: expected a 1-D float waveform, got shape {a.shape} dtype {a.dtype}")
-            waves.append(np.ascontiguousarray(a, dtype=np.float32))
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            if a.size and not np.isfinite(np.dot(a, a)) and not np.isfinite(a).all():  # one BLAS pass normally
+                raise AudioError(f"input {i}: contains NaN or infinite samples", code="invalid_audio")
+            waves.append(a)
+        with self._lock:
+            return self._transcribe_checked(waves, pipelined)
+
+    def _transcribe_checked(self, waves: list[np.ndarray], pipelined: bool | None) -> OfflineOutput:
         lengths = [len(w) for w in waves]
         cuda = self.device.type == "cuda"
         if pipelined is None:

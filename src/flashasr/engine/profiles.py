@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import AudioTooLongError, FlashASRError
@@ -52,6 +53,16 @@ class Profile:
 
     batch: int
     seconds: float
+
+    def __post_init__(self):
+        ok_b = isinstance(self.batch, (int, np.integer)) and not isinstance(self.batch, bool) and self.batch >= 1
+        try:
+            ok_s = math.isfinite(float(self.seconds)) and float(self.seconds) > 0
+        except (TypeError, ValueError):
+            ok_s = False
+        if not (ok_b and ok_s):
+            raise FlashASRError(f"invalid profile (batch={self.batch!r}, seconds={self.seconds!r}): batch must be an "
+                                f"integer >= 1 and seconds a finite number > 0", code="invalid_profiles")
 
     @property
     def samples(self) -> int:
@@ -83,6 +94,19 @@ def choose_profiles(durations_s: Iterable[float] | None = None, *, n_profiles: i
     Returns:
         profiles sorted by seconds (ascending).
     """
+    def bad(msg):
+        return FlashASRError(f"choose_profiles: {msg}", code="invalid_profiles")
+
+    if isinstance(n_profiles, bool) or not isinstance(n_profiles, int) or n_profiles < 1:
+        raise bad(f"n_profiles must be an integer >= 1, got {n_profiles!r}")
+    for name, v in (("max_seconds", max_seconds), ("seconds_per_batch", seconds_per_batch)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise bad(f"{name} must be a finite number > 0, got {v!r}")
+    for name, v in (("max_batch", max_batch), ("batch_multiple", batch_multiple)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise bad(f"{name} must be an integer >= 1, got {v!r}")
+    if isinstance(durations_s, (str, bytes)):
+        raise bad("durations_s must be numbers (seconds), not a string")
     if durations_s is None:
         bounds = list(DEFAULT_BOUNDARIES_S)
     else:
@@ -255,8 +279,9 @@ class EncoderProfiles:
             return min(fit, key=lambda p: (p.batch * p.samples, p.samples))
         biggest = max(self.profiles, key=lambda p: p.samples)
         if max_samples > biggest.samples:
-            raise AudioTooLongError(f"input of {max_samples / SAMPLE_RATE:.2f} s exceeds the largest encoder "
-                                    f"profile ({biggest.seconds} s); cut long audio first")
+            raise AudioTooLongError(f"input of {max_samples} samples ({max_samples / SAMPLE_RATE:.4f} s) exceeds the "
+                                    f"largest encoder profile ({biggest.samples} samples, {biggest.seconds} s); "
+                                    f"cut long audio first")
         raise FlashASRError(f"{n_items} rows exceed every profile's batch", code="batch_too_large")
 
     def _capture(self, r: _Runner):

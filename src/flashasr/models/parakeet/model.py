@@ -328,7 +328,10 @@ class ParakeetASR(ASRModel):
         if not np.issubdtype(a.dtype, np.floating):
             raise FlashASRError(f"waveform must be float samples in [-1, 1], got dtype {a.dtype}",
                                 code="invalid_audio")
-        return np.ascontiguousarray(a, dtype=np.float32)
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if a.size and not np.isfinite(np.dot(a, a)) and not np.isfinite(a).all():  # one BLAS pass normally
+            raise FlashASRError("waveform contains NaN or infinite samples", code="invalid_audio")
+        return a
 
     def transcribe_batch(self, waveforms: Sequence[np.ndarray], *, language: str | None = None,
                          word_timestamps: bool = False) -> list[Transcript]:
