@@ -298,7 +298,12 @@ def run(a, device, result, save, left) -> None:
     t = time.perf_counter()
     import logging as _logging
 
-    import nemo
+    try:
+        import nemo
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"NeMo is not installed ({e}): on the GPU machine run scripts/device_nemo.sh, which "
+                         f"installs the wheel set of docs/NEMO_PEER.md; here: pip install nemo-toolkit==3.0.0 "
+                         f"plus that set") from None
     from nemo.collections.asr.models import EncDecRNNTBPEModel
     from nemo.utils import logging as nemo_logging
 

@@ -20,7 +20,10 @@ SHARED = REPO.parent / "shared" / "audio"
 MAX_MINUTES = 17.0  # keeps the carried file ~30 MiB (device tree limit 64 MiB)
 
 
-def main():
+def main(argv=None):
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # --help, nothing else
     from flashasr.audio.decode import load_audio
 
     clips = [json.loads(l) for l in (SHARED / "manifest.jsonl").read_text().splitlines() if l.strip()]

@@ -13,7 +13,12 @@ from bench_gpu_common import build_v3_model, cuda_time, env_record, write_result
 from flashasr.engine.profiles import EncoderProfiles, Profile
 
 
-def main():
+def main(argv=None):
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # --help, nothing else
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu_profile.py needs a CUDA GPU (run it on the device machine)")
     torch.backends.cuda.matmul.allow_tf32 = True
     from flashasr.engine.fast_attention import install_fast_attention
 

@@ -10,6 +10,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_gpu_common import make_v3_decoder  # noqa: E402
 from flashasr.engine.tdt_graphs import TDTGraphDecoder  # noqa: E402
 
+if "-h" in sys.argv or "--help" in sys.argv:
+    raise SystemExit(__doc__)
+if not torch.cuda.is_available():
+    raise SystemExit("bench_gpu_whilediag.py needs a CUDA GPU (run it on the device machine)")
 for strat in ("thread", "none"):
     os.environ["FLASHASR_WHILE_POOL"] = strat
     try:

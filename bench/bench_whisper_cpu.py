@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     path = Path(args.out) if args.out else REPO / "bench/results" / f"whisper_cpu_{socket.gethostname()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"\n| system | wall s | speed factor | WER % |\n|---|---:|---:|---:|")
+    print("\n| system | wall s | speed factor | WER % |\n|---|---:|---:|---:|")
     for s, r in results.items():
         print(f"| {s} | {r['wall_s']:.2f} | {r['speed_factor']:.1f}x | {r['wer']:.2f} |")
     print(f"\nwrote {path}", file=sys.stderr)

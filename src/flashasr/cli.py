@@ -41,7 +41,8 @@ def _positive_float(s: str) -> float:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model: tiny.en (default, embedded), base (whisper base multilingual), a CTranslate2/"
-                        "Hugging Face Whisper folder, a Whisper .pt, a Parakeet .nemo or nvidia/parakeet-... id")
+                        "Hugging Face Whisper folder, a Whisper .pt, a Parakeet .nemo or nvidia/parakeet-... id, or "
+                        "random:NAME|PATH (Parakeet with random weights shaped by a NeMo YAML, for benchmarks)")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--language", default=None,
                    help="ISO 639-1 code (default: the manifest's language, else detected / the model's)")
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it transcripts go to stdout")
     t.add_argument("--word-timestamps", action="store_true", help="word-level times (verbose_json 'words')")
     t.add_argument("--batch-size", type=_positive_int, default=None,
-                   help="pieces per model call, across files (default: 1 on CPU, 16 on CUDA)")
+                   help="pieces per model call, across files (default: 1 on CPU, 128 on CUDA)")
     t.add_argument("--segmentation", choices=("vad", "fixed", "none"), default="vad",
                    help="cut long audio at pauses (vad, default), in fixed windows, or not at all")
     t.add_argument("--max-segment-s", type=_positive_float, default=None,

@@ -128,7 +128,7 @@ def _capture_info(stream_ptr: int):
     driver, runtime, nvrtc, _ = _bindings()
     vals = _check(runtime.cudaStreamGetCaptureInfo(stream_ptr), "cudaStreamGetCaptureInfo")
     # 12.x: (status, id, graph, deps, numDeps); 13.x adds edgeData before numDeps
-    status, _id, graph, deps = vals[0], vals[1], vals[2], vals[3]
+    status, graph, deps = vals[0], vals[2], vals[3]
     if status != runtime.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive:
         raise CudaGraphUnsupported("stream is not capturing")
     return graph, list(deps) if deps is not None else []

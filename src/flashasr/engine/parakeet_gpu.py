@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Sequence
 
 import numpy as np
 import torch
