@@ -332,3 +332,9 @@ def test_long_file_vad_pieces_have_global_times(tmp_path, capsys):
     assert all(u["start"] <= v["start"] for u, v in zip(words, words[1:]))
     assert d["segments"][-1]["start"] >= b0 - 0.3 and [s["id"] for s in d["segments"]] == list(
         range(len(d["segments"])))
+
+
+def test_translate_task_on_an_english_only_model_is_a_usage_error(capsys):
+    rc = main(["transcribe", str(STELLA), "--task", "translate"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "[unsupported_task]" in err and "cannot translate" in err

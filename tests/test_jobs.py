@@ -444,3 +444,34 @@ def test_two_formats_in_one_folder_keep_their_own_resume_records(synth_dir, tmp_
     assert len(r.skipped) == 8 and m.batches == []
     lines = [json.loads(l) for l in (out / "summary.jsonl").read_text().splitlines()]
     assert sorted({l["format"] for l in lines}) == ["json", "text"] and len(lines) == 16
+
+
+def test_translate_task_reaches_the_model_and_is_checked_up_front(synth_dir, tmp_path):
+    """run_job(task="translate"): the task is passed to every model call and the results say
+    language "en"; a model that cannot translate is refused before any file is read."""
+    from flashasr.errors import UnsupportedTaskError
+
+    class Translator(HashModel):
+        translates = True
+
+        def __init__(self):
+            super().__init__()
+            self.tasks = []
+
+        def transcribe_batch(self, ws, *, language=None, word_timestamps=False, task="transcribe"):
+            self.tasks.append(task)
+            return [Transcript(text=f" {task} n{len(w)}", language="de", duration=len(w) / SR,
+                               segments=[Segment(0, 0.0, len(w) / SR, f" {task}")]) for w in ws]
+
+    m = Translator()
+    r = run_job([synth_dir], m, None, "json", batch_size=4, split_fn=fixed_split, max_segment_s=10, workers=1,
+                task="translate")
+    assert r.exit_code == 0 and m.tasks and set(m.tasks) == {"translate"}
+    assert all(x.transcript.language == "en" and "translate" in x.transcript.text for x in r.ok)
+    m2 = HashModel()  # no `translates`: refused up front, no model call
+    with pytest.raises(UnsupportedTaskError, match="cannot translate"):
+        run_job([synth_dir], m2, None, "json", task="translate")
+    assert m2.batches == []
+    plain = Translator()
+    run_job([synth_dir], plain, None, "json", batch_size=4, split_fn=fixed_split, max_segment_s=10, workers=1)
+    assert set(plain.tasks) == {"transcribe"}  # the default passes no task: models without one still work

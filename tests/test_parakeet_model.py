@@ -546,3 +546,15 @@ def test_twenty_minutes_real_audio_end_to_end(tiny):
     assert t.duration == 1200.0 and t.words[-1].end > 1150.0
     assert all(0 <= w.start <= w.end <= 1200.0 for w in t.words)
     assert [w.start for w in t.words] == sorted(w.start for w in t.words)
+
+
+def test_parakeet_refuses_translation_by_name():
+    from flashasr.errors import UnsupportedTaskError
+
+    m = flashasr.load_model(str(NEMO))
+    assert not m.translates
+    w = np.zeros(16000, np.float32)
+    with pytest.raises(UnsupportedTaskError, match="cannot translate") as e:
+        m.transcribe_waveform(w, task="translate")
+    assert e.value.code == "unsupported_task" and e.value.status == 400
+    assert m.transcribe_waveform(w, task="transcribe").duration == pytest.approx(1.0)

@@ -478,3 +478,13 @@ def test_2000_websockets_constant_threads(server):
     assert opened == n and streams == n
     assert max(during) == before, (before, during)
     assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_translations_endpoint_refuses_an_english_only_model(client):
+    """/v1/audio/translations exists (OpenAI audio.translations.create); tiny.en cannot translate:
+    400 unsupported_task, named, before any decoding."""
+    with pytest.raises(openai.APIStatusError) as ei:
+        client.audio.translations.create(model="whisper-1", file=("clip.wav", CLIP.read_bytes()))
+    e = ei.value
+    assert e.status_code == 400 and e.body["code"] == "unsupported_task", e.body
+    assert "cannot translate" in e.body["message"]

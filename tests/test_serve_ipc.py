@@ -206,3 +206,32 @@ def test_stream_session_final_delta_completes_the_text_even_after_a_revision():
     assert deltas[0] == "And I"  # agreed by the first two partials
     assert "".join(deltas) == "And I knew for a paper like that."  # 'I' was revised to 'you' by the final
     assert final == "And you knew for a paper like that."
+
+
+def test_scheduler_batches_by_task_and_passes_it_only_when_translating():
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Recorder:
+        sample_rate = 16000
+        name = "rec"
+
+        def transcribe_batch(self, ws, *, language=None, word_timestamps=False, **kw):
+            calls.append((len(ws), kw.get("task")))
+            return [SimpleNamespace(text=kw.get("task", "plain")) for _ in ws]
+
+        def transcribe_waveform(self, w, **kw):
+            return self.transcribe_batch([w], **kw)[0]
+
+    async def go():
+        s = BatchScheduler(Recorder(), max_batch=8, batch_wait_s=0.01)
+        s.start()
+        z = np.zeros(1600, np.float32)
+        outs = await asyncio.gather(*[s.submit(z, task=t) for t in ("translate", "transcribe", "translate",
+                                                                     "transcribe")])
+        await s.stop()
+        return [o.text for o in outs]
+
+    assert asyncio.run(go()) == ["translate", "plain", "translate", "plain"]
+    assert sorted(calls, key=str) == sorted([(2, "translate"), (2, None)], key=str)

@@ -172,3 +172,11 @@ def test_dead_frontend_worker_is_replaced(multi):
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
+
+
+def test_multi_translation_task_reaches_the_engine(multi):
+    """The task crosses the engine socket: tiny.en in the engine process refuses to translate
+    (400 unsupported_task from the model itself, relayed by the front end)."""
+    with pytest.raises(openai.APIStatusError) as ei:
+        _client(multi).audio.translations.create(model="whisper-1", file=CLIP.open("rb"))
+    assert ei.value.status_code == 400 and ei.value.body["code"] == "unsupported_task", ei.value.body

@@ -159,3 +159,32 @@ def test_bad_input_errors():
     assert e.value.code == "unsupported_language"
     t = m.transcribe_waveform(np.zeros(0, np.float32))
     assert t.text == "" and t.duration == 0.0 and t.segments == []
+
+
+def test_base_translates_to_english_and_english_only_refuses():
+    """task="translate" (Whisper's <|translate|> token): German and Spanish speech -> English
+    text; batched == alone; English-only and unknown tasks are refused by name."""
+    from flashasr.errors import UnsupportedTaskError
+
+    m = model("base")
+    assert m.translates and not model("tiny.en").translates
+    ids = ["de-fleurs-000", "es-fleurs-001"]
+    waves = [audio(c) for c in ids]
+    res = m.transcribe_batch(waves, task="translate")
+    native = m.transcribe_batch(waves)
+    for cid, t, n in zip(ids, res, native):
+        print(f"{cid}: {t.text!r}")
+        assert t.language == "en" and n.language == cid[:2]
+        assert t.text and t.text != n.text
+        ref_words = set(norm(clip(cid)["reference"], cid[:2]).split())
+        words_out = set(norm(t.text).split())
+        # English output: common English function words, and few of the source words left
+        assert words_out & {"the", "of", "to", "and", "for", "in"}, t.text
+        assert len(words_out & ref_words) <= len(words_out) // 3, (t.text, ref_words)
+    assert "hong kong" in norm(res[0].text)
+    alone = m.transcribe_waveform(waves[1], task="translate")
+    assert alone.text == res[1].text
+    with pytest.raises(UnsupportedTaskError, match="cannot translate"):
+        model("tiny.en").transcribe_waveform(waves[0], task="translate")
+    with pytest.raises(UnsupportedTaskError, match="task must be one of"):
+        m.transcribe_waveform(waves[0], task="summarise")

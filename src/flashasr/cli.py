@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one output per input (relative folders mirrored) plus summary.jsonl here; "
                         "without it transcripts go to stdout")
     t.add_argument("--word-timestamps", action="store_true", help="word-level times (verbose_json 'words')")
+    t.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
+                   help="translate: English text from speech in another language (multilingual Whisper "
+                        "models, e.g. --model base)")
     t.add_argument("--batch-size", type=_positive_int, default=None,
                    help="pieces per model call, across files (default: 1 on CPU, 128 on CUDA)")
     t.add_argument("--segmentation", choices=("vad", "fixed", "none"), default="vad",
@@ -171,7 +174,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     _install_sigterm()
     try:
         report = run_job(items, model, args.output_dir, args.format, language=args.language,
-                         word_timestamps=args.word_timestamps, batch_size=args.batch_size,
+                         word_timestamps=args.word_timestamps, batch_size=args.batch_size, task=args.task,
                          segmentation=args.segmentation, max_segment_s=args.max_segment_s,
                          workers=args.workers, cpu_pool=args.cpu_pool, resume=args.resume, progress=args.progress,
                          on_result=on_result, keep_transcripts=False)

@@ -47,6 +47,32 @@ class AudioTooLongError(AudioError):
     code = "audio_too_long"
 
 
+class UnsupportedTaskError(FlashASRError):
+    """The model cannot do the requested task (e.g. ``translate`` on Parakeet or an English-only
+    Whisper model)."""
+
+    code = "unsupported_task"
+    status = 400
+
+
+TASKS = ("transcribe", "translate")
+
+
+def check_task(task: str, *, translates: bool, model: str) -> str:
+    """Validate a decoding task for a model; returns it. ``translate`` (speech in any supported
+    language -> English text, Whisper's task token) needs a multilingual Whisper model.
+
+    Raises:
+        UnsupportedTaskError: an unknown task, or ``translate`` on a model that cannot translate.
+    """
+    if task not in TASKS:
+        raise UnsupportedTaskError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
+    if task == "translate" and not translates:
+        raise UnsupportedTaskError(f"{model} cannot translate (translation to English needs a multilingual "
+                                   f"Whisper model, e.g. --model base)")
+    return task
+
+
 class ModelLoadError(FlashASRError):
     """A checkpoint is missing, truncated, of an unknown architecture or has mismatched tensors."""
 

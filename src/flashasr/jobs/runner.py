@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..errors import EmptyAudioError, FlashASRError
+from ..errors import EmptyAudioError, FlashASRError, check_task
 from ..formats import EXTENSIONS, FORMATS, render
 from ..types import Transcript
 from .inputs import InputItem, expand_inputs
@@ -432,6 +432,7 @@ def run_job(
     split_fn: Callable | None = None,
     gpu_monitor: bool | None = None,
     cpu_pool: str | None = None,
+    task: str = "transcribe",
 ) -> JobReport:
     """Transcribe many inputs with one model; the Python API behind ``flashasr transcribe``.
 
@@ -445,6 +446,9 @@ def run_job(
         language: ISO 639-1 code for every input (overrides a manifest's ``language``);
             None uses the manifest's, else the model detects/uses its own.
         word_timestamps: ask the model for word times.
+        task: ``"transcribe"`` (default) or ``"translate"`` (English text from speech in any
+            language; models with ``translates``, i.e. multilingual Whisper; checked up front,
+            :class:`~flashasr.errors.UnsupportedTaskError` otherwise).
         batch_size: pieces per ``model.transcribe_batch`` call (>= 1); None: :func:`default_batch_size`.
         segmentation: ``vad`` (cut at pauses), ``fixed`` (fixed windows) or ``none``
             (whole file in one call; the model handles long audio itself).
@@ -510,8 +514,10 @@ def run_job(
     seg_max = model_max if max_segment_s is None else min(float(max_segment_s), model_max)
     device = str(getattr(model, "device", "cpu"))
     model_name = str(getattr(model, "name", type(model).__name__))
+    check_task(task, translates=bool(getattr(model, "translates", False)), model=model_name)
+    task_kw = {"task": task} if task != "transcribe" else {}  # models without a task argument still work
     options = {"language": language, "word_timestamps": bool(word_timestamps), "segmentation": segmentation,
-               "max_segment_s": seg_max}
+               "max_segment_s": seg_max, **task_kw}
     decode = decode_fn or _default_decode
     split = split_fn or _default_split
     n_workers = int(workers) if workers else default_workers(device)
@@ -629,6 +635,8 @@ def run_job(
             tr = merge_transcripts(parts, dur, language=None, model=model_name, word_timestamps=word_timestamps)
             if tr.language is None:
                 tr.language = st.language
+            if task == "translate":
+                tr.language = "en"
             res.transcript = tr
             report.audio_s += dur
             if out_dir is not None:
@@ -665,7 +673,7 @@ def run_job(
         outs: list = [None] * len(batch)
         errs: list = [None] * len(batch)
         try:
-            got = model.transcribe_batch(waves, language=lang, word_timestamps=word_timestamps)
+            got = model.transcribe_batch(waves, language=lang, word_timestamps=word_timestamps, **task_kw)
             if len(got) != len(waves):
                 raise RuntimeError(f"transcribe_batch returned {len(got)} results for {len(waves)} inputs")
             outs = list(got)
@@ -677,7 +685,8 @@ def run_job(
             else:  # isolate the failing piece(s): redo one by one
                 for k, w in enumerate(waves):
                     try:
-                        outs[k] = model.transcribe_batch([w], language=lang, word_timestamps=word_timestamps)[0]
+                        outs[k] = model.transcribe_batch([w], language=lang, word_timestamps=word_timestamps,
+                                                         **task_kw)[0]
                     except KeyboardInterrupt:
                         raise
                     except Exception as e1:

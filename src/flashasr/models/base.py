@@ -34,6 +34,7 @@ class ASRModel(ABC):
     sample_rate: int = SAMPLE_RATE
     max_segment_seconds: float = 30.0
     multilingual: bool = False
+    translates: bool = False  # task="translate" supported (multilingual Whisper)
     device: str = "cpu"
 
     @abstractmethod
@@ -43,6 +44,7 @@ class ASRModel(ABC):
         *,
         language: str | None = None,
         word_timestamps: bool = False,
+        task: str = "transcribe",
     ) -> Transcript:
         """Transcribe one utterance or long recording of any length.
 
@@ -50,6 +52,8 @@ class ASRModel(ABC):
             waveform: float32 array, shape [N] samples at ``sample_rate`` Hz, values in [-1, 1].
             language: ISO 639-1 code, or None to detect (multilingual models) / use the model's.
             word_timestamps: also fill ``Transcript.words``.
+            task: ``"transcribe"`` or ``"translate"`` (English text from speech in any language;
+                models with ``translates = True`` only, else :class:`~flashasr.errors.UnsupportedTaskError`).
         Returns:
             Transcript with ``duration = N / sample_rate`` seconds and all times in [0, duration].
         """
@@ -60,11 +64,12 @@ class ASRModel(ABC):
         *,
         language: str | None = None,
         word_timestamps: bool = False,
+        task: str = "transcribe",
     ) -> list[Transcript]:
         """Transcribe several waveforms; the default runs them one by one.
 
         Engines override this to batch across inputs; the result must equal the
         per-input result (same text, timestamps within one frame).
         """
-        return [self.transcribe_waveform(w, language=language, word_timestamps=word_timestamps)
+        return [self.transcribe_waveform(w, language=language, word_timestamps=word_timestamps, task=task)
                 for w in waveforms]

@@ -4,6 +4,8 @@ Endpoints:
   * ``POST /v1/audio/transcriptions``: multipart upload (OpenAI ``audio.transcriptions.create``),
     response_format json | text | srt | vtt | verbose_json, ``timestamp_granularities[]``,
     ``stream=true`` -> Server-Sent Events ``transcript.text.delta`` / ``transcript.text.done``.
+  * ``POST /v1/audio/translations``: the same upload, English text out (OpenAI
+    ``audio.translations.create``; multilingual Whisper models, else 400 ``unsupported_task``).
   * ``GET /v1/models``; ``GET /health`` (alive); ``GET /ready`` (model loaded and warmed);
     ``GET /metrics`` (Prometheus text).
   * ``WS /v1/realtime``: OpenAI Realtime transcription protocol (JSON events, base64 PCM16).
@@ -84,7 +86,8 @@ class _CountRequests:
             await self.app(scope, receive, _send)
         finally:
             path = scope.get("path", "")
-            ep = path if path in ("/v1/audio/transcriptions", "/v1/models", "/health", "/ready", "/metrics") \
+            ep = path if path in ("/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models", "/health",
+                                  "/ready", "/metrics") \
                 else "other"
             self.metrics.requests.labels(ep, str(status["code"] or 499)).inc()
 
@@ -214,7 +217,24 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request):
+        return await _audio_request(request, "transcribe")
+
+    @app.post("/v1/audio/translations")
+    async def translations(request: Request):
+        """OpenAI ``audio.translations.create``: English text from speech in any language the
+        model knows (Whisper's translate task; multilingual Whisper models only, else 400
+        ``unsupported_task``). Same form fields and response formats as transcriptions;
+        ``language``, if given, names the SOURCE language."""
+        return await _audio_request(request, "translate")
+
+    async def _audio_request(request: Request, task: str):
         check_auth(request.headers)
+        if task == "translate" and backend().info.get("translates") is False:
+            from ..errors import UnsupportedTaskError
+
+            await _drain(request)
+            raise UnsupportedTaskError(f"model {backend().info.get('model')} cannot translate (translation to "
+                                       f"English needs a multilingual Whisper model, e.g. --model base)")
         t0 = time.perf_counter()
         try:
             up = await read_multipart(request, max_bytes=cfg.max_upload_bytes, body_timeout=cfg.body_timeout_s)
@@ -258,7 +278,8 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
         metrics.stage.labels("decode").observe(time.perf_counter() - t1)
         t2 = time.perf_counter()
         work = loop.create_task(backend().transcribe(wav.samples, language=language, word_timestamps=words,
-                                                     priority=OFFLINE, timeout=cfg.request_timeout_s))
+                                                     priority=OFFLINE, timeout=cfg.request_timeout_s,
+                                                     **({"task": task} if task != "transcribe" else {})))
         watch = loop.create_task(_until_disconnect(request))
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work not in done:  # the client went away: drop the work (engine gets CANCEL)

@@ -60,7 +60,8 @@ class LocalBackend:
         self.scheduler = BatchScheduler(m, max_batch=self.cfg.max_batch, batch_wait_s=self.cfg.batch_wait_ms / 1000)
         self.scheduler.start()
         self.info = {"model": getattr(m, "name", "model"), "family": getattr(m, "family", "unknown"),
-                     "pid": os.getpid(), "device": self.cfg.device}
+                     "pid": os.getpid(), "device": self.cfg.device,
+                     "translates": bool(getattr(m, "translates", False))}
         if self.cfg.gc_freeze:
             gc.collect()
             gc.freeze()  # start-up and warm-up objects leave the GC's scans
@@ -77,12 +78,12 @@ class LocalBackend:
             await self.scheduler.stop()
 
     async def transcribe(self, samples: np.ndarray, *, language=None, word_timestamps=False, priority=OFFLINE,
-                         coalesce_key=None, timeout=None):
+                         coalesce_key=None, timeout=None, task="transcribe"):
         if self.scheduler is None:
             raise APIError("the model is still loading" if self.error is None else f"model failed: {self.error}",
                            status=503, code="model_not_ready")
         coro = self.scheduler.submit(samples, language=language, word_timestamps=word_timestamps,
-                                     priority=priority, coalesce_key=coalesce_key)
+                                     priority=priority, coalesce_key=coalesce_key, task=task)
         try:
             return await (asyncio.wait_for(coro, timeout) if timeout else coro)
         except asyncio.TimeoutError:
@@ -125,9 +126,10 @@ class RemoteBackend:
         await self.client.close()
 
     async def transcribe(self, samples, *, language=None, word_timestamps=False, priority=OFFLINE,
-                         coalesce_key=None, timeout=None):
+                         coalesce_key=None, timeout=None, task="transcribe"):
         return await self.client.transcribe(samples, language=language, word_timestamps=word_timestamps,
-                                            priority=priority, coalesce_key=coalesce_key, timeout=timeout)
+                                            priority=priority, coalesce_key=coalesce_key, timeout=timeout,
+                                            task=task)
 
     async def metrics_text(self) -> bytes:
         return await self.client.stats() if self.client.ready else b""

@@ -89,7 +89,8 @@ class EngineServer:
             f.payload = b""
             t = await self.scheduler.submit(samples, language=m.get("language"),
                                             word_timestamps=bool(m.get("word_timestamps")),
-                                            priority=int(m.get("priority", OFFLINE)), coalesce_key=m.get("key"))
+                                            priority=int(m.get("priority", OFFLINE)), coalesce_key=m.get("key"),
+                                            task=str(m.get("task", "transcribe")))
             reply = {"superseded": True} if t is None else transcript_to_wire(t)
             out = encode(MsgType.RESULT, f.req_id, reply)
         except asyncio.CancelledError:

@@ -574,10 +574,13 @@ class EngineClient:
 
     async def transcribe(self, samples: np.ndarray, *, language: str | None = None, word_timestamps: bool = False,
                          priority: int = 2, coalesce_key: str | None = None,
-                         timeout: float | None = None) -> Transcript | None:
-        """Transcribe float32 [N] 16 kHz samples in the engine. Raises EngineUnavailable (503)."""
+                         timeout: float | None = None, task: str = "transcribe") -> Transcript | None:
+        """Transcribe (or translate: ``task``) float32 [N] 16 kHz samples in the engine. Raises
+        EngineUnavailable (503)."""
         flags, meta, payload, shm = pack_audio(samples, self.shm_threshold, self._pool)
         meta.update(language=language, word_timestamps=bool(word_timestamps), priority=int(priority))
+        if task != "transcribe":
+            meta["task"] = task
         if coalesce_key is not None:
             meta["key"] = coalesce_key
         if self.metrics is not None:

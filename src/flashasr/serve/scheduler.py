@@ -42,10 +42,11 @@ class _Item:
     t_enq: float
     seq: int = 0
     on_done: object = None
+    task: str = "transcribe"
 
     @property
     def group(self):
-        return (self.language, self.word_timestamps)
+        return (self.language, self.word_timestamps, self.task)
 
 
 class BatchScheduler:
@@ -98,8 +99,11 @@ class BatchScheduler:
         return sum(len(q) for q in self._queues.values())
 
     async def submit(self, samples: np.ndarray, *, language: str | None = None, word_timestamps: bool = False,
-                     priority: int = OFFLINE, coalesce_key: str | None = None):
+                     priority: int = OFFLINE, coalesce_key: str | None = None, task: str = "transcribe"):
         """Queue one waveform (float32 [N] at the model rate) and wait for its Transcript.
+
+        ``task``: "transcribe" or "translate" (batched only with items of the same language,
+        word-timestamp setting and task).
 
         Returns ``None`` if a partial was superseded by a newer one of the same ``coalesce_key``.
         Cancelling the awaiting task removes a not-yet-started item from the queue.
@@ -108,7 +112,7 @@ class BatchScheduler:
             samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
         loop = asyncio.get_running_loop()
         it = _Item(samples, language, bool(word_timestamps), priority, coalesce_key, loop.create_future(),
-                   time.perf_counter(), next(self._seq))
+                   time.perf_counter(), next(self._seq), task=task)
         if priority == PARTIAL and coalesce_key is not None:
             old = self._partials.pop(coalesce_key, None)
             if old is not None and not old.fut.done():
@@ -167,17 +171,18 @@ class BatchScheduler:
 
     def _infer(self, batch: list[_Item]):
         wavs = [it.samples for it in batch]
-        lang, wt = batch[0].group
+        lang, wt, task = batch[0].group
+        kw = {"task": task} if task != "transcribe" else {}  # models without a task argument still work
         if len(wavs) == 1:
-            return [self.model.transcribe_waveform(wavs[0], language=lang, word_timestamps=wt)]
+            return [self.model.transcribe_waveform(wavs[0], language=lang, word_timestamps=wt, **kw)]
         try:
-            return self.model.transcribe_batch(wavs, language=lang, word_timestamps=wt)
+            return self.model.transcribe_batch(wavs, language=lang, word_timestamps=wt, **kw)
         except Exception:
             # isolate the failing input: one bad waveform must not fail its batch mates
             out = []
             for w in wavs:
                 try:
-                    out.append(self.model.transcribe_waveform(w, language=lang, word_timestamps=wt))
+                    out.append(self.model.transcribe_waveform(w, language=lang, word_timestamps=wt, **kw))
                 except Exception as e:  # noqa: BLE001
                     out.append(e)
             return out

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...errors import FlashASRError, ModelLoadError
+from ...errors import FlashASRError, ModelLoadError, check_task
 from ...types import Transcript
 from ..base import ASRModel
 from .config import ParakeetConfig
@@ -334,13 +334,15 @@ class ParakeetASR(ASRModel):
         return a
 
     def transcribe_batch(self, waveforms: Sequence[np.ndarray], *, language: str | None = None,
-                         word_timestamps: bool = False) -> list[Transcript]:
+                         word_timestamps: bool = False, task: str = "transcribe") -> list[Transcript]:
         """Transcribe several waveforms together (pieces of all inputs share encoder batches).
 
         Each waveform: float32 ``[N]`` at ``sample_rate`` Hz. ``language`` does not steer
         Parakeet (v3 recognises its 25 languages implicitly); it is echoed in the result, and
-        None stays None. Results equal per-input :meth:`transcribe_waveform`.
+        None stays None. Results equal per-input :meth:`transcribe_waveform`. Parakeet-TDT only
+        transcribes: ``task="translate"`` raises :class:`~flashasr.errors.UnsupportedTaskError`.
         """
+        check_task(task, translates=False, model=self.name)
         waves = [self._check_waveform(w) for w in waveforms]
         sr = self.sample_rate
         spans: list[list[tuple[int, int]]] = []
@@ -398,14 +400,14 @@ class ParakeetASR(ASRModel):
                           words=words_all if word_timestamps else None, model=self.name)
 
     def transcribe_waveform(self, waveform: np.ndarray, *, language: str | None = None,
-                            word_timestamps: bool = False) -> Transcript:
+                            word_timestamps: bool = False, task: str = "transcribe") -> Transcript:
         """Transcribe one recording of any length (see :class:`~flashasr.models.base.ASRModel`).
 
         Audio shorter than one encoder frame (hop x subsampling = 80 ms for v2/v3) gives an empty
         transcript. Recordings longer than ``max_segment_seconds`` are cut at pauses; timestamps
         stay global.
         """
-        return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps)[0]
+        return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps, task=task)[0]
 
 
 def load_parakeet(path: str | os.PathLike, *, device: str = "cpu", dtype=None) -> ParakeetASR:

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ...errors import AudioError, FlashASRError
+from ...errors import AudioError, FlashASRError, check_task
 from ...types import Segment, Transcript, Word
 from ..base import ASRModel, SAMPLE_RATE
 from .alignment import align_words, default_alignment_heads
@@ -81,6 +81,7 @@ class WhisperASR(ASRModel):
         self.name = name
         self.device = str(device)
         self.multilingual = tokenizer.multilingual
+        self.translates = self.multilingual
         self.alignment_heads = [tuple(map(int, h)) for h in alignment_heads] if alignment_heads else None
         self.max_batch = max_batch
         self.dtype = next(model.parameters()).dtype
@@ -90,16 +91,22 @@ class WhisperASR(ASRModel):
 
     # ---- public API ----------------------------------------------------------------------
     def transcribe_waveform(self, waveform: np.ndarray, *, language: str | None = None,
-                            word_timestamps: bool = False) -> Transcript:
+                            word_timestamps: bool = False, task: str = "transcribe") -> Transcript:
         """Transcribe one waveform (float32 ``[N]`` at 16 kHz, any length); see the module
-        docstring. Raises :class:`~flashasr.errors.AudioError` for a non-1-D or non-finite
-        input and :class:`UnsupportedLanguageError` for an unknown ``language``."""
-        return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps)[0]
+        docstring. ``task="translate"`` decodes with Whisper's ``<|translate|>`` token: English
+        text from speech in any language (multilingual models; ``language`` is then the SOURCE
+        language, detected when None, and the result's ``language`` is ``"en"``). Raises
+        :class:`~flashasr.errors.AudioError` for a non-1-D or non-finite input,
+        :class:`UnsupportedLanguageError` for an unknown ``language`` and
+        :class:`~flashasr.errors.UnsupportedTaskError` for translation on an English-only model."""
+        return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps, task=task)[0]
 
     def transcribe_batch(self, waveforms: Sequence[np.ndarray], *, language: str | None = None,
-                         word_timestamps: bool = False) -> list[Transcript]:
-        """Transcribe several waveforms, batching their windows through the encoder and the
-        decoder; each result equals :meth:`transcribe_waveform` on that input alone."""
+                         word_timestamps: bool = False, task: str = "transcribe") -> list[Transcript]:
+        """Transcribe (or translate, see :meth:`transcribe_waveform`) several waveforms, batching
+        their windows through the encoder and the decoder; each result equals
+        :meth:`transcribe_waveform` on that input alone."""
+        check_task(task, translates=self.translates, model=self.name)
         lang = self._check_language(language)
         jobs = [self._make_job(i, w, lang) for i, w in enumerate(waveforms)]
         with torch.inference_mode():
@@ -108,7 +115,7 @@ class WhisperASR(ASRModel):
                 if not active:
                     break
                 for k in range(0, len(active), self.max_batch):
-                    self._run_round(active[k: k + self.max_batch], word_timestamps)
+                    self._run_round(active[k: k + self.max_batch], word_timestamps, task)
         out = []
         for j in jobs:
             segs = self._finish_segments(j)
@@ -116,7 +123,8 @@ class WhisperASR(ASRModel):
             if word_timestamps:
                 words = [w for s in segs for w in s.words]
             text = "".join(s.text for s in segs).strip()
-            out.append(Transcript(text=text, language=j.language or ("en" if not self.multilingual else None),
+            out_lang = "en" if task == "translate" else j.language or ("en" if not self.multilingual else None)
+            out.append(Transcript(text=text, language=out_lang,
                                   duration=j.duration, segments=segs, words=words, model=self.name))
             if not word_timestamps:
                 for s in segs:
@@ -150,7 +158,7 @@ class WhisperASR(ASRModel):
         return _Job(index=i, mel=mel, content_frames=a.size // HOP_LENGTH, duration=a.size / SAMPLE_RATE,
                     language=language)
 
-    def _run_round(self, jobs: list[_Job], word_timestamps: bool = False) -> None:
+    def _run_round(self, jobs: list[_Job], word_timestamps: bool = False, task: str = "transcribe") -> None:
         sizes = [min(N_FRAMES, j.content_frames - j.seek) for j in jobs]
         mels = torch.stack([pad_or_trim(j.mel[:, j.seek: j.seek + n], N_FRAMES) for j, n in zip(jobs, sizes)])
         feats = self.model.encode(mels.to(self.device))
@@ -161,11 +169,13 @@ class WhisperASR(ASRModel):
             for k, c, p in zip(need, codes, probs):
                 jobs[k].language, jobs[k].language_probs = c, p
         seeds = [j.seek for j in jobs]  # per-window seed: independent of batch composition
-        results = decode_with_fallback(self.model, self.tokenizer, feats, [j.language for j in jobs], seeds=seeds)
+        results = decode_with_fallback(self.model, self.tokenizer, feats, [j.language for j in jobs], seeds=seeds,
+                                       task=task)
         for k, (j, n, r) in enumerate(zip(jobs, sizes, results)):
-            self._advance(j, n, r, feats[k: k + 1] if word_timestamps else None)
+            self._advance(j, n, r, feats[k: k + 1] if word_timestamps else None, task)
 
-    def _advance(self, job: _Job, size: int, r: DecodingResult, feats: torch.Tensor | None = None) -> None:
+    def _advance(self, job: _Job, size: int, r: DecodingResult, feats: torch.Tensor | None = None,
+                 task: str = "transcribe") -> None:
         """Turn one window's tokens into segments and move ``job.seek`` (reference procedure);
         with ``feats`` (the window's encoder output) also align words."""
         tok = self.tokenizer
@@ -208,7 +218,7 @@ class WhisperASR(ASRModel):
         aligned = []
         if feats is not None:
             heads = self.alignment_heads or default_alignment_heads(self.model)
-            aligned = align_words(self.model, tok, feats, tok.sot_sequence(job.language), toks, size, heads,
+            aligned = align_words(self.model, tok, feats, tok.sot_sequence(job.language, task), toks, size, heads,
                                   language=job.language)
         probs = [float(np.exp(lp)) for t, lp in zip(toks, lps) if t < tok.eot]
         n_text_before = 0
