@@ -467,7 +467,8 @@ def test_translate_task_reaches_the_model_and_is_checked_up_front(synth_dir, tmp
     r = run_job([synth_dir], m, None, "json", batch_size=4, split_fn=fixed_split, max_segment_s=10, workers=1,
                 task="translate")
     assert r.exit_code == 0 and m.tasks and set(m.tasks) == {"translate"}
-    assert all(x.transcript.language == "en" and "translate" in x.transcript.text for x in r.ok)
+    assert all(x.transcript.language == "en" and x.transcript.task == "translate"
+               and "translate" in x.transcript.text for x in r.ok)
     m2 = HashModel()  # no `translates`: refused up front, no model call
     with pytest.raises(UnsupportedTaskError, match="cannot translate"):
         run_job([synth_dir], m2, None, "json", task="translate")
@@ -475,3 +476,33 @@ def test_translate_task_reaches_the_model_and_is_checked_up_front(synth_dir, tmp
     plain = Translator()
     run_job([synth_dir], plain, None, "json", batch_size=4, split_fn=fixed_split, max_segment_s=10, workers=1)
     assert set(plain.tasks) == {"transcribe"}  # the default passes no task: models without one still work
+
+
+def test_worker_deaths_never_fail_an_innocent_file(tmp_path, monkeypatch):
+    """Two files that kill their worker among twelve good ones, three workers: the files in flight
+    at a death are retried one at a time, so only the two culprits fail (before: a good file in
+    flight at both deaths was reported as decode_worker_died too; seen in CI under load)."""
+    import signal
+
+    from flashasr.jobs import runner
+
+    d = tmp_path / "in"
+    rng = np.random.default_rng(6)
+    for k in range(12):
+        _write_wav(d / f"ok{k:02d}.wav", (0.1 * rng.standard_normal(SR // 2)).astype(np.float32))
+    for k in (3, 8):
+        _write_wav(d / f"ok{k:02d}boom.wav", np.zeros(SR // 2, np.float32))
+    real = runner._default_decode
+
+    def killer(path, sr):
+        if path.endswith("boom.wav"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path, sr)
+
+    monkeypatch.setattr(runner, "_default_decode", killer)
+    r = run_job([d], HashModel(), tmp_path / "o", "text", workers=3, cpu_pool="process", split_fn=None)
+    status = {x.item.key: (x.status, x.error_code) for x in r.results}
+    bad = {k for k, v in status.items() if v != ("ok", None)}
+    assert bad == {"ok03boom", "ok08boom"}, status
+    assert all(status[k] == ("failed", "decode_worker_died") for k in bad) and len(status) == 14
+    assert r.cpu_pool == "process"  # deaths explained by culprit files do not push the job onto threads

@@ -488,3 +488,13 @@ def test_translations_endpoint_refuses_an_english_only_model(client):
     e = ei.value
     assert e.status_code == 400 and e.body["code"] == "unsupported_task", e.body
     assert "cannot translate" in e.body["message"]
+
+
+def test_translation_results_say_task_translate():
+    """verbose_json of a translation says task "translate" (the Transcript carries its task)."""
+    from flashasr.formats import render
+    from flashasr.types import Transcript
+
+    t = Transcript(text="Hello.", language="en", duration=1.0, task="translate")
+    assert json.loads(render(t, "verbose_json"))["task"] == "translate"
+    assert json.loads(render(Transcript(text="x", language="en", duration=1.0), "verbose_json"))["task"] == "transcribe"

@@ -235,3 +235,47 @@ def test_scheduler_batches_by_task_and_passes_it_only_when_translating():
 
     assert asyncio.run(go()) == ["translate", "plain", "translate", "plain"]
     assert sorted(calls, key=str) == sorted([(2, "translate"), (2, None)], key=str)
+
+
+def test_translate_task_crosses_the_engine_socket(tmp_path):
+    """Front end -> engine process protocol, in one process: the task reaches the engine's model,
+    the HELLO says whether the model translates, and the result comes back marked translate."""
+    from flashasr.serve.config import ServeConfig
+    from flashasr.serve.engine_proc import EngineServer, serve_unix
+
+    seen = []
+
+    class Translator:
+        name, family, sample_rate, translates = "fake-translator", "whisper", 16000, True
+
+        def transcribe_waveform(self, w, *, language=None, word_timestamps=False, task="transcribe"):
+            seen.append(task)
+            return Transcript(text=f"[{task}]", language="en" if task == "translate" else "de",
+                              duration=w.size / 16000, task=task)
+
+        def transcribe_batch(self, ws, **kw):
+            return [self.transcribe_waveform(w, **kw) for w in ws]
+
+    async def go():
+        path = str(tmp_path / "e.sock")
+        server = EngineServer(Translator(), ServeConfig())
+        server.scheduler.start()
+        srv = asyncio.ensure_future(serve_unix(path, server.handle))
+        await asyncio.sleep(0.05)
+        client = ipc.EngineClient(path)
+        await client.start()
+        assert await client.wait_ready(5)
+        assert client.info["translates"] is True
+        z = np.zeros(1600, np.float32)
+        a = await client.transcribe(z, task="translate", timeout=10)
+        b = await client.transcribe(z, timeout=10)
+        await client.close()
+        srv.cancel()
+        await server.scheduler.stop()
+        return a, b
+
+    a, b = asyncio.run(go())
+    assert (a.text, a.task, a.language) == ("[translate]", "translate", "en")
+    assert (b.text, b.task) == ("[transcribe]", "transcribe")
+    assert seen == ["translate", "transcribe"]
+    assert a.to_dict()["task"] == "translate"

@@ -175,8 +175,8 @@ def test_dead_frontend_worker_is_replaced(multi):
 
 
 def test_multi_translation_task_reaches_the_engine(multi):
-    """The task crosses the engine socket: tiny.en in the engine process refuses to translate
-    (400 unsupported_task from the model itself, relayed by the front end)."""
+    """tiny.en in the engine process cannot translate: the front end learns it from the engine's
+    HELLO and answers 400 unsupported_task (the socket protocol itself: test_serve_ipc.py)."""
     with pytest.raises(openai.APIStatusError) as ei:
         _client(multi).audio.translations.create(model="whisper-1", file=CLIP.open("rb"))
     assert ei.value.status_code == 400 and ei.value.body["code"] == "unsupported_task", ei.value.body

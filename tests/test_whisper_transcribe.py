@@ -175,6 +175,7 @@ def test_base_translates_to_english_and_english_only_refuses():
     for cid, t, n in zip(ids, res, native):
         print(f"{cid}: {t.text!r}")
         assert t.language == "en" and n.language == cid[:2]
+        assert t.task == "translate" and n.task == "transcribe" and t.to_dict()["task"] == "translate"
         assert t.text and t.text != n.text
         ref_words = set(norm(clip(cid)["reference"], cid[:2]).split())
         words_out = set(norm(t.text).split())
@@ -186,5 +187,6 @@ def test_base_translates_to_english_and_english_only_refuses():
     assert alone.text == res[1].text
     with pytest.raises(UnsupportedTaskError, match="cannot translate"):
         model("tiny.en").transcribe_waveform(waves[0], task="translate")
-    with pytest.raises(UnsupportedTaskError, match="task must be one of"):
+    with pytest.raises(UnsupportedTaskError, match="task must be one of") as e:
         m.transcribe_waveform(waves[0], task="summarise")
+    assert e.value.code == "invalid_request"

@@ -58,17 +58,19 @@ class UnsupportedTaskError(FlashASRError):
 TASKS = ("transcribe", "translate")
 
 
-def check_task(task: str, *, translates: bool, model: str) -> str:
+def check_task(task: str, *, translates: bool, model: str, family: str | None = None) -> str:
     """Validate a decoding task for a model; returns it. ``translate`` (speech in any supported
     language -> English text, Whisper's task token) needs a multilingual Whisper model.
 
     Raises:
-        UnsupportedTaskError: an unknown task, or ``translate`` on a model that cannot translate.
+        UnsupportedTaskError: ``translate`` on a model that cannot translate (``unsupported_task``),
+            or a value that is not a task at all (code ``invalid_request``).
     """
     if task not in TASKS:
-        raise UnsupportedTaskError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
+        raise UnsupportedTaskError(f"task must be one of {', '.join(TASKS)}; got {task!r}", code="invalid_request")
     if task == "translate" and not translates:
-        raise UnsupportedTaskError(f"{model} cannot translate (translation to English needs a multilingual "
+        who = f"model {model!r}" + (f" ({family})" if family else "")
+        raise UnsupportedTaskError(f"{who} cannot translate (translation to English needs a multilingual "
                                    f"Whisper model, e.g. --model base)")
     return task
 

@@ -72,11 +72,12 @@ class Transcript:
     segments: list[Segment] = field(default_factory=list)
     words: list[Word] | None = None
     model: str | None = None
+    task: str = "transcribe"  # or "translate" (English text from another language)
 
     def to_dict(self, *, words: bool | None = None) -> dict:
         """OpenAI ``verbose_json`` dict. ``words`` forces inclusion (None: include if present)."""
         d = {
-            "task": "transcribe",
+            "task": self.task,
             # OpenAI's verbose_json names the language in words ("english"); the code is in
             # Transcript.language.
             "language": language_name(self.language),

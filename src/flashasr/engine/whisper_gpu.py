@@ -460,7 +460,9 @@ class WhisperGPUASR(WhisperASR):
                          alignment_heads=asr.alignment_heads, max_batch=engine.max_batch)
         self.engine = engine
 
-    def _run_round(self, jobs, word_timestamps: bool = False) -> None:
+    def _run_round(self, jobs, word_timestamps: bool = False, task: str = "transcribe") -> None:
+        if task != "transcribe":  # the captured decode steps hold the transcribe prompt: reference path
+            return super()._run_round(jobs, word_timestamps, task)
         sizes = [min(N_FRAMES, j.content_frames - j.seek) for j in jobs]
         mels = torch.stack([pad_or_trim(j.mel[:, j.seek: j.seek + n], N_FRAMES) for j, n in zip(jobs, sizes)])
         feats = self.engine.encode(mels)

@@ -14,7 +14,8 @@ Pipeline (one job)::
   start from the pool's completion callbacks too, so the workers keep going while the main
   thread is inside a model call.
 * Worker processes (the CUDA default) avoid the GIL that PyAV's per-frame Python and the VAD
-  framing hold; a worker that dies costs its files one retry in a fresh pool, never the job.
+  framing hold; a worker that dies costs the files in flight one retry each, alone, in a fresh
+  pool (so a second death names the culprit), never the job.
 * Cross-file batching: a batch is the oldest pending piece plus the ``batch_size - 1``
   pending pieces (of any file, same language) closest to it in length, so batches are
   length-homogeneous (little padding) and no file waits behind later ones.
@@ -514,7 +515,8 @@ def run_job(
     seg_max = model_max if max_segment_s is None else min(float(max_segment_s), model_max)
     device = str(getattr(model, "device", "cpu"))
     model_name = str(getattr(model, "name", type(model).__name__))
-    check_task(task, translates=bool(getattr(model, "translates", False)), model=model_name)
+    check_task(task, translates=bool(getattr(model, "translates", False)), model=model_name,
+               family=getattr(model, "family", None))
     task_kw = {"task": task} if task != "transcribe" else {}  # models without a task argument still work
     options = {"language": language, "word_timestamps": bool(word_timestamps), "segmentation": segmentation,
                "max_segment_s": seg_max, **task_kw}
@@ -636,7 +638,7 @@ def run_job(
             if tr.language is None:
                 tr.language = st.language
             if task == "translate":
-                tr.language = "en"
+                tr.language, tr.task = "en", "translate"
             res.transcript = tr
             report.audio_s += dur
             if out_dir is not None:
@@ -743,11 +745,21 @@ def run_job(
     wake = threading.Event()
     ready: deque = deque()  # (file idx, _prepare_file result) decoded, not yet taken by the main thread
     feeding = threading.local()
-    state = {"stopping": False, "broken": False, "restarts": 0}
-    retried: set[int] = set()  # files re-queued once after their decode worker process died
+    state = {"stopping": False, "broken": False, "restarts": 0, "culprits": 0}
+    # files in flight when a decode worker process died: each gets one more try ALONE in the
+    # fresh pool (nothing else in flight), so a second death names the culprit and never an
+    # innocent file that happened to share the pool with it
+    suspects: deque = deque()
+    solo: set[int] = set()
 
     def _room() -> bool:  # callers hold the lock
-        return (bool(todo) and not state["stopping"] and not state["broken"] and len(futures) < prefetch
+        if state["stopping"] or state["broken"]:
+            return False
+        if solo:
+            return False  # a suspect is decoding: alone, so that a death names it
+        if suspects:
+            return not futures  # the next suspect starts once nothing else is in flight
+        return (bool(todo) and len(futures) < prefetch
                 and (buffered < max_buffered or (not active and not ready)))
 
     def _on_done(f: cf.Future) -> None:
@@ -760,18 +772,21 @@ def run_job(
                 got = f.result()
             except BrokenProcessPool:
                 # a worker process died (killed, out of memory, a crash in a native library): every
-                # file in flight fails with this, innocent or not. Each gets one more try in a fresh
-                # pool; a file that breaks the pool twice is reported.
+                # file in flight fails with this, innocent or not. Each gets one more try, alone, in
+                # a fresh pool; a file whose worker dies again while it decodes alone is reported.
                 state["broken"] = True
-                if i not in retried and not state["stopping"]:
-                    retried.add(i)
-                    todo.appendleft(i)
+                if i not in solo and not state["stopping"]:
+                    suspects.append(i)
                     wake.set()
                     return
+                solo.discard(i)
+                state["culprits"] += 1
                 got = ("err", "decode_worker_died", f"{items[i].path}: the decode worker process died "
-                                                    "while decoding this file (twice); it was killed or crashed")
+                                                    "while decoding this file (twice, the second time with "
+                                                    "no other file in flight); it was killed or crashed")
             except BaseException as e:  # noqa: BLE001 - a cancelled decode, ...
                 got = ("err", *_error_of(e, items[i].path))
+            solo.discard(i)
             ready.append((i, got))
             if got[0] == "ok":
                 buffered += got[1].size
@@ -785,11 +800,12 @@ def run_job(
         try:
             with lock:
                 while _room():
-                    i = todo.popleft()
+                    suspect = bool(suspects)
+                    i = suspects.popleft() if suspect else todo.popleft()
                     try:
                         f = _submit(i)
                     except BrokenProcessPool:  # replaced by the main thread (_replace_pool)
-                        todo.appendleft(i)
+                        (suspects if suspect else todo).appendleft(i)
                         state["broken"] = True
                         wake.set()
                         break
@@ -798,13 +814,16 @@ def run_job(
                         wake.set()
                         continue
                     futures[f] = i
+                    if suspect:
+                        solo.add(i)
                     f.add_done_callback(_on_done)
         finally:
             feeding.busy = False
 
     def _replace_pool() -> None:
         """After a worker process died: kill the broken pool's processes (a survivor would block
-        forever on its result pipe), then a fresh pool (threads after 3 breaks)."""
+        forever on its result pipe), then a fresh pool (threads after more than 3 deaths that no
+        culprit file explains)."""
         nonlocal pool, cpu_pool
         with lock:
             if not state["broken"] or futures:
@@ -817,7 +836,9 @@ def run_job(
                     pass
             old.shutdown(wait=False, cancel_futures=True)
             state["restarts"] += 1
-            if state["restarts"] > 3:
+            # each file found to kill its worker explains up to two pool deaths; more than 3
+            # unexplained deaths (an OOM killer, a broken environment) -> decode threads instead
+            if state["restarts"] - 2 * state["culprits"] > 3:
                 cpu_pool = report.cpu_pool = "thread"
             pool = _new_pool()
             state["broken"] = False
@@ -870,7 +891,7 @@ def run_job(
                 timed_out = False
                 _refill()  # finished files freed memory
                 continue
-            if not pending and not in_flight and not todo and not state["broken"]:
+            if not pending and not in_flight and not todo and not suspects and not state["broken"]:
                 break
             if got_now:
                 timed_out = False

@@ -50,7 +50,7 @@ class EngineServer:
                                         metrics=self.metrics)
         self.hello = {"model": getattr(model, "name", "model"), "family": getattr(model, "family", "unknown"),
                       "sample_rate": int(getattr(model, "sample_rate", 16000)), "pid": os.getpid(),
-                      "device": cfg.device}
+                      "device": cfg.device, "translates": bool(getattr(model, "translates", False))}
 
     async def handle(self, conn: Conn) -> None:
         tasks: dict[int, asyncio.Task] = {}

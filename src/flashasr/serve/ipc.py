@@ -445,6 +445,7 @@ def transcript_to_wire(t: Transcript) -> dict:
                       s.compression_ratio, s.temperature, s.seek,
                       [[w.word, w.start, w.end, w.probability] for w in s.words]] for s in t.segments],
         "words": None if t.words is None else [[w.word, w.start, w.end, w.probability] for w in t.words],
+        **({"task": t.task} if t.task != "transcribe" else {}),
     }
 
 
@@ -454,7 +455,7 @@ def transcript_from_wire(d: dict) -> Transcript:
                     words=[Word(*w) for w in s[10]]) for s in d.get("segments", [])]
     words = None if d.get("words") is None else [Word(*w) for w in d["words"]]
     return Transcript(text=d["text"], language=d.get("language"), duration=d.get("duration", 0.0),
-                      segments=segs, words=words, model=d.get("model"))
+                      segments=segs, words=words, model=d.get("model"), task=str(d.get("task", "transcribe")))
 
 
 # ------------------------------------------------------------------ client side

@@ -342,7 +342,7 @@ class ParakeetASR(ASRModel):
         None stays None. Results equal per-input :meth:`transcribe_waveform`. Parakeet-TDT only
         transcribes: ``task="translate"`` raises :class:`~flashasr.errors.UnsupportedTaskError`.
         """
-        check_task(task, translates=False, model=self.name)
+        check_task(task, translates=False, model=self.name, family="parakeet-tdt")
         waves = [self._check_waveform(w) for w in waveforms]
         sr = self.sample_rate
         spans: list[list[tuple[int, int]]] = []

@@ -106,7 +106,7 @@ class WhisperASR(ASRModel):
         """Transcribe (or translate, see :meth:`transcribe_waveform`) several waveforms, batching
         their windows through the encoder and the decoder; each result equals
         :meth:`transcribe_waveform` on that input alone."""
-        check_task(task, translates=self.translates, model=self.name)
+        check_task(task, translates=self.translates, model=self.name, family="whisper")
         lang = self._check_language(language)
         jobs = [self._make_job(i, w, lang) for i, w in enumerate(waveforms)]
         with torch.inference_mode():
@@ -124,7 +124,7 @@ class WhisperASR(ASRModel):
                 words = [w for s in segs for w in s.words]
             text = "".join(s.text for s in segs).strip()
             out_lang = "en" if task == "translate" else j.language or ("en" if not self.multilingual else None)
-            out.append(Transcript(text=text, language=out_lang,
+            out.append(Transcript(text=text, language=out_lang, task=task,
                                   duration=j.duration, segments=segs, words=words, model=self.name))
             if not word_timestamps:
                 for s in segs:
