@@ -329,7 +329,9 @@ class ParakeetASR(ASRModel):
             raise FlashASRError(f"waveform must be float samples in [-1, 1], got dtype {a.dtype}",
                                 code="invalid_audio")
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if a.size and not np.isfinite(np.dot(a, a)) and not np.isfinite(a).all():  # one BLAS pass normally
+        with np.errstate(over="ignore"):  # |x| > 1e19 squares overflow: then the exact check
+            finite = not a.size or np.isfinite(np.dot(a, a)) or np.isfinite(a).all()
+        if not finite:
             raise FlashASRError("waveform contains NaN or infinite samples", code="invalid_audio")
         return a
 
