@@ -375,27 +375,33 @@ def test_batches_fill_up_beyond_the_decode_prefetch(tmp_path):
     assert m.batches[:2] == [16, 16] and sum(m.batches) == 40, m.batches
 
 
-def test_a_dying_decode_worker_fails_only_its_file(tmp_path, monkeypatch):
-    """A decode worker process that dies (SIGKILL, as an out-of-memory kill would) breaks the
-    process pool: the files in flight get one more try in a fresh pool, the file that kills its
-    worker twice is reported as decode_worker_died, every other file completes, nothing hangs."""
+def _decode_kills_worker_on(monkeypatch, suffix: str) -> None:
+    """Make the job's decode SIGKILL its own (forked worker) process for files ending in
+    ``suffix``, as an out-of-memory kill or a native crash would."""
     import signal
 
     from flashasr.jobs import runner
 
+    real = runner._default_decode
+
+    def killer(path, sr):  # inherited by the forked workers
+        if path.endswith(suffix):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path, sr)
+
+    monkeypatch.setattr(runner, "_default_decode", killer)
+
+
+def test_a_dying_decode_worker_fails_only_its_file(tmp_path, monkeypatch):
+    """A decode worker process that dies (SIGKILL, as an out-of-memory kill would) breaks the
+    process pool: the files in flight get one more try in a fresh pool, the file that kills its
+    worker twice is reported as decode_worker_died, every other file completes, nothing hangs."""
     d = tmp_path / "in"
     rng = np.random.default_rng(5)
     for k in range(6):
         _write_wav(d / f"ok{k}.wav", (0.1 * rng.standard_normal(SR)).astype(np.float32))
     _write_wav(d / "boom.wav", np.zeros(SR, np.float32))
-    real = runner._default_decode
-
-    def killer(path, sr):  # inherited by the forked workers
-        if path.endswith("boom.wav"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(path, sr)
-
-    monkeypatch.setattr(runner, "_default_decode", killer)
+    _decode_kills_worker_on(monkeypatch, "boom.wav")
     r = run_job([d], HashModel(), tmp_path / "o", "text", workers=2, cpu_pool="process", split_fn=None)
     status = {x.item.key: (x.status, x.error_code) for x in r.results}
     assert status.pop("boom") == ("failed", "decode_worker_died")
@@ -482,24 +488,13 @@ def test_worker_deaths_never_fail_an_innocent_file(tmp_path, monkeypatch):
     """Two files that kill their worker among twelve good ones, three workers: the files in flight
     at a death are retried one at a time, so only the two culprits fail (before: a good file in
     flight at both deaths was reported as decode_worker_died too; seen in CI under load)."""
-    import signal
-
-    from flashasr.jobs import runner
-
     d = tmp_path / "in"
     rng = np.random.default_rng(6)
     for k in range(12):
         _write_wav(d / f"ok{k:02d}.wav", (0.1 * rng.standard_normal(SR // 2)).astype(np.float32))
     for k in (3, 8):
         _write_wav(d / f"ok{k:02d}boom.wav", np.zeros(SR // 2, np.float32))
-    real = runner._default_decode
-
-    def killer(path, sr):
-        if path.endswith("boom.wav"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(path, sr)
-
-    monkeypatch.setattr(runner, "_default_decode", killer)
+    _decode_kills_worker_on(monkeypatch, "boom.wav")
     r = run_job([d], HashModel(), tmp_path / "o", "text", workers=3, cpu_pool="process", split_fn=None)
     status = {x.item.key: (x.status, x.error_code) for x in r.results}
     bad = {k for k, v in status.items() if v != ("ok", None)}
