@@ -23,7 +23,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import AudioError, FlashASRError
+from ..errors import FlashASRError
+from ..models.base import as_waveform
 from .features_gpu import PinnedUploader
 from .profiles import EncoderProfiles, Profile, choose_profiles
 from .tdt_graphs import DecodeMode, TDTGraphDecoder
@@ -209,19 +210,7 @@ class OfflineParakeetEngine:
         Raises:
             AudioError: an input is not a 1-D float array, or contains NaN or infinite samples.
         """
-        waves = []
-        for i, w in enumerate(waveforms):
-            a = np.asarray(w)
-            if a.ndim == 2 and 1 in a.shape:  # [1, N] / [N, 1], as ParakeetASR accepts
-                a = a.reshape(-1)
-            if a.ndim != 1 or not np.issubdtype(a.dtype, np.floating):
-                raise AudioError(f"input {i}: expected a 1-D float waveform, got shape {a.shape} dtype {a.dtype}")
-            a = np.ascontiguousarray(a, dtype=np.float32)
-            with np.errstate(over="ignore"):  # |x| > 1e19 squares overflow: then the exact check
-                finite = not a.size or np.isfinite(np.dot(a, a)) or np.isfinite(a).all()
-            if not finite:
-                raise AudioError(f"input {i}: contains NaN or infinite samples", code="invalid_audio")
-            waves.append(a)
+        waves = [as_waveform(w, f"input {i}") for i, w in enumerate(waveforms)]
         with self._lock:
             return self._transcribe_checked(waves, pipelined)
 

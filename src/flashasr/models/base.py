@@ -11,9 +11,38 @@ from typing import Sequence
 
 import numpy as np
 
+from ..errors import AudioError
 from ..types import Transcript
 
 SAMPLE_RATE = 16_000
+
+
+def as_waveform(w, label: str = "waveform") -> np.ndarray:
+    """The one check every model and engine applies to an in-memory waveform.
+
+    Args:
+        w: float samples in [-1, 1], shape ``[N]`` (``[1, N]`` / ``[N, 1]`` are flattened);
+            numpy array, torch CPU tensor or sequence.
+        label: how error messages name the input (e.g. ``"input 3"``).
+    Returns:
+        contiguous float32 ``[N]`` (the same array when it already is one).
+    Raises:
+        AudioError (``invalid_audio``): not mono, not a float dtype (int16 PCM must be scaled
+            by the caller), or NaN / infinite samples.
+    """
+    a = np.asarray(w)
+    if a.ndim == 2 and 1 in a.shape:
+        a = a.reshape(-1)
+    if a.ndim != 1:
+        raise AudioError(f"{label}: expected mono samples of shape [N], got shape {a.shape}", code="invalid_audio")
+    if not np.issubdtype(a.dtype, np.floating):
+        raise AudioError(f"{label}: expected float samples in [-1, 1], got dtype {a.dtype}", code="invalid_audio")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    with np.errstate(over="ignore"):  # one BLAS pass; |x| > 1e19 squares overflow: then the exact check
+        finite = not a.size or np.isfinite(np.dot(a, a)) or np.isfinite(a).all()
+    if not finite:
+        raise AudioError(f"{label}: contains NaN or infinite samples", code="invalid_audio")
+    return a
 
 
 class ASRModel(ABC):

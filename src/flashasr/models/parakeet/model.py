@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...errors import FlashASRError, ModelLoadError, check_task
+from ...errors import ModelLoadError, check_task
 from ...types import Transcript
-from ..base import ASRModel
+from ..base import ASRModel, as_waveform
 from .config import ParakeetConfig
 from .decoder import Hypothesis, TDTJoint, TDTPredictor, greedy_tdt_label_looping, greedy_tdt_reference
 from .encoder import ConformerEncoder
@@ -320,20 +320,7 @@ class ParakeetASR(ASRModel):
         return hyps  # type: ignore[return-value]
 
     def _check_waveform(self, w) -> np.ndarray:
-        a = np.asarray(w)
-        if a.ndim == 2 and 1 in a.shape:
-            a = a.reshape(-1)
-        if a.ndim != 1:
-            raise FlashASRError(f"waveform must be 1-D mono samples, got shape {a.shape}", code="invalid_audio")
-        if not np.issubdtype(a.dtype, np.floating):
-            raise FlashASRError(f"waveform must be float samples in [-1, 1], got dtype {a.dtype}",
-                                code="invalid_audio")
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        with np.errstate(over="ignore"):  # |x| > 1e19 squares overflow: then the exact check
-            finite = not a.size or np.isfinite(np.dot(a, a)) or np.isfinite(a).all()
-        if not finite:
-            raise FlashASRError("waveform contains NaN or infinite samples", code="invalid_audio")
-        return a
+        return as_waveform(w)
 
     def transcribe_batch(self, waveforms: Sequence[np.ndarray], *, language: str | None = None,
                          word_timestamps: bool = False, task: str = "transcribe") -> list[Transcript]:

@@ -24,9 +24,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ...errors import AudioError, FlashASRError, check_task
+from ...errors import FlashASRError, check_task
 from ...types import Segment, Transcript, Word
-from ..base import ASRModel, SAMPLE_RATE
+from ..base import SAMPLE_RATE, ASRModel, as_waveform
 from .alignment import align_words, default_alignment_heads
 from .decoding import DecodingResult, decode_with_fallback, detect_language, is_no_speech
 from .features import HOP_LENGTH, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
@@ -147,13 +147,7 @@ class WhisperASR(ASRModel):
         return code
 
     def _make_job(self, i: int, w, language: str | None) -> _Job:
-        a = np.asarray(w)
-        if a.ndim != 1:
-            raise AudioError(f"waveform {i}: expected mono samples of shape [N], got shape {a.shape}",
-                             code="invalid_audio")
-        a = a.astype(np.float32, copy=False)
-        if a.size and not np.isfinite(a).all():
-            raise AudioError(f"waveform {i}: contains NaN or infinite samples", code="invalid_audio")
+        a = as_waveform(w, f"waveform {i}")
         mel = log_mel_spectrogram(a, self.model.dims.n_mels, padding=N_SAMPLES, device=self.device)
         return _Job(index=i, mel=mel, content_frames=a.size // HOP_LENGTH, duration=a.size / SAMPLE_RATE,
                     language=language)
