@@ -278,8 +278,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
         metrics.stage.labels("decode").observe(time.perf_counter() - t1)
         t2 = time.perf_counter()
         work = loop.create_task(backend().transcribe(wav.samples, language=language, word_timestamps=words,
-                                                     priority=OFFLINE, timeout=cfg.request_timeout_s,
-                                                     **({"task": task} if task != "transcribe" else {})))
+                                                     priority=OFFLINE, timeout=cfg.request_timeout_s, task=task))
         watch = loop.create_task(_until_disconnect(request))
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work not in done:  # the client went away: drop the work (engine gets CANCEL)
