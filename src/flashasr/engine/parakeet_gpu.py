@@ -9,14 +9,13 @@ batch jobs and the server get the fast path by loading a Parakeet model on a CUD
 (:func:`~flashasr.models.registry.load_model` does it by default; ``FLASHASR_GPU_ENGINE=0``
 keeps the plain PyTorch path).
 
-One engine serves one thread at a time (a lock guards the CUDA graphs and the pinned
-buffers): the server's scheduler and the job runner each call from one thread anyway.
+One engine serves one thread at a time (the engine's own lock guards the CUDA graphs and the
+pinned buffers): the server's scheduler and the job runner each call from one thread anyway.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 import numpy as np
 import torch
@@ -68,7 +67,6 @@ class ParakeetGPUASR(ParakeetASR):
         self.batch_size = max(p.batch for p in self.engine.encoder.profiles)
         # long audio is cut at pauses into pieces the largest profile holds (no eager fallback)
         self.max_segment_seconds = min(self.max_segment_seconds, max(p.seconds for p in self.engine.encoder.profiles))
-        self._lock = threading.Lock()
         self.engine_info = {"profiles": [(p.batch, p.seconds) for p in self.engine.encoder.profiles],
                             "decoder_mode": str(self.engine.decoder.mode)}
         if warmup:
@@ -76,8 +74,7 @@ class ParakeetGPUASR(ParakeetASR):
 
     def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
         """All pieces in one engine call (it sorts and packs them into profiles itself)."""
-        with self._lock:
-            out = self.engine.transcribe_arrays(pieces)
+        out = self.engine.transcribe_arrays(pieces)  # serialised by the engine's lock
         return [Hypothesis(list(it.token_ids), list(it.token_frames), list(it.token_durations)) for it in out.items]
 
     def memory_report(self) -> list[dict]:
