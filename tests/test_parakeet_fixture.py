@@ -164,19 +164,24 @@ def test_pad_min_seconds_reproduces_nemo_transcribe(model, ref, meta):
     assert all(0.0 <= w.start <= w.end <= 0.7 for w in t.words)
 
 
-def test_build_transcript_shifts_and_clamps(model, ref):
-    """Hypotheses from any decoder + piece offsets -> global, clamped times (engine integration)."""
+def test_transcript_of_and_merge_shift_and_clamp(model, ref):
+    """Hypotheses from any decoder (engine integration) -> a piece's transcript; the pipeline's
+    merger puts pieces at their offsets -> global, clamped times."""
     from flashasr.models.parakeet.decoder import Hypothesis
+    from flashasr.options import TranscribeOptions
+    from flashasr.pipeline import merge_pieces
 
+    opts = TranscribeOptions(word_timestamps=True)
     h = Hypothesis(ref["item2_token_ids"].tolist(), ref["item2_token_frames"].tolist(),
                    ref["item2_token_durations"].tolist())
-    one = model.build_transcript([(h, 0.0)], 5.0, word_timestamps=True)
+    one = model.transcript_of(h, 5.0, options=opts)
     assert one.text == ref["texts"][2]
-    two = model.build_transcript([(h, 0.0), (h, 7.5)], 13.0, word_timestamps=True)
+    two = merge_pieces([(0.0, model.transcript_of(h, 7.5, options=opts)), (7.5, model.transcript_of(h, 5.5, options=opts))],
+                       13.0, options=opts)
     assert two.text == ref["texts"][2] + " " + ref["texts"][2]
     n = len(one.words)
     assert [w.word for w in two.words] == [w.word for w in one.words] * 2
     assert_allclose([w.start for w in two.words[n:]], [w.start + 7.5 for w in one.words])
     assert [s.id for s in two.segments] == list(range(len(two.segments)))
-    short = model.build_transcript([(h, 0.0)], 2.0, word_timestamps=True)  # clamp to duration
+    short = model.transcript_of(h, 2.0, options=opts)  # clamp to duration
     assert all(0.0 <= w.start <= w.end <= 2.0 for w in short.words)

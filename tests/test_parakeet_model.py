@@ -17,11 +17,13 @@ from numpy.testing import assert_allclose
 import flashasr
 from conftest import AUDIO, PARAKEET_FIXTURES
 from flashasr.errors import ModelLoadError, UnsupportedModelError
-from flashasr.models.parakeet.config import (ParakeetConfig, build_random_parakeet, load_yaml_config,
-                                             parameter_count_formula)
+from flashasr.models.parakeet.config import ParakeetConfig, load_yaml_config, parameter_count_formula
 from flashasr.models.parakeet.decoder import greedy_tdt_label_looping, greedy_tdt_reference
 from flashasr.models.parakeet.encoder import ConformerEncoder, relative_positions
-from flashasr.models.parakeet.model import ParakeetASR, ParakeetModule, load_parakeet, split_long_audio
+from flashasr.models.parakeet.model import ParakeetASR, ParakeetModule, load_parakeet
+from flashasr.options import TranscribeOptions
+from flashasr.pipeline import plan_pieces, transcribe_samples
+from flashasr.random_models import build_random_parakeet
 from flashasr.models.parakeet.nemo_format import ours_to_nemo, read_nemo, write_nemo
 
 TINY = PARAKEET_FIXTURES / "tiny-tdt"
@@ -350,19 +352,15 @@ def test_bad_waveform_arguments(tiny):
 
 
 def test_long_audio_is_split_with_global_timestamps(tiny):
-    """A 60 s real recording cut at pauses into <= 12 s pieces: timestamps are global."""
+    """A 60 s real recording cut at pauses into <= 12 s pieces by the pipeline: timestamps are global."""
     from flashasr.audio import load_audio
 
     wav = load_audio(AUDIO / "long" / "long-silero-test-60s.wav").samples
     m = tiny
-    old = m.max_segment_seconds
-    try:
-        m.max_segment_seconds = 12.0
-        spans = split_long_audio(wav, 16000, 12.0, "vad")
-        assert len(spans) >= 5 and all(b - a <= 12 * 16000 for a, b in spans)
-        t = m.transcribe_waveform(wav, word_timestamps=True)
-    finally:
-        m.max_segment_seconds = old
+    opts = TranscribeOptions(max_segment_s=12.0, word_timestamps=True)
+    spans = plan_pieces(wav, opts.resolve(m.capabilities), m.capabilities)
+    assert len(spans) >= 5 and all(b - a <= 12 * 16000 for a, b in spans)
+    t = transcribe_samples(m, wav, opts)
     assert t.duration == pytest.approx(len(wav) / 16000)
     starts = [w.start for w in t.words]
     assert starts == sorted(starts) and all(0 <= w.start <= w.end <= t.duration for w in t.words)
@@ -379,11 +377,11 @@ def test_long_audio_is_split_with_global_timestamps(tiny):
 
 
 def test_fallback_split_without_vad_module():
-    from flashasr.models.parakeet.model import _fallback_split
+    from flashasr.pipeline.plan import quiet_split
 
     x = np.random.default_rng(0).standard_normal(16000 * 100).astype(np.float32)
     x[16000 * 40: 16000 * 41] = 0.0  # a pause inside the last 30 % of the first 50 s window
-    spans = _fallback_split(x, 16000, 50.0)
+    spans = quiet_split(x, 16000, 50.0)
     assert spans[0][0] == 0 and spans[-1][1] == len(x)
     assert all(b - a <= 50 * 16000 for a, b in spans)
     assert all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
@@ -527,8 +525,7 @@ def test_four_hour_request_plumbing(tiny, monkeypatch):
         return [Hypothesis([2], [0], [1]) for _ in pieces]
 
     monkeypatch.setattr(tiny, "_decode_pieces", fake_decode)
-    monkeypatch.setattr(tiny, "long_audio_method", "fixed")
-    t = tiny.transcribe_waveform(wav, word_timestamps=True)
+    t = transcribe_samples(tiny, wav, TranscribeOptions(segmentation="fixed", word_timestamps=True))
     assert len(seen) == 240 and max(seen) <= 60 * 16000 and sum(seen) == n
     assert t.duration == 14400.0 and len(t.words) == 240
     assert [w.start for w in t.words] == [60.0 * k for k in range(240)]
@@ -542,7 +539,7 @@ def test_twenty_minutes_real_audio_end_to_end(tiny):
 
     clip = load_audio(AUDIO / "long" / "long-silero-test-60s.wav").samples
     wav = np.resize(clip, 1200 * 16000).astype(np.float32)
-    t = tiny.transcribe_waveform(wav, word_timestamps=True)
+    t = transcribe_samples(tiny, wav, TranscribeOptions(word_timestamps=True))
     assert t.duration == 1200.0 and t.words[-1].end > 1150.0
     assert all(0 <= w.start <= w.end <= 1200.0 for w in t.words)
     assert [w.start for w in t.words] == sorted(w.start for w in t.words)

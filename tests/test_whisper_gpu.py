@@ -214,3 +214,42 @@ def test_gpu_transcribe_batch_matches_gpu_reference():
     ref = asr.transcribe_batch(waves)
     got = fast.transcribe_batch(waves)
     assert [g.text for g in got] == [r.text for r in ref]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_engine_choice_wires_the_whisper_engine_and_equals_the_plain_path(dtype, monkeypatch):
+    """The one engine choice puts Whisper on CUDA behind WhisperGPUASR (the default since the
+    pipeline issue): on every real clip, a 70 s recording (the seek loop) and through the pipeline,
+    its transcripts -- text, segment times and tokens, word times -- equal the plain decoder's on
+    the same CUDA model."""
+    from flashasr.options import TranscribeOptions
+    from flashasr.pipeline import engines, transcribe_samples
+
+    plain = tiny("cuda", dtype)
+    fast = engines.accelerate(plain)
+    assert type(fast).__name__ == "WhisperGPUASR" and fast.model is plain.model
+    monkeypatch.setenv("FLASHASR_GPU_ENGINE", "0")
+    assert engines.accelerate(plain) is plain
+    monkeypatch.delenv("FLASHASR_GPU_ENGINE")
+    assert engines.accelerate(plain, engine="plain") is plain
+    if PACK:
+        waves = [c["audio"] for c in _bench().load_clips(Path(PACK))]
+    else:
+        waves = [audio(c) for c in CLIPS]
+    long = np.concatenate(waves)[: 70 * 16000]
+    waves.append(long)
+
+    def view(t):
+        return (t.text, [(s.start, s.end, s.text, s.tokens) for s in t.segments],
+                None if t.words is None else [(w.word, w.start, w.end) for w in t.words])
+
+    for opts in (TranscribeOptions(), TranscribeOptions(word_timestamps=True)):
+        want = plain.transcribe_batch(waves, opts)
+        got = fast.transcribe_batch(waves, opts)
+        same = [view(g) == view(w) for g, w in zip(got, want)]
+        assert all(same), [(i, view(g)[0], view(w)[0]) for i, (g, w, ok) in enumerate(zip(got, want, same)) if not ok]
+    fixed = TranscribeOptions(segmentation="fixed", max_segment_s=20)
+    assert view(transcribe_samples(fast, long, fixed)) == view(transcribe_samples(plain, long, fixed))
+    if importlib.util.find_spec("silero_vad") is not None:  # the default VAD pieces
+        assert view(transcribe_samples(fast, long)) == view(transcribe_samples(plain, long))

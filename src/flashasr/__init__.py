@@ -11,44 +11,49 @@ Python API::
 from __future__ import annotations
 
 from .errors import FlashASRError
+from .options import TranscribeOptions
 from .types import Segment, Transcript, Word
 
 __version__ = "0.1.0"
 
 
-def load_model(spec=None, *, device: str = "cpu", dtype: str | None = None):
-    """Load a model; see :func:`flashasr.models.registry.load_model`."""
-    from .models.registry import load_model as _load
+def load_model(spec=None, *, device: str = "cpu", dtype: str | None = None, engine: str = "auto"):
+    """Load a model and put it behind its engine (the GPU engines on CUDA; ``engine="plain"`` keeps
+    plain PyTorch); see :func:`flashasr.pipeline.engines.load_model` for the specs."""
+    from .pipeline.engines import load_model as _load
 
-    return _load(spec, device=device, dtype=dtype)
+    return _load(spec, device=device, dtype=dtype, engine=engine)
 
 
-def transcribe(audio, *, model=None, language: str | None = None, word_timestamps: bool = False,
-               sample_rate: int | None = None, device: str = "cpu") -> Transcript:
-    """Transcribe one input.
+def transcribe(audio, *, model=None, options: TranscribeOptions | None = None, sample_rate: int | None = None,
+               device: str = "cpu", **changes) -> Transcript:
+    """Transcribe one input through the pipeline every door uses (cut at pauses, batched, merged).
 
     Args:
         audio: a path (any container FFmpeg reads), raw ``bytes`` of a file, or a numpy
             float32 array of samples (shape [N] or [N, channels]; ``sample_rate`` required).
         model: a loaded :class:`~flashasr.models.base.ASRModel`, a model spec for
             :func:`load_model`, or None for the embedded whisper tiny.en.
-        language: ISO 639-1 code; None detects it (multilingual models).
-        word_timestamps: fill ``Transcript.words``.
+        options: :class:`~flashasr.options.TranscribeOptions`; ``**changes`` are its fields as
+            keywords (``language="de"``, ``word_timestamps=True``, ``task="translate"``,
+            ``segmentation="none"``, ``max_segment_s=20``).
     Returns:
         :class:`~flashasr.types.Transcript` (text, language, duration in seconds, segments, words).
     Raises:
         flashasr.errors.AudioError (and subclasses) for undecodable input;
-        flashasr.errors.ModelLoadError for a bad model spec.
+        flashasr.errors.ModelLoadError for a bad model spec; InvalidRequestError,
+        UnsupportedLanguageError or UnsupportedTaskError for options the model cannot honour.
     """
     from .audio import load_audio
     from .models.base import ASRModel
-    from .models.registry import cached_model
+    from .pipeline import cached_model, transcribe_samples
 
+    opts = TranscribeOptions.build(options, **changes)
     m = model if isinstance(model, ASRModel) else cached_model(None if model is None else str(model), device)
+    opts = opts.resolve(m.capabilities)  # before the decode: a refused option costs nothing
     wav = load_audio(audio, sample_rate=sample_rate, target_rate=m.sample_rate)
-    t = m.transcribe_waveform(wav.samples, language=language, word_timestamps=word_timestamps)
-    t.duration = wav.duration
-    return t
+    return transcribe_samples(m, wav.samples, opts)
 
 
-__all__ = ["transcribe", "load_model", "Transcript", "Segment", "Word", "FlashASRError", "__version__"]
+__all__ = ["transcribe", "load_model", "TranscribeOptions", "Transcript", "Segment", "Word", "FlashASRError",
+           "__version__"]

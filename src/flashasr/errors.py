@@ -55,24 +55,24 @@ class UnsupportedTaskError(FlashASRError):
     status = 400
 
 
-TASKS = ("transcribe", "translate")
+class UnsupportedLanguageError(FlashASRError):
+    """The model cannot take the requested language (an English-only model, or a code outside its
+    vocabulary)."""
+
+    code = "unsupported_language"
+    status = 400
 
 
-def check_task(task: str, *, translates: bool, model: str, family: str | None = None) -> str:
-    """Validate a decoding task for a model; returns it. ``translate`` (speech in any supported
-    language -> English text, Whisper's task token) needs a multilingual Whisper model.
+class InvalidRequestError(FlashASRError):
+    """A request's option is malformed (a language that is not a code, an unknown segmentation, a
+    negative length, ...). ``param`` names the option at fault (OpenAI's error ``param``)."""
 
-    Raises:
-        UnsupportedTaskError: ``translate`` on a model that cannot translate (``unsupported_task``),
-            or a value that is not a task at all (code ``invalid_request``).
-    """
-    if task not in TASKS:
-        raise UnsupportedTaskError(f"task must be one of {', '.join(TASKS)}; got {task!r}", code="invalid_request")
-    if task == "translate" and not translates:
-        who = f"model {model!r}" + (f" ({family})" if family else "")
-        raise UnsupportedTaskError(f"{who} cannot translate (translation to English needs a multilingual "
-                                   f"Whisper model, e.g. --model base)")
-    return task
+    code = "invalid_request"
+    status = 400
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None):
+        super().__init__(message, code=code)
+        self.param = param
 
 
 class ModelLoadError(FlashASRError):

@@ -8,6 +8,9 @@ Parakeet-TDT fast path (engine engineer):
 * :mod:`.features_gpu` - ``NemoLogMel``, ``WhisperLogMel``, ``PinnedUploader``
 * :mod:`.fast_attention` - faster full-context rel-pos attention for the FastConformer
 * :mod:`.offline` - ``OfflineParakeetEngine`` (many waveforms -> tokens, pipelined)
+* :mod:`.parakeet_gpu` - ``ParakeetGPUASR``, :mod:`.whisper_gpu` - ``WhisperGPUASR``: the engines
+  behind the model interface (:func:`flashasr.pipeline.engines.accelerate` picks them)
+* :mod:`.onnx_export` - ONNX export; :mod:`.trt_backend` - EXPERIMENTAL, never built or run
 
 Names are imported lazily (``from flashasr.engine import OfflineParakeetEngine``) so importing
 the package does not load torch.

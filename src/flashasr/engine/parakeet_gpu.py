@@ -3,11 +3,11 @@
 :class:`ParakeetGPUASR` is a :class:`~flashasr.models.parakeet.model.ParakeetASR` whose encoder
 batches go through :class:`~flashasr.engine.offline.OfflineParakeetEngine` (encoder shape
 profiles captured as CUDA graphs, bf16 weights with float32 norms, full-graph label-looping
-TDT decoding with its own fallbacks). Everything above the pieces -- splitting long audio at
-pauses, timestamps, words, segments, the response shape -- is ParakeetASR's, so the CLI, the
-batch jobs and the server get the fast path by loading a Parakeet model on a CUDA device
-(:func:`~flashasr.models.registry.load_model` does it by default; ``FLASHASR_GPU_ENGINE=0``
-keeps the plain PyTorch path).
+TDT decoding with its own fallbacks). Everything around the tokens -- timestamps, words,
+segments, the response shape -- is ParakeetASR's; cutting long audio is the pipeline's. The CLI,
+the batch jobs and the server get this fast path by loading a Parakeet model on a CUDA device
+(:func:`flashasr.pipeline.engines.accelerate` picks it; ``engine="plain"`` or
+``FLASHASR_GPU_ENGINE=0`` keeps the plain PyTorch path).
 
 One engine serves one thread at a time (the engine's own lock guards the CUDA graphs and the
 pinned buffers): the server's scheduler and the job runner each call from one thread anyway.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import torch
 
 from ..models.parakeet.decoder import Hypothesis
 from ..models.parakeet.model import ParakeetASR
@@ -62,10 +61,13 @@ class ParakeetGPUASR(ParakeetASR):
         engine_kw.setdefault("conv_channels_last", True)
         if not str(asr.device).startswith("cuda"):
             raise ValueError(f"ParakeetGPUASR needs a model on a CUDA device, got {asr.device!r}")
-        self.__dict__.update(asr.__dict__)  # same config, modules, tokenizer and settings
+        # the same config, modules (weights), tokenizer and settings as ``asr``: no copy
+        super().__init__(asr.cfg, asr.net, asr.tokenizer, device=asr.device, dtype=asr.dtype, name=asr.name)
+        for k in ("decoding", "batch_size", "pad_min_seconds", "max_segment_seconds"):
+            setattr(self, k, getattr(asr, k))
         self.engine = OfflineParakeetEngine(asr, with_text=False, **engine_kw)
         self.batch_size = max(p.batch for p in self.engine.encoder.profiles)
-        # long audio is cut at pauses into pieces the largest profile holds (no eager fallback)
+        # the pipeline's window: pieces the largest profile holds (a longer input runs eagerly)
         self.max_segment_seconds = min(self.max_segment_seconds, max(p.seconds for p in self.engine.encoder.profiles))
         self.engine_info = {"profiles": [(p.batch, p.seconds) for p in self.engine.encoder.profiles],
                             "decoder_mode": str(self.engine.decoder.mode)}
@@ -82,20 +84,4 @@ class ParakeetGPUASR(ParakeetASR):
         return self.engine.encoder.memory_report()
 
 
-def gpu_engine_enabled(device: str) -> bool:
-    """Whether :func:`~flashasr.models.registry.load_model` wraps Parakeet models on ``device`` in
-    :class:`ParakeetGPUASR`: a CUDA device and ``FLASHASR_GPU_ENGINE`` not set to ``0``."""
-    import os
-
-    return str(device).startswith("cuda") and torch.cuda.is_available() \
-        and os.environ.get("FLASHASR_GPU_ENGINE", "1") != "0"
-
-
-def wrap_parakeet(asr: ParakeetASR, device: str, **engine_kw) -> ParakeetASR:
-    """``ParakeetGPUASR(asr)`` when :func:`gpu_engine_enabled`, else ``asr`` unchanged."""
-    if gpu_engine_enabled(device):
-        return ParakeetGPUASR(asr, **engine_kw)
-    return asr
-
-
-__all__ = ["ParakeetGPUASR", "gpu_engine_enabled", "wrap_parakeet"]
+__all__ = ["ParakeetGPUASR"]

@@ -1,4 +1,4 @@
-"""Optional TensorRT backend for the Parakeet encoder, behind the interface of
+"""EXPERIMENTAL -- never built or run: an optional TensorRT backend for the Parakeet encoder, behind the interface of
 :class:`~flashasr.engine.profiles.EncoderProfiles` (``select``, ``run``, ``warmup``,
 ``memory_report``, ``profiles``).
 
@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+
+EXPERIMENTAL = True  # no engine choice, door or benchmark uses this module; only its pure-Python parts are tested
 
 from ..errors import FlashASRError
 from .profiles import Profile

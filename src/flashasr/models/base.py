@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import AudioError
+from ..options import ModelCapabilities, TranscribeOptions
 from ..types import Transcript
 
 SAMPLE_RATE = 16_000
@@ -46,15 +47,22 @@ def as_waveform(w, label: str = "waveform") -> np.ndarray:
 
 
 class ASRModel(ABC):
-    """A loaded speech-to-text model.
+    """A loaded speech-to-text model: it transcribes exactly the waveforms it is given.
+
+    A model never cuts audio, never picks an engine and never validates a door's form: the
+    pipeline (:mod:`flashasr.pipeline`) cuts long recordings into pieces no longer than
+    ``max_segment_seconds`` and merges the pieces' transcripts; the doors build one
+    :class:`~flashasr.options.TranscribeOptions`, checked against :attr:`capabilities`.
 
     Attributes:
         name: human-readable model name (e.g. ``whisper-tiny.en``, ``parakeet-tdt``).
         family: ``"whisper"`` or ``"parakeet"``.
         sample_rate: input sample rate in Hz (16000 for both families).
-        max_segment_seconds: the longest audio the model takes in one encoder pass
-            (30.0 for Whisper); callers may cut long audio at pauses to at most this.
+        max_segment_seconds: the longest audio the model takes in one encoder pass (its window;
+            30.0 for Whisper); the pipeline's pieces are at most this long.
+        long_form: the model has its own procedure for longer audio (Whisper's seek loop).
         multilingual: whether ``language=None`` triggers language detection.
+        translates: ``task="translate"`` supported (multilingual Whisper).
         device: torch device string the weights live on.
     """
 
@@ -62,43 +70,54 @@ class ASRModel(ABC):
     family: str = "unknown"
     sample_rate: int = SAMPLE_RATE
     max_segment_seconds: float = 30.0
+    long_form: bool = False
     multilingual: bool = False
-    translates: bool = False  # task="translate" supported (multilingual Whisper)
+    translates: bool = False
     device: str = "cpu"
 
-    @abstractmethod
-    def transcribe_waveform(
-        self,
-        waveform: np.ndarray,
-        *,
-        language: str | None = None,
-        word_timestamps: bool = False,
-        task: str = "transcribe",
-    ) -> Transcript:
-        """Transcribe one utterance or long recording of any length.
+    def languages(self) -> frozenset | None:
+        """Codes the ``language`` option may take; None: the hint does not steer this model (any
+        valid code is accepted and echoed). Default: None."""
+        return None
+
+    @property
+    def capabilities(self) -> ModelCapabilities:
+        """What this model can do (:class:`~flashasr.options.ModelCapabilities`), asked by the
+        doors and the pipeline instead of copying the model's rules."""
+        return ModelCapabilities(name=str(self.name), family=str(self.family), sample_rate=int(self.sample_rate),
+                                 window_s=float(self.max_segment_seconds), long_form=bool(self.long_form),
+                                 languages=self.languages(), multilingual=bool(self.multilingual),
+                                 translates=bool(self.translates))
+
+    def transcribe_batch(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions | None = None,
+                         **changes) -> list[Transcript]:
+        """Transcribe several waveforms; result ``i`` equals :meth:`transcribe_waveform` on input ``i``
+        alone (same text, timestamps within one frame), however the model batches them.
 
         Args:
-            waveform: float32 array, shape [N] samples at ``sample_rate`` Hz, values in [-1, 1].
-            language: ISO 639-1 code, or None to detect (multilingual models) / use the model's.
-            word_timestamps: also fill ``Transcript.words``.
-            task: ``"transcribe"`` or ``"translate"`` (English text from speech in any language;
-                models with ``translates = True`` only, else :class:`~flashasr.errors.UnsupportedTaskError`).
+            waveforms: float32 arrays ``[N_i]`` at ``sample_rate`` Hz, values in [-1, 1], any length
+                (a model without ``long_form`` encodes an input longer than its window in one pass).
+            options: :class:`~flashasr.options.TranscribeOptions` (language, task, word_timestamps;
+                the segmentation fields are the pipeline's and are ignored here).
+            **changes: keyword shortcuts applied to ``options`` (``language="de"``, ``task=...``,
+                ``word_timestamps=True``).
         Returns:
-            Transcript with ``duration = N / sample_rate`` seconds and all times in [0, duration].
+            one :class:`~flashasr.types.Transcript` per input, ``duration = N_i / sample_rate``,
+            every time within ``[0, duration]``.
+        Raises:
+            AudioError (``invalid_audio``): an input that is not mono float samples or not finite.
+            UnsupportedLanguageError / UnsupportedTaskError: options this model cannot honour.
         """
+        opts = TranscribeOptions.build(options, **changes).resolve(self.capabilities)
+        waves = [as_waveform(w, f"waveform {i}") for i, w in enumerate(waveforms)]
+        return self._transcribe(waves, opts)
 
-    def transcribe_batch(
-        self,
-        waveforms: Sequence[np.ndarray],
-        *,
-        language: str | None = None,
-        word_timestamps: bool = False,
-        task: str = "transcribe",
-    ) -> list[Transcript]:
-        """Transcribe several waveforms; the default runs them one by one.
+    def transcribe_waveform(self, waveform: np.ndarray, options: TranscribeOptions | None = None,
+                            **changes) -> Transcript:
+        """Transcribe one waveform (see :meth:`transcribe_batch`)."""
+        return self.transcribe_batch([waveform], options, **changes)[0]
 
-        Engines override this to batch across inputs; the result must equal the
-        per-input result (same text, timestamps within one frame).
-        """
-        return [self.transcribe_waveform(w, language=language, word_timestamps=word_timestamps, task=task)
-                for w in waveforms]
+    @abstractmethod
+    def _transcribe(self, waveforms: list[np.ndarray], options: TranscribeOptions) -> list[Transcript]:
+        """The family's computation: checked float32 ``[N_i]`` waveforms and resolved options in,
+        one transcript per waveform out."""

@@ -1,13 +1,13 @@
 """Parakeet-TDT (NVIDIA NeMo FastConformer + TDT) implemented in PyTorch; see docs/PARAKEET.md.
 
 Entry points: :func:`load_parakeet` (a ``.nemo`` file), :func:`resolve_hub_id`
-(``nvidia/parakeet-tdt-0.6b-v3`` -> local ``.nemo``), :func:`build_random_parakeet`
-(architecture from a yaml, random weights); decoding interface in :mod:`.decoder`.
+(``nvidia/parakeet-tdt-0.6b-v3`` -> local ``.nemo``),; decoding interface in
+:mod:`.decoder`. Random weights of a config for benchmarks: :mod:`flashasr.random_models`.
 """
 
 from __future__ import annotations
 
-__all__ = ["load_parakeet", "ParakeetASR", "build_random_parakeet", "resolve_hub_id"]
+__all__ = ["load_parakeet", "ParakeetASR", "resolve_hub_id"]
 
 
 def __getattr__(name):  # lazy: importing the package does not import torch
@@ -15,10 +15,6 @@ def __getattr__(name):  # lazy: importing the package does not import torch
         from . import model
 
         return getattr(model, name)
-    if name == "build_random_parakeet":
-        from .config import build_random_parakeet
-
-        return build_random_parakeet
     if name == "resolve_hub_id":
         from .hub import resolve_hub_id
 

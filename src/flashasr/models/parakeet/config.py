@@ -5,8 +5,8 @@ Reads the keys NeMo's ``EncDecRNNTBPEModel`` uses for inference (``preprocessor`
 NeMo 3.0.0's constructor defaults. Anything this implementation does not compute raises
 :class:`flashasr.errors.UnsupportedModelError` naming the key and value.
 
-Also :func:`build_random_parakeet` (random weights from a yaml, for benchmarks) and
-:func:`parameter_count_formula` (architecture arithmetic, used to check the build).
+Also :func:`load_yaml_config` and :func:`parameter_count_formula` (architecture arithmetic, used to
+check a build). Random weights of a config, for benchmarks: :mod:`flashasr.random_models`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
-
-import torch
 
 from ...errors import ModelLoadError, UnsupportedModelError
 
@@ -352,82 +349,5 @@ def parameter_count_formula(cfg: ParakeetConfig) -> dict[str, int]:
     return {"encoder": enc, "predictor": pred, "joint": joint, "total": enc + pred + joint}
 
 
-def build_random_parakeet(config_path: str | os.PathLike | Mapping, device: str = "cpu",
-                          dtype: str | None = None, seed: int = 0):
-    """Build a :class:`~flashasr.models.parakeet.model.ParakeetASR` with random weights.
-
-    For benchmarks of the real architecture without its checkpoint (e.g. the
-    ``parakeet-tdt-0.6b-v3.yaml`` reconstruction). Weights are drawn under ``seed`` with
-    PyTorch's default initialisation; the tokenizer is a stand-in of the right size
-    (texts are meaningless). ``dtype``: "float32" (default), "bfloat16" or "float16".
-    """
-    from .model import ParakeetASR
-
-    cfg = load_yaml_config(config_path) if not isinstance(config_path, Mapping) else dict(config_path)
-    name = Path(str(config_path)).stem if not isinstance(config_path, Mapping) else "parakeet-random"
-    return ParakeetASR.from_config(cfg, tokenizer=None, device=device, dtype=dtype, seed=seed, name=name)
-
-
-# Output statistics for a random TDT joint, calibrated on the H200 (bench/bench_gpu_e2e.py,
-# calibrate_joint: blank-bias bisection over 64 real speech pieces through the bf16 engine) so that
-# greedy decoding of real speech emits about 3.4 tokens per audio second with a duration mix
-# like real speech. Benchmarks that serve a random-weight model use these fixed values and report
-# the token rate they realise.
-RANDOM_JOINT_OUT_SCALE = 4.0
-RANDOM_JOINT_BLANK_BIAS = 4.29
-RANDOM_JOINT_DURATION_BIAS = (-1.0, 0.6, 0.6, 0.4, 0.3)
-
-
-@torch.no_grad()
-def shape_random_joint(model, *, blank_bias: float = RANDOM_JOINT_BLANK_BIAS,
-                       duration_bias=RANDOM_JOINT_DURATION_BIAS, out_scale: float = RANDOM_JOINT_OUT_SCALE) -> None:
-    """Give a random-weight TDT joint (of ``model``, a ParakeetASR) realistic output statistics, in
-    place: token and blank rows of the output layer x ``out_scale``, output bias zero except the
-    blank logit (``blank_bias``) and the duration logits (``duration_bias``, one per duration).
-
-    Without this a random joint emits a token at almost every step (tens per second), which
-    makes decoder timings meaningless.
-
-    Raises:
-        ValueError: ``duration_bias`` does not have one value per TDT duration.
-    """
-    j = model.joint
-    V = j.blank_id
-    n_dur = j.out.weight.shape[0] - (V + 1)
-    if len(duration_bias) != n_dur:
-        raise ValueError(f"duration_bias has {len(duration_bias)} values, the joint has {n_dur} durations")
-    j.out.weight[: V + 1].mul_(out_scale)
-    j.out.bias.zero_()
-    j.out.bias[V] = blank_bias
-    j.out.bias[V + 1:] = torch.tensor(list(duration_bias), dtype=j.out.bias.dtype, device=j.out.bias.device)
-
-
-@torch.no_grad()
-def calibrate_random_joint(model, waveforms, *, target_tokens_per_s: float = 3.5, iters: int = 10,
-                           lo: float = -2.0, hi: float = 10.0) -> tuple[float, float]:
-    """Bisect the blank logit bias of a random joint (already :func:`shape_random_joint`-ed) so
-    that greedy decoding of ``waveforms`` (real speech, float32 16 kHz ``[N]`` each) emits
-    ``target_tokens_per_s`` tokens per audio second on this very model and device (the rate
-    depends on the encoder's numerics, e.g. bf16 on the GPU vs float32 on the CPU).
-
-    Uses ``model._decode_pieces`` (the model's own batched path, GPU engine included).
-    Returns ``(blank_bias, realised tokens per second)``; the bias is left set.
-    """
-    j = model.joint
-    V = j.blank_id
-    audio_s = sum(len(w) for w in waveforms) / model.sample_rate
-
-    def rate(b: float) -> float:
-        j.out.bias[V] = b
-        return sum(len(h.token_ids) for h in model._decode_pieces(list(waveforms))) / max(1e-9, audio_s)
-
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if rate(mid) > target_tokens_per_s else (lo, mid)
-    b = (lo + hi) / 2
-    return b, rate(b)
-
-
 __all__ = ["PreprocessorConfig", "EncoderConfig", "ParakeetConfig", "load_yaml_config",
-           "parameter_count_formula", "build_random_parakeet", "shape_random_joint", "calibrate_random_joint",
-           "RANDOM_JOINT_OUT_SCALE", "RANDOM_JOINT_BLANK_BIAS", "RANDOM_JOINT_DURATION_BIAS"]
+           "parameter_count_formula"]

@@ -6,10 +6,9 @@ waveform ``[N]`` float32 16 kHz -> :class:`MelPreprocessor` ``[B, n_mels, T_feat
 greedy TDT (:func:`greedy_tdt_label_looping`) -> token ids, frames, durations ->
 SentencePiece text and timestamps (:mod:`.timestamps`).
 
-Long recordings: inputs longer than ``max_segment_seconds`` are cut at pauses (VAD) into
-pieces of at most that length (``flashasr.audio.vad.split_for_asr``; a built-in low-energy
-cut is used when that module is unavailable), decoded as one batch, and their timestamps
-shifted to global time. See docs/PARAKEET.md.
+The model transcribes exactly the waveforms it is given: long recordings are cut at pauses
+into pieces of at most ``max_segment_seconds`` by the pipeline (:mod:`flashasr.pipeline`),
+which also merges the pieces' transcripts. See docs/PARAKEET.md.
 """
 
 from __future__ import annotations
@@ -22,9 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...errors import ModelLoadError, check_task
+from ...errors import ModelLoadError
+from ...options import TranscribeOptions
 from ...types import Transcript
-from ..base import ASRModel, as_waveform
+from ..base import ASRModel
 from .config import ParakeetConfig
 from .decoder import Hypothesis, TDTJoint, TDTPredictor, greedy_tdt_label_looping, greedy_tdt_reference
 from .encoder import ConformerEncoder
@@ -103,49 +103,6 @@ def random_init(net: "ParakeetModule", seed: int = 0) -> None:
     net.predictor.embed.weight[net.predictor.blank_id].zero_()
 
 
-def _fallback_split(samples: np.ndarray, sr: int, max_s: float) -> list[tuple[int, int]]:
-    """Cut into pieces <= ``max_s`` seconds at the quietest 10 ms frame of each window's last 30 %."""
-    n = len(samples)
-    max_n = max(int(max_s * sr), sr)
-    hop = sr // 100
-    out, start = [], 0
-    while n - start > max_n:
-        lo, hi = start + int(0.7 * max_n), start + max_n
-        seg = samples[lo:hi]
-        k = max(len(seg) // hop, 1)
-        energy = (seg[: k * hop].astype(np.float64).reshape(k, -1) ** 2).mean(1) if len(seg) >= hop else np.zeros(1)
-        cut = lo + int(np.argmin(energy)) * hop + hop // 2
-        cut = min(max(cut, start + 1), hi)
-        out.append((start, cut))
-        start = cut
-    out.append((start, n))
-    return out
-
-
-def split_long_audio(samples: np.ndarray, sr: int, max_s: float, method: str = "vad") -> list[tuple[int, int]]:
-    """Sample ranges ``[(start, end)]`` for the ASR passes, each at most ``max_s`` seconds.
-
-    Audio up to ``max_s`` is one range. Longer audio goes through
-    ``flashasr.audio.vad.split_for_asr(samples, sr, max_segment_s=max_s, method=method)``
-    (``vad``: cut at pauses, stretches without speech left out, possibly no range at all;
-    ``fixed``: consecutive windows); if that module is unavailable, a built-in cut at the
-    quietest 10 ms frame of each window's last 30 %.
-    """
-    n = len(samples)
-    if n <= max_s * sr:
-        return [(0, n)]
-    try:
-        from ...audio.vad import split_for_asr
-    except ImportError:
-        return _fallback_split(samples, sr, max_s)
-    out = []
-    for a, b in split_for_asr(samples, sr, max_segment_s=max_s, method=method):
-        a, b = max(0, int(a)), min(n, int(b))
-        if b > a:
-            out.append((a, b))
-    return out
-
-
 def _looks_multilingual(tokenizer) -> bool:
     """True when >= 2 % of the pieces carry non-ASCII letters (v3's 25-language vocabulary;
     v2's English 1024-piece vocabulary does not). Parakeet never detects a language explicitly."""
@@ -164,7 +121,7 @@ class ParakeetASR(ASRModel):
     ``joint`` (:class:`TDTJoint`), ``blank_id`` (= V), ``durations``, ``num_classes_with_blank``
     (= V + 1), ``max_symbols_per_step``, ``frame_seconds`` (0.08 for v2/v3), ``dtype`` (of the
     encoder; the preprocessor computes in float32, the predictor and joint are kept float32),
-    ``decoding`` ("label_looping" or "reference"), ``long_audio_method`` ("vad"/"fixed"),
+    ``decoding`` ("label_looping" or "reference"),
     ``batch_size`` (pieces per encoder batch), ``pad_min_seconds`` (default 0: pieces shorter
     than this are zero-padded half left / half right first, as NeMo ``transcribe()`` does with
     1.0 s; timestamps stay relative to the unpadded audio, clamped to it).
@@ -182,7 +139,6 @@ class ParakeetASR(ASRModel):
         self.device = str(device)
         self.sample_rate = cfg.preprocessor.sample_rate
         self.max_segment_seconds = 60.0
-        self.long_audio_method = "vad"
         self.decoding = "label_looping"
         self.batch_size = 16
         self.pad_min_seconds = 0.0
@@ -319,84 +275,47 @@ class ParakeetASR(ASRModel):
                 hyps[i] = h
         return hyps  # type: ignore[return-value]
 
-    def _check_waveform(self, w) -> np.ndarray:
-        return as_waveform(w)
-
-    def transcribe_batch(self, waveforms: Sequence[np.ndarray], *, language: str | None = None,
-                         word_timestamps: bool = False, task: str = "transcribe") -> list[Transcript]:
-        """Transcribe several waveforms together (pieces of all inputs share encoder batches).
-
-        Each waveform: float32 ``[N]`` at ``sample_rate`` Hz. ``language`` does not steer
-        Parakeet (v3 recognises its 25 languages implicitly); it is echoed in the result, and
-        None stays None. Results equal per-input :meth:`transcribe_waveform`. Parakeet-TDT only
-        transcribes: ``task="translate"`` raises :class:`~flashasr.errors.UnsupportedTaskError`.
-        """
-        check_task(task, translates=False, model=self.name, family="parakeet-tdt")
-        waves = [self._check_waveform(w) for w in waveforms]
+    def _transcribe(self, waveforms: list[np.ndarray], options: TranscribeOptions) -> list[Transcript]:
+        """Transcribe each waveform as one piece (all of them share encoder batches); results equal
+        per-input results. ``options.language`` does not steer Parakeet (v3 recognises its 25
+        languages implicitly): it is echoed in the result, and None stays None. Audio shorter than
+        one encoder frame (hop x subsampling = 80 ms for v2/v3) gives an empty transcript. A
+        waveform longer than ``max_segment_seconds`` is encoded in one pass (full attention: memory
+        grows with the square of its length); the pipeline cuts long recordings before this."""
         sr = self.sample_rate
-        spans: list[list[tuple[int, int]]] = []
-        pieces: list[np.ndarray] = []
         min_len = int(round(self.pad_min_seconds * sr))
-        shifts: list[int] = []
-        for w in waves:
-            sp = split_long_audio(w, sr, self.max_segment_seconds, self.long_audio_method)
-            spans.append(sp)
-            for a, b in sp:
-                piece = w[a:b]
-                left = 0
-                if len(piece) < min_len:  # NeMo transcribe(): zero-pad short clips, half each side
-                    left = (min_len - len(piece)) // 2
-                    piece = np.concatenate([np.zeros(left, np.float32), piece,
-                                            np.zeros(min_len - len(piece) - left, np.float32)])
-                pieces.append(piece)
-                shifts.append(left)
+        pieces, shifts = [], []
+        for w in waveforms:
+            left = 0
+            if len(w) < min_len:  # NeMo transcribe(): zero-pad short clips, half each side
+                left = (min_len - len(w)) // 2
+                w = np.concatenate([np.zeros(left, np.float32), w, np.zeros(min_len - len(w) - left, np.float32)])
+            pieces.append(w)
+            shifts.append(left)
         hyps = self._decode_pieces(pieces)
-        out, k = [], 0
-        for w, sp in zip(waves, spans):
-            parts = []
-            for a, _b in sp:
-                parts.append((hyps[k], (a - shifts[k]) / sr))
-                k += 1
-            out.append(self.build_transcript(parts, len(w) / sr, language=language,
-                                             word_timestamps=word_timestamps))
-        return out
+        return [self.transcript_of(h, len(w) / sr, offset=-left / sr, options=options)
+                for h, w, left in zip(hyps, waveforms, shifts)]
 
-    def build_transcript(self, parts: Sequence[tuple[Hypothesis, float]], duration: float, *,
-                         language: str | None = None, word_timestamps: bool = False) -> Transcript:
-        """A :class:`~flashasr.types.Transcript` from decoded pieces of one recording.
+    def transcript_of(self, hyp: Hypothesis, duration: float, *, offset: float = 0.0,
+                      options: TranscribeOptions | None = None) -> Transcript:
+        """A :class:`~flashasr.types.Transcript` from one decoded waveform.
 
         Args:
-            parts: ``(hypothesis, offset_seconds)`` per piece in time order (offset = the piece's
-                start in the recording); hypotheses from any decoder with this model's
-                vocabulary (e.g. the GPU engine's).
-            duration: recording length in seconds (all times are clamped to ``[0, duration]``).
+            hyp: token ids, encoder frames and durations from any decoder with this model's vocabulary
+                (the plain one or the GPU engine's).
+            duration: the waveform's length in seconds (times are clamped to ``[0, duration]``).
+            offset: seconds added to every time (``-left_pad`` when the input was zero-padded).
+            options: ``language`` is echoed, ``word_timestamps`` fills ``words``.
         Returns:
-            text (a single piece: exactly the SentencePiece decode; several: stripped piece texts
-            joined by a space), segments (with words) and, if asked, words; times global.
+            text (exactly the SentencePiece decode), segments (with words) and, if asked, words.
         """
-        texts, words_all, segs = [], [], []
-        for h, offset in parts:
-            text = self.tokenizer.decode(h.token_ids)
-            if text.strip():
-                texts.append(text.strip() if len(parts) > 1 else text)
-            toks = token_times(h.token_ids, h.token_frames, h.token_durations, self.frame_seconds,
-                               offset=offset, duration=duration, tokenizer=self.tokenizer)
-            words = group_words(toks, self.tokenizer)
-            segs.extend(build_segments(words, first_id=len(segs)))
-            words_all.extend(w_ for w_, _ in words)
-        text = texts[0] if len(texts) == 1 else " ".join(texts)
-        return Transcript(text=text, language=language, duration=duration, segments=segs,
-                          words=words_all if word_timestamps else None, model=self.name)
-
-    def transcribe_waveform(self, waveform: np.ndarray, *, language: str | None = None,
-                            word_timestamps: bool = False, task: str = "transcribe") -> Transcript:
-        """Transcribe one recording of any length (see :class:`~flashasr.models.base.ASRModel`).
-
-        Audio shorter than one encoder frame (hop x subsampling = 80 ms for v2/v3) gives an empty
-        transcript. Recordings longer than ``max_segment_seconds`` are cut at pauses; timestamps
-        stay global.
-        """
-        return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps, task=task)[0]
+        options = options or TranscribeOptions()
+        toks = token_times(hyp.token_ids, hyp.token_frames, hyp.token_durations, self.frame_seconds,
+                           offset=offset, duration=duration, tokenizer=self.tokenizer)
+        words = group_words(toks, self.tokenizer)
+        return Transcript(text=self.tokenizer.decode(hyp.token_ids), language=options.language, duration=duration,
+                          segments=build_segments(words, first_id=0),
+                          words=[w_ for w_, _ in words] if options.word_timestamps else None, model=self.name)
 
 
 def load_parakeet(path: str | os.PathLike, *, device: str = "cpu", dtype=None) -> ParakeetASR:
@@ -412,4 +331,4 @@ def load_parakeet(path: str | os.PathLike, *, device: str = "cpu", dtype=None) -
     return ParakeetASR.from_nemo(path, device=device, dtype=dtype)
 
 
-__all__ = ["ParakeetASR", "ParakeetModule", "load_parakeet", "parse_dtype", "split_long_audio"]
+__all__ = ["ParakeetASR", "ParakeetModule", "load_parakeet", "parse_dtype"]

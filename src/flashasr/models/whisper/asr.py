@@ -19,30 +19,23 @@ Data flow for a batch of waveforms (float32 ``[N_i]`` at 16 kHz):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
 
-from ...errors import FlashASRError, check_task
+from ...errors import UnsupportedLanguageError
+from ...options import TranscribeOptions
 from ...types import Segment, Transcript, Word
-from ..base import SAMPLE_RATE, ASRModel, as_waveform
+from ..base import SAMPLE_RATE, ASRModel
 from .alignment import align_words, default_alignment_heads
 from .decoding import DecodingResult, decode_with_fallback, detect_language, is_no_speech
 from .features import HOP_LENGTH, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .model import WhisperModel
-from .tokenizer import LANGUAGE_NAMES, WhisperTokenizer
+from .tokenizer import WhisperTokenizer
 
 __all__ = ["WhisperASR", "UnsupportedLanguageError"]
 
 INPUT_STRIDE = 2  # mel frames per encoder frame / timestamp step (20 ms)
-
-
-class UnsupportedLanguageError(FlashASRError):
-    """The requested language is not one the model's vocabulary has."""
-
-    code = "unsupported_language"
-    status = 400
 
 
 @dataclass
@@ -73,6 +66,7 @@ class WhisperASR(ASRModel):
 
     family = "whisper"
     max_segment_seconds = 30.0
+    long_form = True  # the reference's seek loop over 30 s windows
 
     def __init__(self, model: WhisperModel, tokenizer: WhisperTokenizer, *, name: str = "whisper",
                  device: str = "cpu", alignment_heads=None, max_batch: int = 16):
@@ -85,29 +79,25 @@ class WhisperASR(ASRModel):
         self.alignment_heads = [tuple(map(int, h)) for h in alignment_heads] if alignment_heads else None
         self.max_batch = max_batch
         self.dtype = next(model.parameters()).dtype
+        self._languages: frozenset | None = None
 
     def __repr__(self) -> str:
         return f"WhisperASR(name={self.name!r}, device={self.device!r}, dtype={self.dtype}, dims={self.model.dims})"
 
-    # ---- public API ----------------------------------------------------------------------
-    def transcribe_waveform(self, waveform: np.ndarray, *, language: str | None = None,
-                            word_timestamps: bool = False, task: str = "transcribe") -> Transcript:
-        """Transcribe one waveform (float32 ``[N]`` at 16 kHz, any length); see the module
-        docstring. ``task="translate"`` decodes with Whisper's ``<|translate|>`` token: English
-        text from speech in any language (multilingual models; ``language`` is then the SOURCE
-        language, detected when None, and the result's ``language`` is ``"en"``). Raises
-        :class:`~flashasr.errors.AudioError` for a non-1-D or non-finite input,
-        :class:`UnsupportedLanguageError` for an unknown ``language`` and
-        :class:`~flashasr.errors.UnsupportedTaskError` for translation on an English-only model."""
-        return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps, task=task)[0]
+    def languages(self) -> frozenset:
+        """The language codes of the vocabulary (``{"en"}`` for English-only models)."""
+        if self._languages is None:
+            self._languages = frozenset(self.tokenizer.language_tokens) if self.multilingual else frozenset({"en"})
+        return self._languages
 
-    def transcribe_batch(self, waveforms: Sequence[np.ndarray], *, language: str | None = None,
-                         word_timestamps: bool = False, task: str = "transcribe") -> list[Transcript]:
-        """Transcribe (or translate, see :meth:`transcribe_waveform`) several waveforms, batching
-        their windows through the encoder and the decoder; each result equals
-        :meth:`transcribe_waveform` on that input alone."""
-        check_task(task, translates=self.translates, model=self.name, family="whisper")
-        lang = self._check_language(language)
+    # ---- the computation -----------------------------------------------------------------
+    def _transcribe(self, waveforms: list[np.ndarray], options: TranscribeOptions) -> list[Transcript]:
+        """Transcribe (``task="translate"``: English text from speech in any language; ``language``
+        is then the SOURCE language, detected when None, and the result's language is ``"en"``)
+        the waveforms, batching their windows through the encoder and the decoder; each result
+        equals the same input alone. Any length: longer than 30 s runs the reference's seek loop."""
+        task, word_timestamps = options.task, options.word_timestamps
+        lang = options.language if options.language is not None else (None if self.multilingual else "en")
         jobs = [self._make_job(i, w, lang) for i, w in enumerate(waveforms)]
         with torch.inference_mode():
             while True:
@@ -132,22 +122,8 @@ class WhisperASR(ASRModel):
         return out
 
     # ---- internals -----------------------------------------------------------------------
-    def _check_language(self, language: str | None) -> str | None:
-        if language is None:
-            return None if self.multilingual else "en"
-        code = language.strip().lower()
-        code = {name: c for c, name in LANGUAGE_NAMES.items()}.get(code, code)  # "german" -> "de"
-        if not self.multilingual:
-            if code != "en":
-                raise UnsupportedLanguageError(f"model {self.name} is English-only; language {language!r} "
-                                               "is not supported (use a multilingual model)")
-            return "en"
-        if code not in self.tokenizer.language_tokens:
-            raise UnsupportedLanguageError(f"language {language!r} is not supported by {self.name}")
-        return code
-
     def _make_job(self, i: int, w, language: str | None) -> _Job:
-        a = as_waveform(w, f"waveform {i}")
+        a = w
         mel = log_mel_spectrogram(a, self.model.dims.n_mels, padding=N_SAMPLES, device=self.device)
         return _Job(index=i, mel=mel, content_frames=a.size // HOP_LENGTH, duration=a.size / SAMPLE_RATE,
                     language=language)

@@ -443,7 +443,7 @@ def _find_tokenizer(near: Path, n_vocab: int) -> Path:
     for cand in (near / "tokenizer.json", near.parent / "tokenizer.json"):
         if cand.is_file():
             return cand
-    from .embedded import embedded_dir
+    from .packages import embedded_dir
 
     if n_vocab == 51864:
         return embedded_dir("tiny.en") / "tokenizer.json"

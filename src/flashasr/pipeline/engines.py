@@ -1,0 +1,97 @@
+"""The one place that picks the engine for a model on a device, and the model loader of the doors.
+
+==================  ============  ====================================================
+family              device        runs on
+==================  ============  ====================================================
+Parakeet-TDT        CUDA          :class:`~flashasr.engine.parakeet_gpu.ParakeetGPUASR`
+                                  (encoder shape profiles as CUDA graphs, full-graph TDT
+                                  decoder)
+Whisper             CUDA          :class:`~flashasr.engine.whisper_gpu.WhisperGPUASR`
+                                  (static KV cache, CUDA-graph decode steps; transcripts
+                                  equal the reference decoder's, tested on the H200)
+any                 CPU           the model as loaded (plain PyTorch)
+==================  ============  ====================================================
+
+``engine="plain"`` (or the environment variable ``FLASHASR_GPU_ENGINE=0``) keeps the plain
+PyTorch path on a GPU. :mod:`flashasr.models` loads weights and knows nothing of engines.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from ..errors import FlashASRError
+
+ENGINES = ("auto", "plain")
+
+
+def _check_engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise FlashASRError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}", code="invalid_request")
+    return engine
+
+
+def gpu_engine_enabled(device: str, engine: str = "auto") -> bool:
+    """Whether :func:`accelerate` wraps a model on ``device``: ``engine="auto"``, a CUDA device that
+    torch can use, and ``FLASHASR_GPU_ENGINE`` not set to ``0``."""
+    if _check_engine(engine) == "plain" or not str(device).startswith("cuda"):
+        return False
+    if os.environ.get("FLASHASR_GPU_ENGINE", "1") == "0":
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no usable torch CUDA
+        return False
+
+
+def accelerate(model, engine: str = "auto", **engine_kw):
+    """The model behind its GPU engine when :func:`gpu_engine_enabled` (see the table above), else
+    the model unchanged. ``engine_kw`` go to the engine wrapper's constructor.
+
+    Raises:
+        FlashASRError (``invalid_request``): an unknown ``engine``.
+    """
+    if not gpu_engine_enabled(getattr(model, "device", "cpu"), engine):
+        return model
+    family = getattr(model, "family", None)
+    if family == "parakeet":
+        from ..engine.parakeet_gpu import ParakeetGPUASR
+
+        return model if isinstance(model, ParakeetGPUASR) else ParakeetGPUASR(model, **engine_kw)
+    if family == "whisper":
+        from ..engine.whisper_gpu import WhisperGPUASR
+
+        return model if isinstance(model, WhisperGPUASR) else WhisperGPUASR(model, **engine_kw)
+    return model
+
+
+def load_model(spec=None, *, device: str = "cpu", dtype: str | None = None, engine: str = "auto"):
+    """Load a model (:func:`flashasr.models.registry.load_model` specs, plus ``random:NAME`` for
+    benchmarks, :mod:`flashasr.random_models`) and put it behind its engine (:func:`accelerate`).
+
+    Raises:
+        ModelLoadError / UnsupportedModelError: as the registry; FlashASRError for a bad ``engine``.
+    """
+    _check_engine(engine)
+    s = None if spec is None else str(spec)
+    if s is not None and s.startswith("random:"):
+        from ..random_models import load_random_model
+
+        return load_random_model(s[len("random:"):], device=device, dtype=dtype,
+                                 accelerate=lambda m: accelerate(m, engine))
+    from ..models.registry import load_model as load_weights
+
+    return accelerate(load_weights(s, device=device, dtype=dtype), engine)
+
+
+@functools.lru_cache(maxsize=4)
+def cached_model(spec: str | None = None, device: str = "cpu", dtype: str | None = None, engine: str = "auto"):
+    """Like :func:`load_model` but keeps up to 4 loaded models per process (in-process callers of
+    ``flashasr.transcribe`` and the CLI reuse a loaded model)."""
+    return load_model(spec, device=device, dtype=dtype, engine=engine)
+
+
+__all__ = ["ENGINES", "accelerate", "gpu_engine_enabled", "load_model", "cached_model"]

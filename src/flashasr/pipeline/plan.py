@@ -1,0 +1,107 @@
+"""The one segmentation policy: a recording becomes pieces the model can take.
+
+Input: float32 samples ``[N]`` at the model's rate, resolved
+:class:`~flashasr.options.TranscribeOptions` and the model's
+:class:`~flashasr.options.ModelCapabilities`. Output: sample ranges ``[(start, end), ...]``,
+sorted, each ``samples[start:end]`` one model input whose times add ``start / rate`` to become
+global. ``W`` below is ``min(options.max_segment_s, caps.window_s)``.
+
+==============  =====================================================================
+segmentation    pieces
+==============  =====================================================================
+``vad``         Silero VAD (:func:`flashasr.audio.vad.split_for_asr`): speech spans padded,
+                grouped and cut at the longest pause that keeps a piece <= ``W``; stretches
+                without speech are left out, so a recording without speech has no piece
+                (an empty transcript, no model call). A recording no longer than ``W`` that
+                holds speech goes in whole: VAD only decides whether it holds speech.
+``fixed``       consecutive windows of ``W`` covering ``[0, N)``.
+``none``        ``[(0, N)]``: the model's own long-form procedure (Whisper's 30 s seek). A
+                model without one (Parakeet-TDT) gets ``[(0, N)]`` up to ``W`` and ``vad``
+                pieces beyond: its window is a hard limit.
+==============  =====================================================================
+
+An empty recording has no piece. This runs on CPU workers (the job runner's decode pool, the
+server's CPU pool), never on the model's thread. Cost: the VAD, 8.8 CPU-s per audio hour on the
+2-core VM (``bench/results/cpu_audio_vm.json``, ``sequence_onnx_512_frames_per_call``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ..options import ModelCapabilities, TranscribeOptions
+
+Splitter = Callable[[np.ndarray, int, float, str], list]
+
+
+def vad_split(samples: np.ndarray, sample_rate: int, max_segment_s: float, method: str) -> list[tuple[int, int]]:
+    """:func:`flashasr.audio.vad.split_for_asr` (``method`` ``vad`` or ``fixed``); without the VAD
+    module (its ONNX runtime missing), :func:`quiet_split`."""
+    try:
+        from ..audio.vad import split_for_asr
+    except ImportError:
+        return quiet_split(samples, sample_rate, max_segment_s)
+    return split_for_asr(samples, sample_rate, max_segment_s=max_segment_s, method=method)
+
+
+def quiet_split(samples: np.ndarray, sr: int, max_s: float) -> list[tuple[int, int]]:
+    """Cut into pieces <= ``max_s`` seconds at the quietest 10 ms frame of each window's last 30 %
+    (contiguous, covering every sample; the fallback when the VAD cannot load)."""
+    n = len(samples)
+    max_n = max(int(max_s * sr), sr)
+    hop = sr // 100
+    out, start = [], 0
+    while n - start > max_n:
+        lo, hi = start + int(0.7 * max_n), start + max_n
+        seg = samples[lo:hi]
+        k = max(len(seg) // hop, 1)
+        energy = (seg[: k * hop].astype(np.float64).reshape(k, -1) ** 2).mean(1) if len(seg) >= hop else np.zeros(1)
+        cut = lo + int(np.argmin(energy)) * hop + hop // 2
+        cut = min(max(cut, start + 1), hi)
+        out.append((start, cut))
+        start = cut
+    out.append((start, n))
+    return out
+
+
+def piece_limit_s(options: TranscribeOptions, caps: ModelCapabilities) -> float:
+    """``W``: the longest piece in seconds (the option, at most the model's window)."""
+    w = float(caps.window_s)
+    return w if options.max_segment_s is None else min(float(options.max_segment_s), w)
+
+
+def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapabilities, *,
+                split: Splitter | None = None) -> list[tuple[int, int]]:
+    """Sample ranges for one recording (see the module docstring for the policy).
+
+    Args:
+        samples: float32 ``[N]`` at ``caps.sample_rate``.
+        options: ``segmentation`` and ``max_segment_s`` are used.
+        caps: the model's window and whether it has a long-form procedure.
+        split: replaces :func:`vad_split` (``split(samples, rate, max_s, method)``; tests and
+            benchmarks with pre-computed cuts).
+    Returns:
+        sorted, non-empty ``(start, end)`` ranges within ``[0, N]``, each at most ``W`` long
+        except the single ``none`` range of a long-form model.
+    """
+    n = int(samples.shape[0])
+    if n == 0:
+        return []
+    sr = int(caps.sample_rate)
+    limit = piece_limit_s(options, caps)
+    fits = n <= int(limit * sr)
+    method = options.segmentation
+    if method == "none":
+        if caps.long_form or fits:
+            return [(0, n)]
+        method = "vad"
+    pieces = [(max(0, int(a)), min(n, int(b))) for a, b in (split or vad_split)(samples, sr, limit, method)]
+    pieces = [(a, b) for a, b in pieces if b > a]
+    if pieces and fits:
+        return [(0, n)]
+    return pieces
+
+
+__all__ = ["plan_pieces", "piece_limit_s", "vad_split", "quiet_split", "Splitter"]

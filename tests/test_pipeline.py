@@ -1,0 +1,189 @@
+"""The pipeline between the doors and the models: the one segmentation policy, the one merger,
+per-piece failure isolation, the one engine choice; models transcribe exactly what they get."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import AUDIO, PARAKEET_FIXTURES
+from flashasr.errors import FlashASRError
+from flashasr.models.base import ASRModel
+from flashasr.options import ModelCapabilities, TranscribeOptions
+from flashasr.pipeline import engines, merge_pieces, plan_pieces, transcribe_pieces, transcribe_samples
+from flashasr.types import Segment, Transcript, Word
+
+SR = 16000
+WHISPERISH = ModelCapabilities(name="w", family="whisper", window_s=30.0, long_form=True)
+PARAKEETISH = ModelCapabilities(name="p", family="parakeet", window_s=60.0, long_form=False)
+
+
+class Splitter:
+    """Records its calls; cuts fixed 10 s ranges (or none: 'no speech')."""
+
+    def __init__(self, speech: bool = True):
+        self.calls = []
+        self.speech = speech
+
+    def __call__(self, samples, sr, max_s, method):
+        self.calls.append((len(samples), sr, max_s, method))
+        if not self.speech:
+            return []
+        n = 10 * sr
+        return [(a, min(a + n + 5, len(samples) + 7)) for a in range(0, len(samples), n)]  # overshoots: clipped
+
+
+def _plan(seconds: float, caps, speech=True, **opts):
+    sp = Splitter(speech)
+    o = TranscribeOptions(**opts).resolve(caps)
+    return plan_pieces(np.zeros(int(seconds * SR), np.float32), o, caps, split=sp), sp.calls
+
+
+def test_plan_policy_table():
+    # vad: a recording that fits and holds speech goes whole; without speech: no piece at all
+    assert _plan(20, WHISPERISH) == ([(0, 20 * SR)], [(20 * SR, SR, 30.0, "vad")])
+    assert _plan(20, WHISPERISH, speech=False)[0] == []
+    # longer than the window: the splitter's ranges, clipped to the recording
+    pieces, calls = _plan(45, WHISPERISH)
+    assert pieces == [(0, 10 * SR + 5), (10 * SR, 20 * SR + 5), (20 * SR, 30 * SR + 5), (30 * SR, 40 * SR + 5),
+                      (40 * SR, 45 * SR)]
+    # max_segment_s reaches the splitter, clamped to the window
+    assert _plan(45, WHISPERISH, max_segment_s=12)[1][0][2] == 12.0
+    assert _plan(45, WHISPERISH, max_segment_s=99)[1][0][2] == 30.0
+    assert _plan(45, WHISPERISH, segmentation="fixed")[1][0][3] == "fixed"
+    # none: the model's own long-form procedure (no VAD at all) ...
+    assert _plan(300, WHISPERISH, segmentation="none") == ([(0, 300 * SR)], [])
+    assert _plan(2, WHISPERISH, segmentation="none", speech=False) == ([(0, 2 * SR)], [])
+    # ... and a model without one is still cut at pauses beyond its window
+    assert _plan(50, PARAKEETISH, segmentation="none") == ([(0, 50 * SR)], [])
+    pieces, calls = _plan(70, PARAKEETISH, segmentation="none")
+    assert len(pieces) == 7 and calls == [(70 * SR, SR, 60.0, "vad")]
+    assert plan_pieces(np.zeros(0, np.float32), TranscribeOptions(), WHISPERISH) == []
+
+
+def test_plan_with_the_real_vad():
+    """clip, 30 s of silence, clip: two pieces around the speech; 5 s of silence: none."""
+    from flashasr.audio import load_audio
+
+    a = load_audio(AUDIO / "en" / "en-ls-61-70968-0002.wav").samples
+    x = np.concatenate([a, np.zeros(30 * SR, np.float32), a])
+    pieces = plan_pieces(x, TranscribeOptions().resolve(WHISPERISH), WHISPERISH)
+    assert len(pieces) == 2 and pieces[0][0] < 0.5 * SR and pieces[1][1] > len(x) - 0.5 * SR
+    assert pieces[0][1] < len(a) + SR and pieces[1][0] > len(a) + 29 * SR
+    assert plan_pieces(np.zeros(5 * SR, np.float32), TranscribeOptions(), WHISPERISH) == []
+    assert plan_pieces(a, TranscribeOptions(), WHISPERISH) == [(0, len(a))]
+
+
+class Fake(ASRModel):
+    """Text = the piece's length in samples; fails on one length; records what it is given."""
+
+    name, family, max_segment_seconds, long_form = "fake", "parakeet", 60.0, False
+
+    def __init__(self, fail_len=None):
+        self.fail_len = fail_len
+        self.calls = []
+
+    def _transcribe(self, waves, options):
+        self.calls.append(([len(w) for w in waves], options))
+        if self.fail_len in [len(w) for w in waves]:
+            raise RuntimeError("boom")
+        out = []
+        for w in waves:
+            d = len(w) / SR
+            words = [Word(" x", 0.1, d)] if options.word_timestamps else None
+            out.append(Transcript(f" n{len(w)} ", options.language, d, [Segment(0, 0.1, d, f" n{len(w)}",
+                                                                          words=list(words or []))], words))
+        return out
+
+
+def test_one_bad_piece_fails_alone():
+    m = Fake(fail_len=300)
+    waves = [np.zeros(n, np.float32) for n in (100, 300, 200)]
+    got = transcribe_pieces(m, waves, TranscribeOptions())
+    assert got[0].text.strip() == "n100" and got[2].text.strip() == "n200"
+    assert isinstance(got[1], RuntimeError)
+    assert [c[0] for c in m.calls] == [[100, 300, 200], [100], [300], [200]]
+    assert transcribe_pieces(m, [], TranscribeOptions()) == []
+    # a model returning the wrong number of results is caught and each piece retried alone
+
+    class Short(Fake):
+        def transcribe_batch(self, waves, options=None, **kw):
+            got = super().transcribe_batch(waves, options, **kw)
+            return got[:1] if len(waves) > 1 else got
+
+    got = transcribe_pieces(Short(), waves[:2], TranscribeOptions())
+    assert [t.text.strip() for t in got] == ["n100", "n300"]
+
+    class Interrupt(Fake):
+        def _transcribe(self, waves, options):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        transcribe_pieces(Interrupt(), waves, TranscribeOptions())
+
+
+def test_merge_sets_duration_language_task_and_global_times():
+    opts = TranscribeOptions(language="de", word_timestamps=True)
+    a = Transcript(" eins ", None, 2.0, [Segment(0, 0.5, 1.5, " eins", seek=10, words=[Word(" eins", 0.5, 1.5)])],
+                   [Word(" eins", 0.5, 1.5)], "m")
+    b = Transcript("zwei", None, 2.0, [Segment(0, 0.2, 2.0, " zwei", words=[Word(" zwei", 0.2, 2.0)])],
+                   [Word(" zwei", 0.2, 2.0)], "m")
+    t = merge_pieces([(0.0, a), (9.0, b)], 10.5, options=opts)
+    assert (t.text, t.language, t.duration, t.model, t.task) == ("eins zwei", "de", 10.5, "m", "transcribe")
+    assert [(s.id, s.start, s.end, s.seek) for s in t.segments] == [(0, 0.5, 1.5, 10), (1, 9.2, 10.5, 900)]
+    assert [(w.start, w.end) for w in t.words] == [(0.5, 1.5), (9.2, 10.5)]  # clipped to the duration
+    assert merge_pieces([(0.0, a)], 2.0, options=TranscribeOptions()).words is None
+    tr = merge_pieces([], 3.0, options=TranscribeOptions(task="translate"), model="m")
+    assert (tr.text, tr.language, tr.task, tr.duration, tr.segments) == ("", "en", "translate", 3.0, [])
+    detected = Transcript("x", "fr", 1.0, [], None)
+    assert merge_pieces([(0.0, detected)], 1.0, options=TranscribeOptions()).language == "fr"
+
+
+def test_models_never_cut_and_the_pipeline_does(monkeypatch):
+    """A 70 s recording: the Parakeet model given it directly encodes it as one piece; through the
+    pipeline it gets pieces no longer than its window, and the merged duration is the recording's."""
+    from flashasr.models.parakeet.decoder import Hypothesis
+    from flashasr.models.parakeet.model import ParakeetASR
+
+    m = ParakeetASR.from_nemo(PARAKEET_FIXTURES / "tiny-tdt" / "model.nemo")
+    seen = []
+
+    def fake_decode(pieces):
+        seen.append([len(p) for p in pieces])
+        return [Hypothesis([2], [0], [1]) for _ in pieces]
+
+    monkeypatch.setattr(m, "_decode_pieces", fake_decode)
+    x = np.random.default_rng(0).standard_normal(70 * SR).astype(np.float32) * 0.01
+    assert m.transcribe_waveform(x).duration == 70.0 and seen == [[70 * SR]]
+    seen.clear()
+    t = transcribe_samples(m, x, TranscribeOptions(segmentation="fixed", max_segment_s=30))
+    assert seen == [[30 * SR, 30 * SR, 10 * SR]] and t.duration == 70.0 and t.text == "a a a"
+
+
+def test_transcribe_samples_checks_options_and_audio_first():
+    m = Fake()
+    with pytest.raises(FlashASRError) as e:
+        transcribe_samples(m, np.zeros(SR, np.float32), TranscribeOptions(task="translate"))
+    assert e.value.code == "unsupported_task" and m.calls == []
+    with pytest.raises(FlashASRError) as e:
+        transcribe_samples(m, np.full(SR, np.nan, np.float32), TranscribeOptions(segmentation="none"))
+    assert e.value.code == "invalid_audio" and m.calls == []
+    t = transcribe_samples(m, np.zeros(SR, np.float32), TranscribeOptions(segmentation="none", language="nl"))
+    assert (t.text, t.language, t.duration) == ("n16000", "nl", 1.0)
+
+
+def test_engine_choice_is_one_place(monkeypatch):
+    m = Fake()
+    assert engines.accelerate(m) is m  # a CPU model stays as it is
+    m.device = "cuda:0"
+    monkeypatch.setenv("FLASHASR_GPU_ENGINE", "0")
+    assert not engines.gpu_engine_enabled("cuda:0") and engines.accelerate(m) is m
+    monkeypatch.delenv("FLASHASR_GPU_ENGINE")
+    assert not engines.gpu_engine_enabled("cuda:0", "plain") and not engines.gpu_engine_enabled("cpu")
+    with pytest.raises(FlashASRError, match="engine must be one of"):
+        engines.accelerate(m, engine="turbo")
+    with pytest.raises(FlashASRError, match="engine must be one of"):
+        engines.load_model("tiny.en", engine="fast")
+    from flashasr.models.whisper.asr import WhisperASR
+
+    assert type(engines.load_model("tiny.en", engine="plain")) is WhisperASR
