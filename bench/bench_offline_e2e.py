@@ -60,6 +60,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+
+from flashasr.models.base import ASRModel  # noqa: E402 - after the src path (NullModel's base)
+
 SHARED = Path(os.environ.get("FLASHASR_SHARED", REPO.parent / "shared"))
 AUDIO = SHARED / "audio"
 TINY_NEMO = SHARED / "fixtures" / "parakeet" / "tiny-tdt" / "model.nemo"
@@ -181,7 +184,7 @@ def cmd_prepare(args) -> int:
 def cmd_shared(args) -> int:
     """Copy what ``random:NAME`` needs from the shared folder into ``--out``: the Parakeet YAML
     configs and the English 16 kHz WAV clips its joint calibration picks (the same rule as
-    :func:`flashasr.models.registry._calibration_speech`: sorted ``audio/en/*.wav``, mono
+    :func:`flashasr.random_models.calibration_speech`: sorted ``audio/en/*.wav``, mono
     16-bit 16 kHz, 2-30 s, the first six)."""
     out = Path(args.out)
     (out / "fixtures" / "parakeet").mkdir(parents=True, exist_ok=True)
@@ -396,22 +399,24 @@ def build_inputs(files: list[dict], root: Path, reps: int) -> list[Path]:
     return out
 
 
-def runner_pieces(samples: np.ndarray, sr: int, seg_max: float, split, method: str = "vad") -> list[tuple[int, int]]:
-    """The pieces :func:`run_job` cuts (same rule as its ``_prepare``: VAD (or fixed) split, and a
-    file that fits one window goes whole when it holds speech)."""
-    pieces = [(int(a), int(b)) for a, b in split(samples, sr, seg_max, method)]
-    pieces = [(max(0, a), min(int(samples.size), b)) for a, b in pieces if b > a]
-    if pieces and samples.size <= int(seg_max * sr):
-        pieces = [(0, int(samples.size))]
-    return pieces
+def runner_pieces(samples: np.ndarray, sr: int, seg_max: float, split=None, method: str = "vad",
+                  caps=None) -> list[tuple[int, int]]:
+    """The pieces :func:`run_job` cuts: :func:`flashasr.pipeline.plan_pieces` with ``segmentation=
+    method`` and ``max_segment_s=seg_max`` (``split``: its VAD splitter hook, None: the VAD) for a
+    model of ``caps`` (default: a model whose window is ``seg_max`` at ``sr`` Hz)."""
+    from flashasr.options import ModelCapabilities, TranscribeOptions
+    from flashasr.pipeline import plan_pieces
+
+    caps = caps or ModelCapabilities(sample_rate=sr, window_s=seg_max)
+    return plan_pieces(samples, TranscribeOptions(segmentation=method, max_segment_s=seg_max), caps, split=split)
 
 
-def predecode(files: list[dict], sr: int, seg_max: float, workers: int, method: str = "vad") -> tuple[dict, dict]:
+def predecode(files: list[dict], sr: int, seg_max: float, workers: int, method: str = "vad",
+              caps=None) -> tuple[dict, dict]:
     """Decode every distinct corpus file once (thread pool), timing per file with per-thread CPU
     clocks: container decode at the source rate alone, the full ``load_audio`` to ``sr`` Hz
     (decode + downmix + resample), and VAD. Returns ({abspath: (samples, pieces)}, cost table)."""
     from flashasr.audio import load_audio
-    from flashasr.jobs.runner import _default_split
 
     def one(f):
         dec, full = float("inf"), float("inf")
@@ -424,7 +429,7 @@ def predecode(files: list[dict], sr: int, seg_max: float, workers: int, method: 
             dec, full = min(dec, c1 - c0), min(full, c2 - c1)
         x = np.ascontiguousarray(a.samples, dtype=np.float32)
         c2 = time.thread_time()
-        pieces = runner_pieces(x, sr, seg_max, _default_split, method)
+        pieces = runner_pieces(x, sr, seg_max, None, method, caps)
         c3 = time.thread_time()
         return f, x, pieces, native.sample_rate, dec, full, c3 - c2
 
@@ -469,7 +474,7 @@ class _Decoded:
         self.samples = samples
 
 
-class NullModel:
+class NullModel(ASRModel):
     """A model that costs (almost) nothing: the CPU path's own ceiling (decode, resample, VAD,
     merging, rendering, writing) when run through ``run_job``. Same sample rate and piece
     length as the real model; each piece gets one segment with 2.5 words per second of audio
@@ -484,19 +489,16 @@ class NullModel:
         self.sample_rate = sample_rate
         self.max_segment_seconds = max_segment_seconds
 
-    def transcribe_batch(self, waveforms, *, language=None, word_timestamps=False):
+    def _transcribe(self, waveforms, options):
         from flashasr.types import Segment, Transcript
 
         out = []
         for w in waveforms:
             dur = len(w) / self.sample_rate
             text = " word" * max(1, int(2.5 * dur))
-            out.append(Transcript(text=text, language=language, duration=dur,
+            out.append(Transcript(text=text, language=options.language, duration=dur,
                                   segments=[Segment(0, 0.0, dur, text)], model=self.name))
         return out
-
-    def transcribe_waveform(self, waveform, *, language=None, word_timestamps=False):
-        return self.transcribe_batch([waveform], language=language, word_timestamps=word_timestamps)[0]
 
 
 def job_row(name: str, rep, extra: dict | None = None) -> dict:
@@ -557,7 +559,7 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
     from flashasr.jobs import run_job
     from flashasr.jobs.gpumon import NvmlSampler
     from flashasr.jobs.runner import default_batch_size, default_cpu_pool, default_workers
-    from flashasr.models.registry import load_model
+    from flashasr.pipeline.engines import load_model
 
     if args.smoke:
         args.device = "cpu"
@@ -767,7 +769,7 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
         try:
             log("predecode: distinct corpus files, per-thread CPU clocks")
             with TimeBox(max(cap("predecode"), min(30.0, 0.3 * left()))):  # the b parts need it
-                arrays, cost = predecode(files, sr, seg_max, workers, args.segmentation)
+                arrays, cost = predecode(files, sr, seg_max, workers, args.segmentation, model.capabilities)
             if arrays is None:
                 raise KeyboardInterrupt
             d["stage_cost_single_thread"] = cost

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from conftest import AUDIO
-from flashasr.jobs import (InputError, InputItem, Summary, atomic_write_text, expand_inputs, merge_transcripts,
-                           read_manifest, run_job)
+from flashasr.jobs import InputError, Summary, atomic_write_text, expand_inputs, read_manifest, run_job
 from flashasr.models.base import ASRModel
+from flashasr.options import TranscribeOptions
+from flashasr.pipeline import merge_pieces
 from flashasr.types import Segment, Transcript, Word
 
 SR = 16000
@@ -36,19 +37,19 @@ class HashModel(ASRModel):
         self.batches: list[int] = []
         self.fail_len = fail_len
 
-    def transcribe_waveform(self, w, *, language=None, word_timestamps=False):
+    def _one(self, w, options: TranscribeOptions) -> Transcript:
         if self.fail_len is not None and len(w) == self.fail_len:
             raise RuntimeError("boom")
         d = len(w) / SR
         h = zlib.crc32(np.asarray(w, np.float32).tobytes()) % 100000
         txt = f" h{h} n{len(w)}"
-        words = [Word(" h", 0.0, d / 2), Word(" n", d / 2, d)] if word_timestamps else None
-        return Transcript(text=txt, language=language or "en", duration=d,
+        words = [Word(" h", 0.0, d / 2), Word(" n", d / 2, d)] if options.word_timestamps else None
+        return Transcript(text=txt, language=options.language or "en", duration=d,
                           segments=[Segment(0, 0.0, d, txt)], words=words)
 
-    def transcribe_batch(self, ws, *, language=None, word_timestamps=False):
+    def _transcribe(self, ws, options):
         self.batches.append(len(ws))
-        return [self.transcribe_waveform(w, language=language, word_timestamps=word_timestamps) for w in ws]
+        return [self._one(w, options) for w in ws]
 
 
 def fixed_split(samples, sr, max_s, method):
@@ -121,7 +122,8 @@ def test_merge_offsets_clip_and_join():
     b = Transcript(" General Kenobi.", "en", 2.0, [Segment(0, 0.2, 2.5, " General Kenobi.")],
                    words=[Word(" General", 0.2, 0.9)])
     empty = Transcript("", None, 1.0, [])
-    t = merge_transcripts([(0.0, a), (3.0, empty), (10.0, b)], duration=12.0, word_timestamps=True)
+    t = merge_pieces([(0.0, a), (3.0, empty), (10.0, b)], duration=12.0,
+                     options=TranscribeOptions(word_timestamps=True))
     assert t.text == "Hello there. General Kenobi."
     assert [s.id for s in t.segments] == [0, 1]
     assert t.segments[1].start == pytest.approx(10.2) and t.segments[1].end == 12.0  # clipped to duration
@@ -255,7 +257,7 @@ def test_bad_arguments_raise_clear_errors(synth_dir):
 
 def test_real_model_batched_equals_per_file(tmp_path):
     """tiny.en: three clips in one cross-file batch give the same outputs as one by one."""
-    from flashasr.models.registry import cached_model
+    from flashasr.pipeline import cached_model
 
     m = cached_model(None, "cpu")
     clips = [AUDIO / "en/en-ls-61-70968-0002.wav", AUDIO / "hard/hard-short-cards-ten-of-clubs.wav",
@@ -280,7 +282,7 @@ def test_parakeet_fixture_batched_equals_per_file(tmp_path):
     """Parakeet-TDT (the tiny NeMo fixture): pieces of different lengths padded in one batch
     give the same tokens and times as one by one."""
     from conftest import PARAKEET_FIXTURES
-    from flashasr.models.registry import cached_model
+    from flashasr.pipeline import cached_model
 
     nemo = PARAKEET_FIXTURES / "tiny-tdt/model.nemo"
     if not nemo.exists():
@@ -362,9 +364,9 @@ def test_batches_fill_up_beyond_the_decode_prefetch(tmp_path):
     from types import SimpleNamespace
 
     class SlowModel(HashModel):  # the model is the slow stage, decoding is instant
-        def transcribe_batch(self, ws, **kw):
+        def _transcribe(self, ws, options):
             time.sleep(0.05)
-            return super().transcribe_batch(ws, **kw)
+            return super()._transcribe(ws, options)
 
     def instant_decode(path, sr):
         return SimpleNamespace(samples=np.full(SR // 2, 0.01, np.float32))
@@ -380,16 +382,16 @@ def _decode_kills_worker_on(monkeypatch, suffix: str) -> None:
     ``suffix``, as an out-of-memory kill or a native crash would."""
     import signal
 
-    from flashasr.jobs import runner
+    from flashasr.jobs import feeder
 
-    real = runner._default_decode
+    real = feeder.default_decode
 
     def killer(path, sr):  # inherited by the forked workers
         if path.endswith(suffix):
             os.kill(os.getpid(), signal.SIGKILL)
         return real(path, sr)
 
-    monkeypatch.setattr(runner, "_default_decode", killer)
+    monkeypatch.setattr(feeder, "default_decode", killer)
 
 
 def test_a_dying_decode_worker_fails_only_its_file(tmp_path, monkeypatch):
@@ -464,7 +466,8 @@ def test_translate_task_reaches_the_model_and_is_checked_up_front(synth_dir, tmp
             super().__init__()
             self.tasks = []
 
-        def transcribe_batch(self, ws, *, language=None, word_timestamps=False, task="transcribe"):
+        def _transcribe(self, ws, options):
+            task = options.task
             self.tasks.append(task)
             return [Transcript(text=f" {task} n{len(w)}", language="de", duration=len(w) / SR,
                                segments=[Segment(0, 0.0, len(w) / SR, f" {task}")]) for w in ws]
@@ -501,3 +504,88 @@ def test_worker_deaths_never_fail_an_innocent_file(tmp_path, monkeypatch):
     assert bad == {"ok03boom", "ok08boom"}, status
     assert all(status[k] == ("failed", "decode_worker_died") for k in bad) and len(status) == 14
     assert r.cpu_pool == "process"  # deaths explained by culprit files do not push the job onto threads
+
+
+class Recorder(HashModel):
+    """Records the options object of every call; ``langs``: the codes it takes (None: any)."""
+
+    def __init__(self, langs=None):
+        super().__init__()
+        self.langs = langs
+        self.seen: list[tuple[TranscribeOptions, int]] = []
+
+    def languages(self):
+        return self.langs
+
+    def _transcribe(self, ws, options):
+        self.seen.append((options, len(ws)))
+        return super()._transcribe(ws, options)
+
+
+def test_a_manifest_language_the_model_cannot_take_fails_only_its_file(synth_dir, tmp_path):
+    """Per-file options (a manifest's language) are checked against the model per file: a language
+    the model refuses (or one that is no language code) fails that file with its error code, before
+    any decode; the others finish; a job-level language wins over the manifest's."""
+    items = expand_inputs([synth_dir])
+    items[1].language, items[2].language, items[3].language = "de", "xx", "EN"
+    m = Recorder(frozenset({"en"}))
+    r = run_job(items, m, tmp_path / "o", "json", batch_size=4, split_fn=fixed_split, max_segment_s=10, workers=1)
+    status = {x.item.key: (x.status, x.error_code) for x in r.results}
+    assert status[items[1].key] == ("failed", "unsupported_language")
+    assert status[items[2].key] == ("failed", "invalid_request")
+    assert sum(v == ("ok", None) for v in status.values()) == len(items) - 2 and r.exit_code == 1
+    assert "English-only" in r.failed[0].error_message and items[1].display in r.failed[0].error_message
+    assert {o.language for o, _ in m.seen} == {None, "en"}  # "EN" normalised; "de" never reached the model
+    lines = [json.loads(l) for l in (tmp_path / "o/summary.jsonl").read_text().splitlines()]
+    assert sorted(l["status"] for l in lines) == ["failed"] * 2 + ["ok"] * (len(items) - 2)
+    m2 = Recorder(frozenset({"en"}))  # the job's language overrides every manifest's: nothing is refused
+    r2 = run_job(items, m2, None, "json", split_fn=fixed_split, language="en")
+    assert r2.exit_code == 0 and {o.language for o, _ in m2.seen} == {"en"}
+    from flashasr.errors import UnsupportedLanguageError
+
+    with pytest.raises(UnsupportedLanguageError):  # a job-level language the model refuses: up front
+        run_job(items, Recorder(frozenset({"en"})), None, "json", language="de")
+
+
+def test_options_reach_the_model_as_one_object(synth_dir, tmp_path):
+    """run_job(options=..., **changes): the resolved TranscribeOptions reach every model call whole,
+    the journal records every field (max_segment_s resolved), and resume matches on it."""
+    base = TranscribeOptions(language="de", segmentation="fixed")
+    m = Recorder()  # any language
+    out = tmp_path / "o"
+    r = run_job([synth_dir], m, out, "json", options=base, word_timestamps=True, max_segment_s=10,
+                split_fn=fixed_split, batch_size=4, workers=1)
+    want = TranscribeOptions(language="de", word_timestamps=True, segmentation="fixed", max_segment_s=10.0)
+    assert r.exit_code == 0 and m.seen and {o for o, _ in m.seen} == {want}
+    assert all(isinstance(o, TranscribeOptions) for o, _ in m.seen)
+    assert all(x.transcript.language == "de" and x.transcript.words is not None for x in r.ok)
+    rec = json.loads((out / "summary.jsonl").read_text().splitlines()[0])
+    assert rec["options"] == want.to_dict() and set(rec["options"]) == {
+        "language", "task", "word_timestamps", "segmentation", "max_segment_s"}
+    r2 = run_job([synth_dir], HashModel(), out, "json", split_fn=fixed_split, options=want)
+    assert len(r2.skipped) == 8
+    d = TranscribeOptions().to_dict()  # max_segment_s None resolves to the model's window
+    r3 = run_job([synth_dir], HashModel(), tmp_path / "o3", "json", split_fn=fixed_split)
+    assert r3.exit_code == 0
+    rec3 = json.loads((tmp_path / "o3/summary.jsonl").read_text().splitlines()[0])
+    assert rec3["options"] == d | {"max_segment_s": HashModel.max_segment_seconds}
+
+
+def test_batches_never_mix_decoding_options(synth_dir, tmp_path):
+    """Pieces share a model call only with pieces of equal options.decoding (here: manifest
+    languages), however many are pending."""
+    items = expand_inputs([synth_dir])
+    for k, it in enumerate(items):
+        it.language = ("de", "fr", None)[k % 3]
+    m = Recorder()
+    r = run_job(items, m, None, "json", batch_size=16, split_fn=fixed_split, max_segment_s=10, workers=2,
+                batch_wait_s=5)
+    assert r.exit_code == 0 and sum(n for _, n in m.seen) == r.n_pieces
+    per_lang: dict = {}
+    for o, n in m.seen:
+        per_lang[o.language] = per_lang.get(o.language, 0) + n
+    want: dict = {}
+    for x in r.ok:
+        want[x.item.language] = want.get(x.item.language, 0) + x.n_pieces
+        assert x.transcript.language == (x.item.language or "en")
+    assert per_lang == want and len(per_lang) == 3

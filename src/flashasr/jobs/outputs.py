@@ -7,8 +7,9 @@ always refers to a complete output; an output without a summary line (killed bet
 the two steps) is simply redone on the next run.
 
 A re-run skips an input when the latest summary line for its path says ``ok`` and the
-input's size and mtime (ns), the output format, the model and the options all match,
-and the output file exists with the recorded size.
+input's size and mtime (ns), the output format, the model and the options (the job's resolved
+:meth:`flashasr.options.TranscribeOptions.to_dict`, every field) all match, and the output file
+exists with the recorded size.
 """
 
 from __future__ import annotations

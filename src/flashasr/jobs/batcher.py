@@ -1,0 +1,137 @@
+"""Cross-file batching: pending pieces of many files -> model calls -> each file's piece results.
+
+State: the prepared files in progress (:class:`FileState`: samples float32 ``[N]``, pieces
+``[(start, end)]`` in samples, the file's resolved :class:`~flashasr.options.TranscribeOptions`,
+one result slot per piece) and the pending pieces ``(file number, piece number)`` in arrival order.
+
+* :meth:`Batcher.take_batch`: the oldest pending piece plus the ``batch_size - 1`` pending pieces
+  of the same :attr:`~flashasr.options.TranscribeOptions.decoding` (language, task, word
+  timestamps; any file) closest to it in length. Batches are length-homogeneous (little padding)
+  and no file waits behind later ones. Cost: O(P log P) for P pending pieces.
+* :meth:`Batcher.run_batch`: one :func:`flashasr.pipeline.transcribe_pieces` call (a failing batch
+  is redone piece by piece there, so a bad piece fails only its file), then
+  ``torch.cuda.synchronize()`` on CUDA so ``busy_s`` holds the GPU work; the files whose last
+  piece is now done are returned (and forgotten here).
+
+Batched results equal per-file results because every piece is transcribed on its own by the
+model contract of :meth:`~flashasr.models.base.ASRModel.transcribe_batch`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..options import TranscribeOptions
+from ..pipeline import transcribe_pieces
+from ..types import Transcript
+from .feeder import error_of
+from .inputs import InputItem
+
+
+@dataclass
+class FileState:
+    """A prepared file between its decode and its output. ``results[k]`` is piece ``k``'s
+    transcript (None until done, or when it failed); ``error`` the first failure
+    ``(code, message)``; ``t0`` ``time.perf_counter()`` at the start of its decode."""
+
+    idx: int
+    item: InputItem
+    options: TranscribeOptions
+    samples: np.ndarray
+    pieces: list[tuple[int, int]]
+    t0: float
+    results: list[Transcript | None] = field(init=False)
+    remaining: int = field(init=False)
+    error: tuple[str, str] | None = None
+
+    def __post_init__(self):
+        self.results = [None] * len(self.pieces)
+        self.remaining = len(self.pieces)
+
+
+class Batcher:
+    """Pending pieces of many files and the model calls that consume them (main thread only).
+
+    Attributes:
+        busy_s: wall seconds inside model calls (synchronised on CUDA).
+        batch_pieces: pieces per model call, in call order.
+    """
+
+    def __init__(self, model, batch_size: int, *, synchronize_cuda: bool = False):
+        self.model = model
+        self.batch_size = int(batch_size)
+        self.synchronize_cuda = synchronize_cuda
+        self.active: dict[int, FileState] = {}
+        self.pending: list[tuple[int, int]] = []
+        self.busy_s = 0.0
+        self.batch_pieces: list[int] = []
+
+    def add(self, st: FileState) -> None:
+        """A prepared file with at least one piece: its pieces join the pending pool."""
+        self.active[st.idx] = st
+        self.pending.extend((st.idx, k) for k in range(len(st.pieces)))
+
+    def full(self) -> bool:
+        return len(self.pending) >= self.batch_size
+
+    def _length(self, fi: int, pi: int) -> int:
+        a, b = self.active[fi].pieces[pi]
+        return b - a
+
+    def take_batch(self) -> tuple[list[tuple[int, int]], TranscribeOptions]:
+        """Remove and return the next batch (see the module docstring) and its options."""
+        head = self.pending[0]
+        options = self.active[head[0]].options
+        hl = self._length(*head)
+        cands = sorted((abs(self._length(fi, pi) - hl), k) for k, (fi, pi) in enumerate(self.pending[1:], start=1)
+                       if self.active[fi].options.decoding == options.decoding)
+        chosen = {0} | {k for _, k in cands[: self.batch_size - 1]}
+        batch = [p for k, p in enumerate(self.pending) if k in chosen]
+        self.pending = [p for k, p in enumerate(self.pending) if k not in chosen]
+        return batch, options
+
+    def run_batch(self, batch: list[tuple[int, int]], options: TranscribeOptions) -> list[FileState]:
+        """Transcribe ``batch`` in one model call; returns the files it completed, in batch order."""
+        waves = []
+        for fi, pi in batch:
+            a, b = self.active[fi].pieces[pi]
+            waves.append(self.active[fi].samples[a:b])
+        t0 = time.perf_counter()
+        outs = transcribe_pieces(self.model, waves, options)
+        self._synchronize()
+        self.busy_s += time.perf_counter() - t0
+        self.batch_pieces.append(len(batch))
+        done = []
+        for (fi, pi), out in zip(batch, outs):
+            st = self.active[fi]
+            if isinstance(out, BaseException):
+                if st.error is None:
+                    code, msg = error_of(out, st.item.path)
+                    st.error = (code, f"{st.item.display}: model failed: {msg}")
+                out = None
+            st.results[pi] = out
+            st.remaining -= 1
+            if st.remaining == 0:
+                del self.active[fi]
+                done.append(st)
+        return done
+
+    def run_next(self) -> list[FileState]:
+        """:meth:`take_batch` then :meth:`run_batch`."""
+        return self.run_batch(*self.take_batch())
+
+    def _synchronize(self) -> None:
+        if not self.synchronize_cuda:
+            return
+        try:
+            import torch
+
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - no usable CUDA: nothing to wait for
+            pass
+
+
+__all__ = ["Batcher", "FileState"]
