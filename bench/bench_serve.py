@@ -24,7 +24,7 @@ Clips: 16 kHz mono PCM16 WAVs of ``--clip-min-s``..``--clip-max-s`` from ``--cli
 ``$FLASHASR_SHARED/audio/en`` or ``../shared/audio/en``).
 
     python bench/bench_serve.py --name serve_cpu --streams 8,32 --offline-requests 16  # CPU smoke
-    # H200: see scripts/device_serve.sh
+    # H200: see scripts/gpu_bench_serve.sh
 
 Writes ``bench/results/<name>.json`` (and a copy under ``$OUT`` when set). Every phase is
 time-boxed by ``--budget-s``; configurations left out for time are listed as skipped.
@@ -361,7 +361,7 @@ def run_offline(server: Server, clips: list[tuple[str, bytes]], a) -> dict:
 
 
 def run_in_process(clips: list[tuple[str, bytes]], a) -> dict:
-    from flashasr.models.registry import load_model
+    from flashasr.pipeline import load_model  # as the server loads it: behind its GPU engine on CUDA
 
     t0 = time.perf_counter()
     model = load_model(a.model, device=a.device)

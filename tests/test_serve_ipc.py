@@ -179,7 +179,7 @@ def test_stream_session_final_delta_completes_the_text_even_after_a_revision():
         def __init__(self):
             self.partials = ["And I", "And I knew"]
 
-        async def transcribe(self, samples, *, priority=None, **kw):
+        async def transcribe(self, samples, options, *, priority=None, **kw):
             if priority == PARTIAL:
                 return SimpleNamespace(text=self.partials.pop(0) if self.partials else "And I knew")
             return SimpleNamespace(text="And you knew for a paper like that.")
@@ -208,8 +208,10 @@ def test_stream_session_final_delta_completes_the_text_even_after_a_revision():
     assert final == "And you knew for a paper like that."
 
 
-def test_scheduler_batches_by_task_and_passes_it_only_when_translating():
-    from types import SimpleNamespace
+def test_scheduler_batches_by_task_and_passes_the_options_to_every_call():
+    """Items of different tasks never share a model call, and every call receives the options
+    object (with its task), transcribe included: no keyword is left out to please a model."""
+    from flashasr.options import TranscribeOptions
 
     calls = []
 
@@ -217,12 +219,9 @@ def test_scheduler_batches_by_task_and_passes_it_only_when_translating():
         sample_rate = 16000
         name = "rec"
 
-        def transcribe_batch(self, ws, *, language=None, word_timestamps=False, **kw):
-            calls.append((len(ws), kw.get("task")))
-            return [SimpleNamespace(text=kw.get("task", "plain")) for _ in ws]
-
-        def transcribe_waveform(self, w, **kw):
-            return self.transcribe_batch([w], **kw)[0]
+        def transcribe_batch(self, ws, options):
+            calls.append((len(ws), options))
+            return [Transcript(text=options.task, language="en", duration=w.size / 16000) for w in ws]
 
     async def go():
         s = BatchScheduler(Recorder(), max_batch=8, batch_wait_s=0.01)
@@ -233,28 +232,28 @@ def test_scheduler_batches_by_task_and_passes_it_only_when_translating():
         await s.stop()
         return [o.text for o in outs]
 
-    assert asyncio.run(go()) == ["translate", "plain", "translate", "plain"]
-    assert sorted(calls, key=str) == sorted([(2, "translate"), (2, None)], key=str)
+    assert asyncio.run(go()) == ["translate", "transcribe", "translate", "transcribe"]
+    assert sorted((n, o.task) for n, o in calls) == [(2, "transcribe"), (2, "translate")]
+    assert all(isinstance(o, TranscribeOptions) for _, o in calls)
 
 
 def test_translate_task_crosses_the_engine_socket(tmp_path):
     """Front end -> engine process protocol, in one process: the task reaches the engine's model,
     the HELLO says whether the model translates, and the result comes back marked translate."""
+    from flashasr.models.base import ASRModel
+    from flashasr.options import TranscribeOptions
     from flashasr.serve.config import ServeConfig
     from flashasr.serve.engine_proc import EngineServer, serve_unix
 
     seen = []
 
-    class Translator:
-        name, family, sample_rate, translates = "fake-translator", "whisper", 16000, True
+    class Translator(ASRModel):
+        name, family, multilingual, translates = "fake-translator", "whisper", True, True
 
-        def transcribe_waveform(self, w, *, language=None, word_timestamps=False, task="transcribe"):
-            seen.append(task)
-            return Transcript(text=f"[{task}]", language="en" if task == "translate" else "de",
-                              duration=w.size / 16000, task=task)
-
-        def transcribe_batch(self, ws, **kw):
-            return [self.transcribe_waveform(w, **kw) for w in ws]
+        def _transcribe(self, waves, options):
+            seen.extend(options.task for _ in waves)
+            return [Transcript(text=f"[{options.task}]", language="en" if options.task == "translate" else "de",
+                               duration=w.size / 16000, task=options.task) for w in waves]
 
     async def go():
         path = str(tmp_path / "e.sock")
@@ -267,8 +266,8 @@ def test_translate_task_crosses_the_engine_socket(tmp_path):
         assert await client.wait_ready(5)
         assert client.info["translates"] is True
         z = np.zeros(1600, np.float32)
-        a = await client.transcribe(z, task="translate", timeout=10)
-        b = await client.transcribe(z, timeout=10)
+        [a] = await client.transcribe(z, TranscribeOptions(task="translate"), timeout=10)
+        [b] = await client.transcribe(z, TranscribeOptions(), timeout=10)
         await client.close()
         srv.cancel()
         await server.scheduler.stop()

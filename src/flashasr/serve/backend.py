@@ -1,7 +1,11 @@
 """Where transcription runs: in this process (single mode) or in the engine process (multi mode).
 
-Both backends expose the same coroutine :meth:`transcribe` (float32 [N] 16 kHz samples ->
-:class:`~flashasr.types.Transcript`), ``ready``, ``info`` and ``metrics_text``.
+Both backends expose the same coroutines -- :meth:`transcribe` (one waveform, a stream's partial
+or final: float32 [N] 16 kHz samples -> :class:`~flashasr.types.Transcript`) and
+:meth:`transcribe_pieces` (the pieces of one upload, cut by :func:`flashasr.pipeline.plan_pieces`:
+-> one Transcript per piece) -- with the request's :class:`~flashasr.options.TranscribeOptions`,
+and ``ready``, ``info``, ``capabilities`` (the model's :class:`~flashasr.options.ModelCapabilities`,
+None until it is loaded) and ``metrics_text``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 
 import numpy as np
 
+from ..options import ModelCapabilities, TranscribeOptions
 from .config import ServeConfig
 from .errors import APIError
 from .ipc import EngineClient
@@ -47,8 +52,6 @@ class LocalBackend:
         self._task = asyncio.get_running_loop().create_task(self._load())
 
     async def _load(self) -> None:
-        from .engine_proc import load_and_warm
-
         try:
             if self.model is None:
                 self.model = await asyncio.get_running_loop().run_in_executor(self.pool, load_and_warm, self.cfg)
@@ -59,9 +62,7 @@ class LocalBackend:
         m = self.model
         self.scheduler = BatchScheduler(m, max_batch=self.cfg.max_batch, batch_wait_s=self.cfg.batch_wait_ms / 1000)
         self.scheduler.start()
-        self.info = {"model": getattr(m, "name", "model"), "family": getattr(m, "family", "unknown"),
-                     "pid": os.getpid(), "device": self.cfg.device,
-                     "translates": bool(getattr(m, "translates", False))}
+        self.info = model_info(m, self.cfg)
         if self.cfg.gc_freeze:
             gc.collect()
             gc.freeze()  # start-up and warm-up objects leave the GC's scans
@@ -77,17 +78,26 @@ class LocalBackend:
         if self.scheduler:
             await self.scheduler.stop()
 
-    async def transcribe(self, samples: np.ndarray, *, language=None, word_timestamps=False, priority=OFFLINE,
-                         coalesce_key=None, timeout=None, task="transcribe"):
+    @property
+    def capabilities(self) -> ModelCapabilities | None:
+        return self.model.capabilities if self.scheduler is not None else None
+
+    def _scheduler(self) -> BatchScheduler:
         if self.scheduler is None:
             raise APIError("the model is still loading" if self.error is None else f"model failed: {self.error}",
                            status=503, code="model_not_ready")
-        coro = self.scheduler.submit(samples, language=language, word_timestamps=word_timestamps,
-                                     priority=priority, coalesce_key=coalesce_key, task=task)
-        try:
-            return await (asyncio.wait_for(coro, timeout) if timeout else coro)
-        except asyncio.TimeoutError:
-            raise APIError("transcription timed out", status=504, code="timeout") from None
+        return self.scheduler
+
+    async def transcribe(self, samples: np.ndarray, options: TranscribeOptions, *, priority: int = OFFLINE,
+                         coalesce_key: str | None = None, timeout: float | None = None):
+        """One waveform; None when a partial was superseded (see BatchScheduler.submit)."""
+        coro = self._scheduler().submit(samples, options, priority=priority, coalesce_key=coalesce_key)
+        return await _within(coro, timeout)
+
+    async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
+                                timeout: float | None = None) -> list:
+        """The pieces of one upload (see BatchScheduler.submit_pieces)."""
+        return await _within(self._scheduler().submit_pieces(samples, pieces, options), timeout)
 
     async def metrics_text(self) -> bytes:
         return self.scheduler.metrics.text() if self.scheduler else b""
@@ -125,11 +135,46 @@ class RemoteBackend:
     async def stop(self) -> None:
         await self.client.close()
 
-    async def transcribe(self, samples, *, language=None, word_timestamps=False, priority=OFFLINE,
-                         coalesce_key=None, timeout=None, task="transcribe"):
-        return await self.client.transcribe(samples, language=language, word_timestamps=word_timestamps,
-                                            priority=priority, coalesce_key=coalesce_key, timeout=timeout,
-                                            task=task)
+    @property
+    def capabilities(self) -> ModelCapabilities | None:
+        caps = self.client.info.get("capabilities")
+        return ModelCapabilities.from_dict(caps) if caps else None
+
+    async def transcribe(self, samples: np.ndarray, options: TranscribeOptions, *, priority: int = OFFLINE,
+                         coalesce_key: str | None = None, timeout: float | None = None):
+        got = await self.client.transcribe(samples, options, priority=priority, coalesce_key=coalesce_key,
+                                           timeout=timeout)
+        return None if got is None else got[0]
+
+    async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
+                                timeout: float | None = None) -> list:
+        return await self.client.transcribe(samples, options, pieces=pieces, timeout=timeout)
 
     async def metrics_text(self) -> bytes:
         return await self.client.stats() if self.client.ready else b""
+
+
+async def _within(coro, timeout: float | None):
+    try:
+        return await (asyncio.wait_for(coro, timeout) if timeout else coro)
+    except asyncio.TimeoutError:
+        raise APIError("transcription timed out", status=504, code="timeout") from None
+
+
+def model_info(model, cfg: ServeConfig) -> dict:
+    """What ``/ready``, ``/v1/models`` and the engine's HELLO say about the loaded model."""
+    caps = model.capabilities
+    return {"model": caps.name, "family": caps.family, "sample_rate": caps.sample_rate, "pid": os.getpid(),
+            "device": cfg.device, "translates": caps.translates, "capabilities": caps.to_dict()}
+
+
+def load_and_warm(cfg: ServeConfig):
+    """Load the configured model behind its engine and run it once on 1 s of low noise (first-call
+    costs paid now)."""
+    from ..pipeline.engines import load_model
+
+    model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, engine=cfg.engine)
+    if cfg.warmup:
+        rng = np.random.default_rng(0)
+        model.transcribe_waveform((rng.standard_normal(16000) * 1e-3).astype(np.float32))
+    return model

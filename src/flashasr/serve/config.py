@@ -19,6 +19,7 @@ class ServeConfig:
     model: str | None = None            # model spec for flashasr.models.registry.load_model (None: tiny.en)
     device: str = "cpu"
     dtype: str | None = None
+    engine: str = "auto"                # "auto": the GPU engine on CUDA; "plain": plain PyTorch
     api_key: str | None = None          # Bearer key; None: no authentication
     max_upload_mb: float = 1024.0       # request body limit, enforced while the body streams in
     max_audio_s: float = 14400.0        # longest decoded audio accepted (4 h)
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model spec (default: embedded whisper tiny.en)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--engine", choices=("auto", "plain"), default="auto",
+                   help="auto (default): the GPU engine for the model on CUDA; plain: plain PyTorch")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env FLASHASR_API_KEY)")
     p.add_argument("--max-upload-mb", type=float, default=1024.0)
     p.add_argument("--max-audio-s", type=float, default=14400.0)
@@ -97,7 +100,7 @@ def parse_args(argv: list[str]) -> ServeConfig:
     if a.mode == "single" and a.workers != 1:
         raise SystemExit("--workers > 1 needs --mode multi (one engine process shared by the workers)")
     return ServeConfig(
-        host=a.host, port=a.port, model=a.model, device=a.device, dtype=a.dtype,
+        host=a.host, port=a.port, model=a.model, device=a.device, dtype=a.dtype, engine=a.engine,
         api_key=a.api_key or os.environ.get("FLASHASR_API_KEY") or None,
         max_upload_mb=a.max_upload_mb, max_audio_s=a.max_audio_s, mode=a.mode, workers=a.workers,
         max_batch=a.max_batch, batch_wait_ms=a.batch_wait_ms, warmup=not a.no_warmup, gc_freeze=not a.no_gc_freeze,

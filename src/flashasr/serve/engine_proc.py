@@ -17,26 +17,16 @@ import os
 import signal
 import socket
 
-import numpy as np
 
 from ..errors import FlashASRError
+from ..options import TranscribeOptions
+from .backend import load_and_warm, model_info
 from .config import ServeConfig
 from .ipc import Conn, Frame, FramingError, MsgType, encode, transcript_to_wire, unpack_audio
 from .metrics import EngineMetrics
 from .scheduler import OFFLINE, BatchScheduler
 
 log = logging.getLogger("flashasr.serve")
-
-
-def load_and_warm(cfg: ServeConfig):
-    """Load the configured model and run it once on 1 s of low noise (first-call costs paid now)."""
-    from ..models.registry import load_model
-
-    model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
-    if cfg.warmup:
-        rng = np.random.default_rng(0)
-        model.transcribe_waveform((rng.standard_normal(16000) * 1e-3).astype(np.float32))
-    return model
 
 
 class EngineServer:
@@ -48,9 +38,7 @@ class EngineServer:
         self.metrics = EngineMetrics(cfg.device)
         self.scheduler = BatchScheduler(model, max_batch=cfg.max_batch, batch_wait_s=cfg.batch_wait_ms / 1000,
                                         metrics=self.metrics)
-        self.hello = {"model": getattr(model, "name", "model"), "family": getattr(model, "family", "unknown"),
-                      "sample_rate": int(getattr(model, "sample_rate", 16000)), "pid": os.getpid(),
-                      "device": cfg.device, "translates": bool(getattr(model, "translates", False))}
+        self.hello = model_info(model, cfg)
 
     async def handle(self, conn: Conn) -> None:
         tasks: dict[int, asyncio.Task] = {}
@@ -82,22 +70,14 @@ class EngineServer:
             conn.close()
 
     async def _transcribe(self, f: Frame, conn: Conn) -> None:
-        m = f.meta
         self.metrics.active.inc()
         try:
-            samples = unpack_audio(f)
-            f.payload = b""
-            t = await self.scheduler.submit(samples, language=m.get("language"),
-                                            word_timestamps=bool(m.get("word_timestamps")),
-                                            priority=int(m.get("priority", OFFLINE)), coalesce_key=m.get("key"),
-                                            task=str(m.get("task", "transcribe")))
-            reply = {"superseded": True} if t is None else transcript_to_wire(t)
-            out = encode(MsgType.RESULT, f.req_id, reply)
+            out = encode(MsgType.RESULT, f.req_id, await self._run(f))
         except asyncio.CancelledError:
             self.metrics.active.dec()
             return
         except FlashASRError as e:
-            out = encode(MsgType.ERROR, f.req_id, {"code": e.code, "message": e.message,
+            out = encode(MsgType.ERROR, f.req_id, {"code": e.code, "message": e.message, "param": getattr(e, "param", None),
                                                    "status": int(getattr(e, "status", 500))})
         except FramingError as e:
             out = encode(MsgType.ERROR, f.req_id, {"code": "invalid_request", "message": str(e), "status": 400})
@@ -110,6 +90,34 @@ class EngineServer:
             await conn.send(out)
         except (ConnectionError, OSError):
             pass
+
+    async def _run(self, f: Frame) -> dict:
+        """One TRANSCRIBE frame -> the RESULT metadata (see :mod:`.ipc`)."""
+        m = f.meta
+        samples = unpack_audio(f)
+        f.payload = b""
+        options = TranscribeOptions.from_dict(m.get("options")).resolve(self.model.capabilities)
+        if m.get("pieces") is not None:
+            pieces = _check_pieces(m["pieces"], samples.size)
+            got = await self.scheduler.submit_pieces(samples, pieces, options)
+        else:
+            t = await self.scheduler.submit(samples, options, priority=int(m.get("priority", OFFLINE)),
+                                            coalesce_key=m.get("key"))
+            if t is None:
+                return {"superseded": True}
+            got = [t]
+        return {"transcripts": [transcript_to_wire(t) for t in got]}
+
+
+def _check_pieces(pieces, n: int) -> list[tuple[int, int]]:
+    """``[[start, end], ...]`` from the wire: integer ranges within ``[0, n]``, start < end."""
+    try:
+        out = [(int(a), int(b)) for a, b in pieces]
+    except (TypeError, ValueError):
+        raise FramingError("'pieces' must be a list of [start, end] sample ranges") from None
+    if any(not 0 <= a < b <= n for a, b in out):
+        raise FramingError(f"'pieces' holds a range outside the {n} samples sent")
+    return out
 
 
 async def serve_unix(path: str, handler) -> None:

@@ -33,10 +33,14 @@ class EngineUnavailable(APIError):
         super().__init__(message, status=503, code="engine_unavailable")
 
 
+_PARAM_OF_CODE = {"unsupported_language": "language"}  # errors raised without naming the request field
+
+
 def error_body(err: BaseException) -> tuple[int, dict]:
     """Map any exception to ``(http_status, openai_error_body)``.
 
-    FlashASRError subclasses keep their ``code``/``status`` (audio errors are 400);
+    FlashASRError subclasses keep their ``code``/``status`` (audio errors are 400) and ``param``
+    (``unsupported_language`` names ``language``);
     anything else is a 500 ``internal_error`` whose message does not leak internals.
     """
     if isinstance(err, APIError):
@@ -45,7 +49,7 @@ def error_body(err: BaseException) -> tuple[int, dict]:
     if isinstance(err, FlashASRError):
         status = int(getattr(err, "status", 500) or 500)
         typ = "invalid_request_error" if status < 500 else "server_error"
-        return status, {"error": {"message": err.message, "type": typ, "param": getattr(err, "param", None),
-                                  "code": err.code}}
+        param = getattr(err, "param", None) or _PARAM_OF_CODE.get(err.code)
+        return status, {"error": {"message": err.message, "type": typ, "param": param, "code": err.code}}
     return 500, {"error": {"message": f"internal error ({type(err).__name__})", "type": "server_error",
                            "param": None, "code": "internal_error"}}

@@ -4,14 +4,14 @@ Every message is one frame on a persistent Unix-domain stream socket::
 
     header (28 bytes, little-endian, struct "<2sBBHHQIQ")
       magic        2s   b"FA"
-      version      u8   1
+      version      u8   2
       type         u8   MsgType
       flags        u16  Flag bits (SHM, PCM16, SHM_POOLED)
       reserved     u16  0
       request_id   u64  chosen by the sender of a request; replies carry the same id
-      meta_len     u32  bytes of compact UTF-8 JSON metadata that follow (<= 1 MiB)
+      meta_len     u32  bytes of compact UTF-8 JSON metadata that follow (<= 64 MiB)
       payload_len  u64  bytes of raw payload that follow the metadata
-    meta     (meta_len bytes)     e.g. {"language": "en", "priority": 2, "n": 160000}
+    meta     (meta_len bytes)     e.g. {"options": {"language": "en", ...}, "priority": 2, "n": 160000}
     payload  (payload_len bytes)  raw little-endian float32 (or int16 with PCM16) samples
 
 Audio is never JSON-encoded or pickled. A payload above the shared-memory threshold
@@ -21,10 +21,24 @@ segment comes from the sender's :class:`ShmPool` (flag ``SHM_POOLED``): the rece
 once, reads the samples in place, and the sender reuses it after the reply. Otherwise
 (pool full) it is a one-off segment that the receiver copies out and unlinks at once.
 
-Messages: ``HELLO`` (engine -> front end on connect: model name, family, pid), ``TRANSCRIBE``
-(front end -> engine), ``RESULT`` (transcript dict as metadata), ``ERROR`` (``{"code",
-"message", "status"}``), ``CANCEL`` (the client went away), ``STATS``/``STATS_REPLY``
-(Prometheus text of the engine as payload), ``PING``/``PONG``.
+Messages:
+
+==============  ===================  ==============================================================
+type            direction            metadata
+==============  ===================  ==============================================================
+``HELLO``       engine -> front end  on connect: ``model``, ``family``, ``pid``, ``device``,
+                                     ``capabilities`` (:class:`~flashasr.options.ModelCapabilities`)
+``TRANSCRIBE``  front end -> engine  ``options`` (:class:`~flashasr.options.TranscribeOptions` as a
+                                     dict), ``priority``, optional ``key`` (a stream's partials
+                                     coalesce), optional ``pieces`` ``[[start, end], ...]`` (an
+                                     upload's pieces; the audio crosses once), the audio fields
+``RESULT``      engine -> front end  ``transcripts``: one per piece (one without ``pieces``), or
+                                     ``{"superseded": true}`` for a replaced partial
+``ERROR``       engine -> front end  ``{"code", "message", "status", "param"}``
+``CANCEL``      front end -> engine  the client went away: drop the request's work
+``STATS``       both ways            ``STATS_REPLY``: the engine's Prometheus text as payload
+``PING``        both ways            ``PONG``
+==============  ===================  ==============================================================
 """
 
 from __future__ import annotations
@@ -42,16 +56,17 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from ..options import TranscribeOptions
 from ..types import Segment, Transcript, Word
 from .errors import APIError, EngineUnavailable
 
 log = logging.getLogger("flashasr.serve")
 
 MAGIC = b"FA"
-VERSION = 1
+VERSION = 2  # 2: options object, pieces, a list of transcripts per RESULT
 HEADER = struct.Struct("<2sBBHHQIQ")
 HEADER_SIZE = HEADER.size  # 28
-MAX_META = 1 << 20
+MAX_META = 64 << 20  # a 4-hour transcript with word times is a few MB of JSON
 MAX_PAYLOAD = 1 << 34  # 16 GiB: far above any accepted upload
 
 
@@ -573,15 +588,17 @@ class EngineClient:
             t = asyncio.get_running_loop().create_task(c.send(encode(MsgType.CANCEL, rid)))
             t.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def transcribe(self, samples: np.ndarray, *, language: str | None = None, word_timestamps: bool = False,
+    async def transcribe(self, samples: np.ndarray, options: TranscribeOptions, *, pieces=None,
                          priority: int = 2, coalesce_key: str | None = None,
-                         timeout: float | None = None, task: str = "transcribe") -> Transcript | None:
-        """Transcribe (or translate: ``task``) float32 [N] 16 kHz samples in the engine. Raises
-        EngineUnavailable (503)."""
+                         timeout: float | None = None) -> list[Transcript] | None:
+        """Transcribe float32 [N] 16 kHz samples in the engine: the whole waveform (``pieces`` None:
+        one transcript), or its ``pieces`` ``[(start, end), ...]`` (one transcript per piece; the
+        samples cross once). Returns None for a superseded partial. Raises EngineUnavailable (503),
+        or the engine's error as an APIError with its code and status."""
         flags, meta, payload, shm = pack_audio(samples, self.shm_threshold, self._pool)
-        meta.update(language=language, word_timestamps=bool(word_timestamps), priority=int(priority))
-        if task != "transcribe":
-            meta["task"] = task
+        meta.update(options=options.to_dict(), priority=int(priority))
+        if pieces is not None:
+            meta["pieces"] = [[int(a), int(b)] for a, b in pieces]
         if coalesce_key is not None:
             meta["key"] = coalesce_key
         if self.metrics is not None:
@@ -596,10 +613,10 @@ class EngineClient:
         if f.type == MsgType.ERROR:
             m = f.meta
             raise APIError(m.get("message", "engine error"), status=int(m.get("status", 500)),
-                           code=m.get("code", "internal_error"))
+                           code=m.get("code", "internal_error"), param=m.get("param"))
         if f.meta.get("superseded"):
             return None
-        return transcript_from_wire(f.meta)
+        return [transcript_from_wire(d) for d in f.meta["transcripts"]]
 
     async def stats(self, timeout: float = 2.0) -> bytes:
         """Prometheus text exposition of the engine's metrics (empty if unavailable)."""

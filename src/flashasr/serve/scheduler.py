@@ -8,8 +8,15 @@ Priorities (lower runs first):
   * ``FINAL`` (0): a stream's end-of-utterance transcript (someone waits on it now);
   * ``PARTIAL`` (1): a stream's interim transcript; a newer partial of the same stream
     replaces a queued older one (``coalesce_key``), the older one resolves to ``None``;
-  * ``OFFLINE`` (2): uploads; batched with waveforms of similar length (sorted by
-    length, anchored on the oldest waiting item so nothing starves).
+  * ``OFFLINE`` (2): the pieces of uploads (:func:`flashasr.pipeline.plan_pieces` cut them in
+    the CPU pool); batched with pieces of similar length, anchored on the piece with the fewest
+    pieces of its own upload ahead of it (then the oldest): uploads take turns piece by piece,
+    so a short upload waits for at most the batch in flight, not for a 4-hour upload queued
+    before it, and nothing starves.
+
+Items share a batch only when their options' ``decoding`` (language, task, word timestamps) is
+equal; the batch runs through :func:`flashasr.pipeline.transcribe_pieces` (one bad piece fails
+alone).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..options import TranscribeOptions
+from ..pipeline.run import transcribe_pieces
 from .metrics import EngineMetrics
 
 log = logging.getLogger("flashasr.serve")
@@ -33,20 +42,18 @@ KIND = {FINAL: "final", PARTIAL: "partial", OFFLINE: "offline"}
 
 @dataclass
 class _Item:
-    samples: np.ndarray
-    language: str | None
-    word_timestamps: bool
+    samples: np.ndarray  # one piece, float32 [n] at the model rate
+    options: TranscribeOptions
     priority: int
     key: str | None
     fut: asyncio.Future
     t_enq: float
     seq: int = 0
-    on_done: object = None
-    task: str = "transcribe"
+    turn: int = 0  # pieces of the same upload ahead of this one (fair order among uploads)
 
     @property
-    def group(self):
-        return (self.language, self.word_timestamps, self.task)
+    def group(self) -> tuple:
+        return self.options.decoding
 
 
 class BatchScheduler:
@@ -98,21 +105,12 @@ class BatchScheduler:
     def depth(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
-    async def submit(self, samples: np.ndarray, *, language: str | None = None, word_timestamps: bool = False,
-                     priority: int = OFFLINE, coalesce_key: str | None = None, task: str = "transcribe"):
-        """Queue one waveform (float32 [N] at the model rate) and wait for its Transcript.
-
-        ``task``: "transcribe" or "translate" (batched only with items of the same language,
-        word-timestamp setting and task).
-
-        Returns ``None`` if a partial was superseded by a newer one of the same ``coalesce_key``.
-        Cancelling the awaiting task removes a not-yet-started item from the queue.
-        """
+    def _enqueue(self, samples: np.ndarray, options: TranscribeOptions, priority: int,
+                 coalesce_key: str | None = None, turn: int = 0) -> _Item:
         if samples.dtype != np.float32 or samples.ndim != 1:
             samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
-        loop = asyncio.get_running_loop()
-        it = _Item(samples, language, bool(word_timestamps), priority, coalesce_key, loop.create_future(),
-                   time.perf_counter(), next(self._seq), task=task)
+        it = _Item(samples, options, priority, coalesce_key, asyncio.get_running_loop().create_future(),
+                   time.perf_counter(), next(self._seq), turn)
         if priority == PARTIAL and coalesce_key is not None:
             old = self._partials.pop(coalesce_key, None)
             if old is not None and not old.fut.done():
@@ -123,19 +121,63 @@ class BatchScheduler:
                 old.fut.set_result(None)
             self._partials[coalesce_key] = it
         self._queues[priority].append(it)
+        return it
+
+    def _forget(self, it: _Item) -> None:
+        """After its awaiter is gone: drop the coalescing entry, and a not-yet-started item."""
+        if it.key is not None and self._partials.get(it.key) is it:
+            del self._partials[it.key]
+        if not it.fut.done() or it.fut.cancelled():
+            try:
+                self._queues[it.priority].remove(it)
+            except ValueError:
+                pass
+
+    async def submit(self, samples: np.ndarray, options: TranscribeOptions | None = None, *,
+                     priority: int = OFFLINE, coalesce_key: str | None = None, **changes):
+        """Queue one waveform (float32 [N] at the model rate) and wait for its Transcript.
+
+        ``options`` (:class:`~flashasr.options.TranscribeOptions`, ``**changes`` as keywords):
+        batched only with items of equal ``options.decoding``.
+
+        Returns ``None`` if a partial was superseded by a newer one of the same ``coalesce_key``.
+        Cancelling the awaiting task removes a not-yet-started item from the queue.
+        """
+        it = self._enqueue(samples, TranscribeOptions.build(options, **changes), priority, coalesce_key)
         self._gauge()
         self._wake.set()
         try:
             return await it.fut
         finally:
-            if it.key is not None and self._partials.get(it.key) is it:
-                del self._partials[it.key]
-            if not it.fut.done() or it.fut.cancelled():
-                try:
-                    self._queues[priority].remove(it)
-                except ValueError:
-                    pass
-                self._gauge()
+            self._forget(it)
+            self._gauge()
+
+    async def submit_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
+                            priority: int = OFFLINE) -> list:
+        """Queue the pieces ``samples[a:b]`` of one recording (views, no copy) and wait for all of them.
+
+        Args:
+            samples: float32 ``[N]`` at the model rate.
+            pieces: ``[(start, end), ...]`` sample ranges (:func:`flashasr.pipeline.plan_pieces`).
+            options: the recording's resolved options.
+        Returns:
+            one Transcript per piece, in order (times relative to each piece).
+        Raises:
+            the first piece's error (the other pieces are dropped from the queue).
+        """
+        if samples.dtype != np.float32 or samples.ndim != 1:
+            samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
+        items = [self._enqueue(samples[a:b], options, priority, turn=k) for k, (a, b) in enumerate(pieces)]
+        self._gauge()
+        self._wake.set()
+        try:
+            return list(await asyncio.gather(*(it.fut for it in items)))
+        finally:
+            for it in items:
+                if not it.fut.done():
+                    it.fut.cancel()
+                self._forget(it)
+            self._gauge()
 
     # ---------------------------------------------------------------- internal
     def _gauge(self) -> None:
@@ -148,7 +190,8 @@ class BatchScheduler:
             self._queues[p] = q
             if not q:
                 continue
-            anchor = q[0]  # oldest first: nothing starves
+            # oldest first (nothing starves); offline: uploads take turns piece by piece
+            anchor = min(q, key=lambda it: (it.turn, it.seq)) if p == OFFLINE else q[0]
             same = [it for it in q if it.group == anchor.group]
             if p == OFFLINE and len(same) > 1:
                 # pack by length: the anchor plus the items closest to its length
@@ -169,23 +212,9 @@ class BatchScheduler:
             return batch
         return []
 
-    def _infer(self, batch: list[_Item]):
-        wavs = [it.samples for it in batch]
-        lang, wt, task = batch[0].group
-        kw = {"task": task} if task != "transcribe" else {}  # models without a task argument still work
-        if len(wavs) == 1:
-            return [self.model.transcribe_waveform(wavs[0], language=lang, word_timestamps=wt, **kw)]
-        try:
-            return self.model.transcribe_batch(wavs, language=lang, word_timestamps=wt, **kw)
-        except Exception:
-            # isolate the failing input: one bad waveform must not fail its batch mates
-            out = []
-            for w in wavs:
-                try:
-                    out.append(self.model.transcribe_waveform(w, language=lang, word_timestamps=wt, **kw))
-                except Exception as e:  # noqa: BLE001
-                    out.append(e)
-            return out
+    def _infer(self, batch: list[_Item]) -> list:
+        """One model call for the batch (model thread); per item a Transcript or its exception."""
+        return transcribe_pieces(self.model, [it.samples for it in batch], batch[0].options)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -31,6 +31,7 @@ from collections import deque
 
 import numpy as np
 
+from ..options import TranscribeOptions
 from .errors import APIError
 from .scheduler import FINAL, PARTIAL
 
@@ -118,6 +119,25 @@ class VadAdapter:
                 for ev in self.vad.feed(x)]
 
 
+class LazyVad:
+    """A :class:`VadAdapter` created on the first audio (idle connections cost no VAD state).
+
+    Args:
+        turn_detection: ``{"threshold", "prefix_padding_ms", "silence_duration_ms", ...}``
+            (:func:`flashasr.serve.protocol.parse_turn_detection`).
+    """
+
+    def __init__(self, turn_detection: dict):
+        self.cfg = turn_detection
+        self._vad = None
+
+    def process(self, x: np.ndarray, start: int) -> list[tuple[str, int]]:
+        if self._vad is None:
+            self._vad = VadAdapter(self.cfg["threshold"], self.cfg["prefix_padding_ms"],
+                                   self.cfg["silence_duration_ms"])
+        return self._vad.process(x, start)
+
+
 def _words(text: str) -> list[str]:
     return text.split()
 
@@ -131,15 +151,17 @@ class StreamSession:
     """One live stream. ``emit(event: dict)`` is awaited for every server event.
 
     Args:
-        backend: has ``async transcribe(samples, language=, priority=, coalesce_key=)``.
+        backend: has ``async transcribe(samples, options, priority=, coalesce_key=)``.
         emit: coroutine sending one event dict to the client.
         input_rate: Hz of the incoming PCM16 (resampled to 16 kHz when different).
         vad: a :class:`VadAdapter` (server VAD) or None (commit manually).
         partial_interval_ms: new audio between two partials (0: no partials).
         max_utterance_s: utterance cap in seconds (longer: committed early).
+        options: the session's :class:`~flashasr.options.TranscribeOptions` (its language), already
+            checked against the model; a ``session.update`` replaces it whole (:attr:`options`).
     """
 
-    def __init__(self, backend, emit, *, input_rate: int = 24000, vad=None, language: str | None = None,
+    def __init__(self, backend, emit, *, input_rate: int = 24000, vad=None, options: TranscribeOptions | None = None,
                  partial_interval_ms: float = 500.0, max_utterance_s: float = 30.0,
                  prefix_padding_ms: int = 300, metrics=None, full_partials: bool = False):
         self.id = f"sess_{uuid.uuid4().hex[:16]}"
@@ -147,7 +169,7 @@ class StreamSession:
         self.emit = emit
         self.resampler = Resampler(input_rate)
         self.vad = vad
-        self.language = language
+        self.options = options or TranscribeOptions(segmentation="none")
         self.partial_interval = int(partial_interval_ms * SR / 1000)
         self.max_utt = int(max_utterance_s * SR)
         self.prefix = int(prefix_padding_ms * SR / 1000)
@@ -169,6 +191,10 @@ class StreamSession:
         self._final_chain: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.closed = False
+
+    @property
+    def language(self) -> str | None:
+        return self.options.language
 
     # ---------------------------------------------------------------- helpers
     def _new_item(self) -> str:
@@ -317,8 +343,7 @@ class StreamSession:
     async def _partial(self, item: str, audio: np.ndarray) -> None:
         try:
             t0 = time.perf_counter()
-            t = await self.backend.transcribe(audio, language=self.language, priority=PARTIAL,
-                                              coalesce_key=self.id)
+            t = await self.backend.transcribe(audio, self.options, priority=PARTIAL, coalesce_key=self.id)
             if self.metrics is not None:
                 self.metrics.stage.labels("partial").observe(time.perf_counter() - t0)
             if t is None or item != self.item_id or self.closed:
@@ -355,7 +380,7 @@ class StreamSession:
     async def _final(self, item: str, audio: np.ndarray, emitted: list[str], prev: asyncio.Task | None) -> None:
         t0 = time.perf_counter()
         try:
-            t = await self.backend.transcribe(audio, language=self.language, priority=FINAL)
+            t = await self.backend.transcribe(audio, self.options, priority=FINAL)
             err = None
         except asyncio.CancelledError:
             raise

@@ -55,6 +55,71 @@ class Upload:
         self.close()
 
 
+class _PartCollector:
+    """python-multipart callbacks that fill an :class:`Upload`: the ``file_field`` part with a
+    filename goes to a spooled temp file, every other part is a text field (bounded)."""
+
+    def __init__(self, up: Upload, file_field: str):
+        self.up = up
+        self.file_field = file_field
+        self.name: str | None = None     # current part's field name
+        self.headers: dict = {}          # current part's headers
+        self.hname = self.hval = b""     # header being read
+        self.buf: bytearray | None = None  # current text field (None: the file part)
+        self.nfields = 0
+
+    def callbacks(self) -> dict:
+        return {"on_part_begin": self.on_part_begin, "on_header_field": self.on_header_field,
+                "on_header_value": self.on_header_value, "on_header_end": self.on_header_end,
+                "on_headers_finished": self.on_headers_finished, "on_part_data": self.on_part_data,
+                "on_part_end": self.on_part_end}
+
+    def on_part_begin(self):
+        self.headers = {}
+        self.name = None
+
+    def on_header_field(self, data, start, end):
+        self.hname += data[start:end]
+
+    def on_header_value(self, data, start, end):
+        self.hval += data[start:end]
+
+    def on_header_end(self):
+        self.headers[self.hname.decode("latin-1").lower()] = self.hval
+        self.hname = self.hval = b""
+
+    def on_headers_finished(self):
+        _, opts = parse_options_header(self.headers.get("content-disposition", b""))
+        self.name = opts.get(b"name", b"").decode("utf-8", "replace")
+        fname = opts.get(b"filename")
+        up = self.up
+        if self.name == self.file_field and fname is not None:
+            if up.file is not None:
+                raise APIError("more than one 'file' part", code="invalid_request", param="file")
+            up.filename = fname.decode("utf-8", "replace")
+            up.file = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
+            self.buf = None
+        else:
+            self.nfields += 1
+            if self.nfields > MAX_FIELDS:
+                raise APIError("too many form fields", code="invalid_request")
+            self.buf = bytearray()
+
+    def on_part_data(self, data, start, end):
+        if self.buf is None:
+            self.up.file.write(data[start:end])
+            self.up.file_size += end - start
+        else:
+            self.buf += data[start:end]
+            if len(self.buf) > MAX_FIELD_BYTES:
+                raise APIError(f"form field {self.name!r} is too long", code="invalid_request", param=self.name)
+
+    def on_part_end(self):
+        if self.buf is not None:
+            self.up.fields.setdefault(self.name, []).append(bytes(self.buf).decode("utf-8", "replace"))
+        self.buf = None
+
+
 async def read_multipart(request, *, max_bytes: int, body_timeout: float, file_field: str = "file") -> Upload:
     """Parse a multipart/form-data request body.
 
@@ -75,60 +140,7 @@ async def read_multipart(request, *, max_bytes: int, body_timeout: float, file_f
                        status=413, code="file_too_large")
 
     up = Upload()
-    state = {"name": None, "filename": None, "hname": b"", "hval": b"", "headers": {}, "buf": None, "nfields": 0}
-
-    def on_part_begin():
-        state["headers"] = {}
-        state["name"] = state["filename"] = None
-
-    def on_header_field(data, start, end):
-        state["hname"] += data[start:end]
-
-    def on_header_value(data, start, end):
-        state["hval"] += data[start:end]
-
-    def on_header_end():
-        state["headers"][state["hname"].decode("latin-1").lower()] = state["hval"]
-        state["hname"] = b""
-        state["hval"] = b""
-
-    def on_headers_finished():
-        _, opts = parse_options_header(state["headers"].get("content-disposition", b""))
-        name = opts.get(b"name", b"").decode("utf-8", "replace")
-        fname = opts.get(b"filename")
-        state["name"] = name
-        if name == file_field and fname is not None:
-            if up.file is not None:
-                raise APIError("more than one 'file' part", code="invalid_request", param="file")
-            up.filename = fname.decode("utf-8", "replace")
-            up.file = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
-            state["buf"] = None
-        else:
-            state["nfields"] += 1
-            if state["nfields"] > MAX_FIELDS:
-                raise APIError("too many form fields", code="invalid_request")
-            state["buf"] = bytearray()
-
-    def on_part_data(data, start, end):
-        if state["buf"] is None:
-            up.file.write(data[start:end])
-            up.file_size += end - start
-        else:
-            state["buf"] += data[start:end]
-            if len(state["buf"]) > MAX_FIELD_BYTES:
-                raise APIError(f"form field {state['name']!r} is too long", code="invalid_request",
-                               param=state["name"])
-
-    def on_part_end():
-        if state["buf"] is not None:
-            up.fields.setdefault(state["name"], []).append(bytes(state["buf"]).decode("utf-8", "replace"))
-        state["buf"] = None
-
-    parser = MultipartParser(params[b"boundary"], {
-        "on_part_begin": on_part_begin, "on_header_field": on_header_field, "on_header_value": on_header_value,
-        "on_header_end": on_header_end, "on_headers_finished": on_headers_finished,
-        "on_part_data": on_part_data, "on_part_end": on_part_end,
-    })
+    parser = MultipartParser(params[b"boundary"], _PartCollector(up, file_field).callbacks())
     stream = request.stream().__aiter__()
     try:
         while True:

@@ -1,0 +1,180 @@
+"""The serving layer of uploads: one ``POST /v1/audio/*`` through the pipeline every door uses.
+
+::
+
+    multipart body ──read_multipart──► form + file ──parse_upload──► UploadRequest (options, format)
+         (event loop, streamed)                         options.resolve(model capabilities)
+                                                                    │
+    file ──load_audio──► float32 [N] 16 kHz ──plan_pieces──► [(start, end)] sample ranges
+         (CPU pool)                           (CPU pool: Silero VAD; never the model thread)
+                                                                    │
+    backend.transcribe_pieces ──► Transcript per piece ──merge_pieces──► Transcript ──► reply
+         (scheduler: pieces of many uploads batched, uploads take turns piece by piece)
+
+The cutting is :func:`flashasr.pipeline.plan_pieces` and the merging
+:func:`flashasr.pipeline.merge_pieces`, the same functions as ``flashasr.transcribe`` and the
+CLI, so an upload's transcript equals theirs for the same audio and options
+(``segmentation=none``: one piece, Whisper's own 30 s seek). No speech: no piece, no model call,
+an empty transcript. A refused option (translate on a model that cannot, a language outside the
+model's) is answered before the body is decoded; translate before the body is even read.
+Follows vLLM's serving layer (``OpenAIServingTranscription``: the server cuts, the model
+transcribes what it is given).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+
+from ..errors import AudioError, EmptyAudioError, FlashASRError
+from ..formats import render
+from ..options import ModelCapabilities, TranscribeOptions
+from ..pipeline import merge_pieces, plan_pieces
+from ..types import Transcript
+from .context import ServeContext
+from .errors import APIError
+from .protocol import UploadRequest, parse_upload, sse_events
+from .upload import read_multipart
+
+DRAIN_BYTES = 64 << 20   # after a refusal we keep reading (and discarding) this much so the client sees the reply
+DRAIN_SECONDS = 5.0
+
+
+class UploadTranscriber:
+    """Answers transcription and translation uploads (``await transcriber(request, task)``)."""
+
+    def __init__(self, ctx: ServeContext):
+        self.ctx = ctx
+
+    async def __call__(self, request: Request, task: str) -> Response:
+        """One upload -> its reply (JSON, text, SRT, VTT or SSE), or 499 when the client left.
+
+        Raises:
+            FlashASRError subclasses (APIError, AudioError, InvalidRequestError, ...): the app maps
+            them to OpenAI's error JSON.
+        """
+        ctx, m = self.ctx, self.ctx.metrics
+        await self._refuse_task_early(request, task)
+        t0 = time.perf_counter()
+        with await self._read(request) as up:
+            m.stage.labels("upload").observe(time.perf_counter() - t0)
+            if up.file is None:
+                raise APIError("missing 'file' part (multipart field 'file' with a filename)", param="file")
+            if up.file_size == 0:
+                raise EmptyAudioError(f"uploaded file {up.filename!r} is empty (0 bytes)")
+            req = parse_upload(up, task)
+            caps = ctx.capabilities()
+            opts = req.options.resolve(caps)
+            t1 = time.perf_counter()
+            wav = await asyncio.get_running_loop().run_in_executor(ctx.pool, self._decode, up, caps.sample_rate)
+        m.stage.labels("decode").observe(time.perf_counter() - t1)
+        transcript = await _unless_client_leaves(request, self.transcribe(wav.samples, opts, caps))
+        if transcript is None:
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        m.audio_seconds.labels("offline").inc(transcript.duration)
+        return respond(transcript, req)
+
+    async def transcribe(self, samples, options: TranscribeOptions, caps: ModelCapabilities) -> Transcript:
+        """Plan (CPU pool), transcribe the pieces (backend), merge: float32 ``[N]`` at
+        ``caps.sample_rate`` and resolved ``options`` -> the recording's Transcript
+        (``duration = N / sample_rate``)."""
+        ctx, m = self.ctx, self.ctx.metrics
+        t0 = time.perf_counter()
+        pieces = await asyncio.get_running_loop().run_in_executor(ctx.pool, plan_pieces, samples, options, caps)
+        t1 = time.perf_counter()
+        m.stage.labels("plan").observe(t1 - t0)
+        parts = []
+        if pieces:
+            parts = await ctx.backend.transcribe_pieces(samples, pieces, options, timeout=ctx.cfg.request_timeout_s)
+        m.stage.labels("transcribe").observe(time.perf_counter() - t1)
+        sr = caps.sample_rate
+        return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, parts)], samples.size / sr, options=options,
+                            model=caps.name)
+
+    async def _refuse_task_early(self, request: Request, task: str) -> None:
+        """A task the (known) model cannot do is refused before the body is read: no upload, no decode."""
+        caps = self.ctx.backend.capabilities
+        if caps is None:
+            return
+        try:
+            TranscribeOptions(task=task).resolve(caps)
+        except FlashASRError:
+            await drain(request)
+            raise
+
+    async def _read(self, request: Request):
+        cfg = self.ctx.cfg
+        try:
+            return await read_multipart(request, max_bytes=cfg.max_upload_bytes, body_timeout=cfg.body_timeout_s)
+        except APIError as e:
+            if e.status == 413:
+                await drain(request)
+            raise
+
+    def _decode(self, up, rate: int):
+        """Container decode + resample to ``rate`` (runs in the CPU pool; PyAV and soxr release the GIL)."""
+        from ..audio import load_audio
+
+        try:
+            return load_audio(up.file, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s)
+        except AudioError as e:
+            msg = str(e)
+            if msg.startswith("<") and ">" in msg:  # name the upload, not our temp file object
+                msg = f"uploaded file {up.filename!r}" + msg[msg.index(">") + 1:]
+            raise AudioError(msg, code=e.code) from None
+
+
+def respond(transcript: Transcript, req: UploadRequest) -> Response:
+    """The reply in the requested shape: SSE events with ``stream=true``, else ``response_format``."""
+    if req.stream:
+        return StreamingResponse(sse_events(transcript), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    fmt = req.response_format
+    body = render(transcript, fmt, words=req.words if fmt == "verbose_json" else None)
+    if fmt in ("json", "verbose_json"):
+        return Response(body, media_type="application/json")
+    return PlainTextResponse(body)
+
+
+async def drain(request: Request) -> None:
+    """Read and discard the rest of a refused body (bounded), so the client gets our reply."""
+    n, t_end = 0, time.monotonic() + DRAIN_SECONDS
+    while n < DRAIN_BYTES:
+        left = t_end - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            msg = await asyncio.wait_for(request.receive(), left)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+            return
+        if msg["type"] != "http.request":
+            return
+        n += len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return
+
+
+async def _unless_client_leaves(request: Request, coro):
+    """``await coro``, or None when the client disconnects first (the work is cancelled: removed
+    from the scheduler's queue, or CANCEL to the engine)."""
+    loop = asyncio.get_running_loop()
+    work = loop.create_task(coro)
+    watch = loop.create_task(_until_disconnect(request))
+    done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if work not in done:
+        work.cancel()
+        return None
+    watch.cancel()
+    return work.result()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+
+
+__all__ = ["UploadTranscriber", "respond", "drain"]

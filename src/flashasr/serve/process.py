@@ -1,0 +1,211 @@
+"""Running the server: ``flashasr serve`` (:func:`main`) in the configured process layout.
+
+* ``--mode single`` (:func:`run`): one process; uvicorn serves the app (``make_app``:
+  :func:`~.app.create_app`, passed in so that this module does not import the app) with the
+  model in a :class:`~.backend.LocalBackend`.
+* ``--mode multi``: this process supervises the engine process (:class:`~.engine_proc.EngineSupervisor`,
+  model + scheduler, restarted when it dies) and serves front end #0; ``--workers`` - 1 more
+  front-end processes (:func:`frontend_main`, replaced when they die) share the listening port
+  with ``SO_REUSEPORT``; every front end reaches the engine through a
+  :class:`~.backend.RemoteBackend` over the engine's Unix socket (:mod:`.ipc`).
+
+Each process runs one event loop (uvloop when installed); the soft fd limit is lifted to the hard
+one (thousands of WebSockets). One line on stderr says where the server listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import tempfile
+
+from .config import ServeConfig, parse_args
+
+log = logging.getLogger("flashasr.serve")
+
+
+def _listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((host, port))
+    s.listen(4096)
+    s.setblocking(False)
+    return s
+
+
+async def _serve(cfg: ServeConfig, app, sock: socket.socket) -> None:
+    import uvicorn
+
+    ucfg = uvicorn.Config(app, loop="none", lifespan="on", log_level=cfg.log_level, access_log=False,
+                          ws_max_size=16 << 20, timeout_keep_alive=30, backlog=4096,
+                          timeout_graceful_shutdown=5)
+    server = uvicorn.Server(ucfg)
+    await server.serve(sockets=[sock])
+
+
+def _run_loop(coro) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:  # pragma: no cover
+        asyncio.run(coro)
+
+
+def _remote_factory(path: str, supervisor=None):
+    def make(cfg, pool, metrics):
+        from .backend import RemoteBackend
+
+        return RemoteBackend(cfg, path, metrics=metrics, supervisor=supervisor)
+
+    return make
+
+
+def frontend_main(cfg_dict: dict, path: str, make_app) -> None:
+    """Entry point of an extra front-end worker process (multi mode, ``--workers`` > 1)."""
+    from .engine_proc import die_with_parent
+
+    die_with_parent()
+    cfg = ServeConfig.from_dict(cfg_dict)
+    logging.basicConfig(level=cfg.log_level.upper())
+    _raise_fd_limit()
+    sock = _listen_socket(cfg.host, cfg.port, reuse_port=True)
+    _run_loop(_serve(cfg, make_app(cfg, _remote_factory(path)), sock))
+
+
+def _raise_fd_limit() -> None:
+    """Thousands of WebSockets need thousands of fds: lift the soft limit to the hard one."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # pragma: no cover
+        pass
+
+
+def _announce(cfg: ServeConfig, sock) -> None:
+    """One start-up line on stderr: where the server listens (the port may have been 0)."""
+    import sys
+
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"flashasr serve: listening on http://{shown}:{port} (model {cfg.model or 'tiny.en'}, "
+          f"{cfg.mode} mode); /ready answers 200 once the model is loaded and warmed; Ctrl-C stops",
+          file=sys.stderr, flush=True)
+
+
+def run(cfg: ServeConfig, make_app) -> None:
+    """Serve ``make_app(cfg, backend_factory=None)`` (:func:`~.app.create_app`) until SIGINT/SIGTERM
+    in the configured process layout."""
+    logging.basicConfig(level=cfg.log_level.upper())
+    _raise_fd_limit()
+    if cfg.mode == "single":
+        sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
+        _announce(cfg, sock)
+        _run_loop(_serve(cfg, make_app(cfg), sock))
+    else:
+        _run_multi(cfg, make_app)
+
+
+class _Workers:
+    """The extra front-end worker processes of multi mode; one that dies is replaced."""
+
+    def __init__(self, cfg: ServeConfig, path: str, make_app):
+        import multiprocessing as mp
+
+        self.cfg, self.path, self.make_app = cfg, path, make_app
+        self.ctx = mp.get_context("spawn")
+        self.procs: list = []
+        self.stopping = False
+
+    def start(self, loop) -> None:
+        p = self.ctx.Process(target=frontend_main, args=(self.cfg.to_dict(), self.path, self.make_app), name="flashasr-frontend",
+                             daemon=True)
+        p.start()
+        self.procs.append(p)
+        loop.add_reader(p.sentinel, self._on_exit, loop, p)
+
+    def _on_exit(self, loop, p) -> None:  # a front-end worker died: replace it (its clients' connections are gone)
+        from .ipc import cleanup_stale_segments
+
+        loop.remove_reader(p.sentinel)
+        p.join(0)
+        self.procs.remove(p)
+        cleanup_stale_segments()  # its pooled shared memory
+        if not self.stopping:
+            log.warning("front-end worker %s exited (code %s); starting another", p.pid, p.exitcode)
+            loop.call_later(0.5, self.start, loop)
+
+    def unwatch(self, loop) -> None:
+        self.stopping = True
+        for p in list(self.procs):
+            loop.remove_reader(p.sentinel)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.join(5)
+
+
+def _run_multi(cfg: ServeConfig, make_app) -> None:
+    """The engine process (supervised), front end #0 here and ``cfg.workers - 1`` worker processes."""
+    from .engine_proc import EngineSupervisor
+    from .ipc import cleanup_stale_segments
+
+    cleanup_stale_segments()  # shared memory left by crashed front ends of earlier runs
+    tmpdir = None
+    path = cfg.engine_socket
+    if path is None:
+        tmpdir = tempfile.mkdtemp(prefix="flashasr-")
+        path = os.path.join(tmpdir, "engine.sock")
+    sock = _listen_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)
+    _announce(cfg, sock)
+    workers = _Workers(cfg, path, make_app)
+
+    async def main_async():
+        sup = EngineSupervisor(cfg, path)
+        sup.start()
+        loop = asyncio.get_running_loop()
+        for _ in range(cfg.workers - 1):
+            workers.start(loop)
+        app = make_app(cfg, _remote_factory(path, sup))
+        sup.metrics = app.state.metrics
+        try:
+            await _serve(cfg, app, sock)
+        finally:
+            workers.unwatch(loop)
+            sup.stop()
+
+    try:
+        _run_loop(main_async())
+    finally:
+        workers.stop()
+        if tmpdir:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            os.rmdir(tmpdir)
+
+
+def main(argv: list[str] | None, make_app) -> int:
+    """``flashasr serve`` with these arguments (None: ``sys.argv[1:]``), serving ``make_app``.
+    Returns the exit status."""
+    import sys
+
+    cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        run(cfg, make_app)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        return 130
+    return 0

@@ -1,0 +1,257 @@
+"""Client requests into objects, and the reply shapes that are not a Transcript rendering.
+
+Nothing here does I/O or touches a model: every function maps what a client sent to a value
+(or raises a :class:`~flashasr.errors.FlashASRError` subclass with ``code`` and ``param``, which
+:mod:`.errors` turns into OpenAI's error JSON or a WebSocket ``error`` event).
+
+==========================================  ==================================================
+input                                       object
+==========================================  ==================================================
+multipart form of ``/v1/audio/*``           :class:`UploadRequest` (:func:`parse_upload`)
+``session.update`` /                        :class:`SessionUpdate` (:func:`parse_session_update`)
+``transcription_session.update`` body
+``/v1/stream`` query string                 :class:`StreamQuery` (:func:`parse_stream_query`)
+==========================================  ==================================================
+
+Every door builds one :class:`~flashasr.options.TranscribeOptions`: its ``language`` follows
+the options' one rule (ISO 639-1, case-insensitive, region dropped, English names accepted) and
+is checked against the model (:meth:`~flashasr.options.TranscribeOptions.resolve`) as soon as
+the model's capabilities are known. Replies: :func:`session_view` (the ``session`` object of
+``*.created`` / ``*.updated``) and :func:`sse_events` (``stream=true`` of an upload).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..formats import FORMATS
+from ..options import ModelCapabilities, TranscribeOptions
+from ..types import Transcript
+from .errors import APIError
+from .stream import SR, check_rate
+
+TRUE = ("true", "1", "yes", "on")
+UNCHANGED = object()  # a SessionUpdate field the update did not name
+
+
+def resolve_known(options: TranscribeOptions, caps: ModelCapabilities | None) -> TranscribeOptions:
+    """``options.resolve(caps)``, or ``options`` unchanged while the model's capabilities are
+    unknown (still loading; the engine resolves them again when it transcribes)."""
+    return options if caps is None else options.resolve(caps)
+
+
+def _number(value, param: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise APIError(f"{param} must be a number; got {value!r}", param=param) from None
+
+
+def _number_or(value, default: float) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+# ----------------------------------------------------------------------------- uploads
+@dataclass(frozen=True)
+class UploadRequest:
+    """The form of ``POST /v1/audio/transcriptions`` / ``translations`` (all but the file).
+
+    Attributes:
+        options: the request's options (not yet resolved against the model).
+        response_format: one of :data:`flashasr.formats.FORMATS`.
+        words: ``timestamp_granularities[]`` holds ``word``.
+        stream: ``stream=true`` (Server-Sent Events).
+    """
+
+    options: TranscribeOptions
+    response_format: str = "json"
+    words: bool = False
+    stream: bool = False
+
+
+def parse_upload(form, task: str) -> UploadRequest:
+    """Read the form fields of an upload (``form.get(name)`` / ``form.getlist(name)``).
+
+    Fields: ``response_format``, ``timestamp_granularities[]``, ``language``, ``temperature``
+    (validated in [0, 1], ignored: greedy decoding), ``prompt`` and ``model`` (accepted, ignored),
+    ``stream``; extensions ``segmentation`` (``vad`` | ``fixed`` | ``none``) and ``max_segment_s``.
+    ``task`` comes from the route.
+
+    Raises:
+        APIError (``unsupported_response_format``, ``invalid_request``), InvalidRequestError
+        (``invalid_request``, param ``language`` / ``segmentation`` / ``max_segment_s``).
+    """
+    fmt = form.get("response_format") or "json"
+    if fmt not in FORMATS:
+        raise APIError(f"response_format must be one of {', '.join(FORMATS)}; got {fmt!r}",
+                       param="response_format", code="unsupported_response_format")
+    gran = form.getlist("timestamp_granularities[]") + form.getlist("timestamp_granularities")
+    bad = [g for g in gran if g not in ("word", "segment")]
+    if bad:
+        raise APIError(f"timestamp_granularities must be 'segment' and/or 'word'; got {bad[0]!r}",
+                       param="timestamp_granularities[]")
+    temp = form.get("temperature")
+    if temp not in (None, "") and not 0.0 <= _number_or(temp, -1.0) <= 1.0:
+        raise APIError(f"temperature must be a number in [0, 1]; got {temp!r}", param="temperature")
+    max_s = (form.get("max_segment_s") or "").strip()
+    options = TranscribeOptions(language=form.get("language"), task=task, word_timestamps="word" in gran,
+                                segmentation=(form.get("segmentation") or "").strip().lower() or "vad",
+                                max_segment_s=_number(max_s, "max_segment_s") if max_s else None)
+    return UploadRequest(options, fmt, "word" in gran, (form.get("stream") or "").strip().lower() in TRUE)
+
+
+def sse_pieces(transcript: Transcript) -> list[str]:
+    """One delta per segment, cut out of the final text itself, so the deltas concatenate to
+    exactly the ``done`` text (segment texts carry their own leading spaces, or none)."""
+    done = transcript.text.strip()
+    pieces, pos = [], 0
+    for seg in transcript.segments:
+        t = (seg.text or "").strip()
+        i = done.find(t, pos) if t else -1
+        if i < 0:
+            continue
+        pieces.append(done[pos:i + len(t)])
+        pos = i + len(t)
+    if pos < len(done):
+        pieces.append(done[pos:])
+    return [p for p in pieces if p]
+
+
+async def sse_events(transcript: Transcript):
+    """``transcript.text.delta`` events (:func:`sse_pieces`), then ``transcript.text.done``."""
+    for p in sse_pieces(transcript):
+        yield "data: " + json.dumps({"type": "transcript.text.delta", "delta": p}, ensure_ascii=False) + "\n\n"
+    yield "data: " + json.dumps({"type": "transcript.text.done", "text": transcript.text.strip()},
+                                ensure_ascii=False) + "\n\n"
+
+
+# ----------------------------------------------------------------------------- streams
+def default_turn_detection(cfg) -> dict:
+    """Server VAD settings of a new stream (``--vad-*`` options)."""
+    return {"type": "server_vad", "threshold": cfg.vad_threshold, "prefix_padding_ms": cfg.vad_prefix_padding_ms,
+            "silence_duration_ms": cfg.vad_silence_duration_ms}
+
+
+def stream_options(language, caps: ModelCapabilities | None) -> TranscribeOptions:
+    """A stream's options: the whole utterance is one model input (``segmentation="none"``)."""
+    return resolve_known(TranscribeOptions(language=language, segmentation="none"), caps)
+
+
+def parse_turn_detection(td, cfg) -> dict | None:
+    """``null`` or ``{"type": "server_vad", threshold, prefix_padding_ms, silence_duration_ms}``
+    (missing values from ``cfg``) -> the turn detection dict, or None (manual commits)."""
+    if td is None:
+        return None
+    if not isinstance(td, dict) or td.get("type", "server_vad") != "server_vad":
+        raise APIError("turn_detection must be null or {'type': 'server_vad', ...}", param="turn_detection")
+    base = default_turn_detection(cfg)
+    try:
+        out = {"type": "server_vad", "threshold": float(td.get("threshold", base["threshold"])),
+               "prefix_padding_ms": int(td.get("prefix_padding_ms", base["prefix_padding_ms"])),
+               "silence_duration_ms": int(td.get("silence_duration_ms", base["silence_duration_ms"]))}
+    except (TypeError, ValueError):
+        out = None
+    if out is None or not 0.0 < out["threshold"] < 1.0 or not (
+            0 <= out["prefix_padding_ms"] <= 5000 and 0 < out["silence_duration_ms"] <= 10000):
+        raise APIError("turn_detection: threshold must be in (0, 1), prefix_padding_ms in [0, 5000], "
+                       "silence_duration_ms in (0, 10000]", param="turn_detection")
+    return out
+
+
+@dataclass(frozen=True)
+class SessionUpdate:
+    """What a Realtime session update changes; a field the update did not name is :data:`UNCHANGED`.
+
+    Attributes:
+        options: the session's new :class:`~flashasr.options.TranscribeOptions` (resolved).
+        rate: input sample rate in Hz.
+        partial_interval: new audio between two partials, in 16 kHz samples.
+        turn_detection: a turn detection dict or None (manual commits).
+    """
+
+    options: object = UNCHANGED
+    rate: object = UNCHANGED
+    partial_interval: object = UNCHANGED
+    turn_detection: object = UNCHANGED
+
+
+def parse_session_update(sess, options: TranscribeOptions, caps: ModelCapabilities | None, cfg) -> SessionUpdate:
+    """A ``transcription_session.update`` (beta shape) or ``session.update`` (GA shape:
+    ``session.audio.input.{format, transcription, turn_detection}``) body -> :class:`SessionUpdate`.
+
+    The language follows the options' rule and is checked against the model here, so a language
+    the model cannot take is refused at the update (the session keeps its options). Nothing is
+    applied when any field is refused.
+
+    Raises:
+        APIError (``invalid_request``, ``unsupported_format``, ``invalid_sample_rate``),
+        InvalidRequestError (``invalid_request``, param ``language``), UnsupportedLanguageError.
+    """
+    if not isinstance(sess, dict):
+        raise APIError("'session' must be an object", param="session")
+    audio_in = ((sess.get("audio") or {}).get("input") or {}) if isinstance(sess.get("audio"), dict) else {}
+    fmt, rate, f2 = sess.get("input_audio_format"), sess.get("input_audio_sample_rate"), audio_in.get("format")
+    if fmt is not None and fmt != "pcm16":
+        raise APIError(f"input_audio_format {fmt!r} is not supported; use 'pcm16'", param="input_audio_format",
+                       code="unsupported_format")
+    if isinstance(f2, dict):
+        if f2.get("type", "audio/pcm") != "audio/pcm":
+            raise APIError(f"audio format {f2.get('type')!r} is not supported; use 'audio/pcm'",
+                           param="audio.input.format", code="unsupported_format")
+        rate = f2.get("rate", rate)
+    tr = sess.get("input_audio_transcription") or audio_in.get("transcription") or {}
+    upd: dict = {}
+    if "language" in tr:
+        upd["options"] = resolve_known(TranscribeOptions.build(options, language=tr.get("language")), caps)
+    if rate is not None:
+        upd["rate"] = check_rate(rate)
+    pi = sess.get("partial_interval_ms", tr.get("partial_interval_ms"))
+    if pi is not None:
+        try:
+            upd["partial_interval"] = max(0, int(float(pi) * SR / 1000))
+        except (TypeError, ValueError):
+            raise APIError("partial_interval_ms must be a number", param="partial_interval_ms") from None
+    if "turn_detection" in sess or "turn_detection" in audio_in:
+        td = sess["turn_detection"] if "turn_detection" in sess else audio_in["turn_detection"]
+        upd["turn_detection"] = parse_turn_detection(td, cfg)
+    return SessionUpdate(**upd)
+
+
+@dataclass(frozen=True)
+class StreamQuery:
+    """The query string of ``/v1/stream``: ``sample_rate`` (default 16000), ``language``,
+    ``vad`` (default false), ``partial_interval_ms``, ``partials`` (``delta`` | ``full``)."""
+
+    rate: int
+    options: TranscribeOptions
+    turn_detection: dict | None
+    partial_interval_ms: float
+    full_partials: bool
+
+
+def parse_stream_query(q, caps: ModelCapabilities | None, cfg) -> StreamQuery:
+    """Raises APIError (``invalid_sample_rate``, ``invalid_request``), InvalidRequestError,
+    UnsupportedLanguageError."""
+    rate = check_rate(q.get("sample_rate", "16000"))
+    options = stream_options(q.get("language"), caps)
+    use_vad = (q.get("vad") or "false").lower() in TRUE
+    pi = _number(q.get("partial_interval_ms", cfg.partial_interval_ms), "partial_interval_ms")
+    return StreamQuery(rate, options, default_turn_detection(cfg) if use_vad else None, pi,
+                       (q.get("partials") or "delta").lower() == "full")
+
+
+def session_view(s, turn_detection: dict | None, model: str | None) -> dict:
+    """The ``session`` object of ``*.created`` / ``*.updated`` events for session ``s``."""
+    return {"id": s.id, "object": "realtime.transcription_session", "input_audio_format": "pcm16",
+            "input_audio_sample_rate": s.resampler.rate,
+            "input_audio_transcription": {"model": model, "language": s.language},
+            "turn_detection": turn_detection, "partial_interval_ms": s.partial_interval * 1000 // SR}
+
+
+__all__ = ["UploadRequest", "parse_upload", "sse_pieces", "sse_events", "SessionUpdate", "parse_session_update",
+           "StreamQuery", "parse_stream_query", "parse_turn_detection", "default_turn_detection",
+           "stream_options", "session_view", "resolve_known", "UNCHANGED", "TRUE"]

@@ -1,0 +1,280 @@
+"""The WebSocket doors: ``/v1/realtime`` (OpenAI Realtime transcription, JSON events) and
+``/v1/stream`` (lean binary mode: raw PCM16 frames in, the same JSON events out).
+
+Both share one connection life (:class:`WebSocketDoor`): open (API key, accept, metrics), one
+receive loop (idle timeout, disconnect, an ``error`` event for a bad client message while the
+session lives on, the session closed at the end) and one emitter (``event_id`` per event, a send
+timeout that drops a client that does not read). A protocol is a small handler that turns one
+client message into calls on its :class:`~.stream.StreamSession`:
+
+==================  ===================================  =====================================
+handler             text frames                          binary frames
+==================  ===================================  =====================================
+:class:`Realtime`   ``input_audio_buffer.append`` /      refused (``invalid_request``)
+                    ``.commit`` / ``.clear``,
+                    ``session.update`` /
+                    ``transcription_session.update``
+:class:`Binary`     ``commit`` / ``clear`` / ``close``   PCM16 little-endian mono at the
+                                                         declared ``sample_rate``
+==================  ===================================  =====================================
+
+Requests become objects in :mod:`.protocol`; the stream itself (resampling, VAD, partials,
+finals) is :mod:`.stream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import itertools
+import json
+import logging
+
+from fastapi import APIRouter, WebSocket
+
+from ..errors import FlashASRError
+from .context import ServeContext
+from .errors import APIError, error_body
+from .protocol import (UNCHANGED, SessionUpdate, default_turn_detection, parse_session_update, parse_stream_query,
+                       session_view, stream_options)
+from .routes import check_auth
+from .stream import SR, LazyVad, Resampler, StreamSession, check_rate
+
+log = logging.getLogger("flashasr.serve")
+
+
+async def send_error(emit, err: BaseException, client_event_id=None) -> None:
+    """An ``error`` event (OpenAI's error object plus the client's ``event_id``)."""
+    _, body = error_body(err)
+    e = dict(body["error"])
+    if e["type"] == "server_error" and e["code"] == "internal_error":
+        log.exception("websocket handler error", exc_info=err)
+    e["event_id"] = client_event_id
+    await emit({"type": "error", "error": e})
+
+
+class WebSocketDoor:
+    """Opening, the receive loop and closing, shared by both protocols."""
+
+    def __init__(self, ctx: ServeContext):
+        self.ctx = ctx
+        self._ids = itertools.count(1)
+
+    async def open(self, ws: WebSocket):
+        """Check the key and accept; returns the connection's ``emit`` coroutine, or None (refused:
+        closed with 1008)."""
+        protos = list(ws.scope.get("subprotocols") or [])
+        m = self.ctx.metrics
+        try:
+            check_auth(self.ctx.cfg.api_key, ws.headers, protos, ws.query_params)
+        except APIError:
+            await ws.close(code=1008, reason="invalid API key")
+            m.requests.labels("ws", "401").inc()
+            return None
+        await ws.accept(subprotocol="realtime" if "realtime" in protos else None)
+        m.requests.labels("ws", "101").inc()
+        m.streams.inc()
+        return self._emitter(ws)
+
+    def _emitter(self, ws: WebSocket):
+        lock = asyncio.Lock()
+        n = itertools.count(1)
+        prefix = f"event_{next(self._ids)}_"
+        timeout = self.ctx.cfg.send_timeout_s
+
+        async def emit(ev: dict) -> None:
+            data = json.dumps({"event_id": prefix + str(next(n)), **ev}, ensure_ascii=False, separators=(",", ":"))
+            async with lock:
+                await asyncio.wait_for(ws.send_text(data), timeout)
+
+        return emit
+
+    async def refuse(self, ws: WebSocket, emit, err: BaseException, reason: str) -> None:
+        """A connection whose opening parameters are bad: an ``error`` event, then close 1008."""
+        await send_error(emit, err)
+        await ws.close(code=1008, reason=reason)
+        self.ctx.metrics.streams.dec()
+
+    async def serve(self, ws: WebSocket, handler: "_Handler") -> None:
+        """The receive loop: each message to the handler until the client leaves, idles past
+        ``--ws-idle-timeout-s`` (closed 1000) or the handler says stop."""
+        try:
+            await handler.start()
+            while True:
+                try:
+                    msg = await asyncio.wait_for(ws.receive(), self.ctx.cfg.ws_idle_timeout_s)
+                except asyncio.TimeoutError:
+                    await ws.close(code=1000, reason="idle timeout")
+                    break
+                if msg["type"] == "websocket.disconnect":
+                    break
+                handler.event_id = None
+                try:
+                    data = msg.get("bytes")
+                    stop = await (handler.on_bytes(data) if data is not None else handler.on_text(msg.get("text")))
+                except FlashASRError as e:  # a bad message: the session lives on
+                    await send_error(handler.emit, e, handler.event_id)
+                    continue
+                if stop:
+                    break
+        except (asyncio.TimeoutError, RuntimeError, ConnectionError) as e:
+            log.info("%s stream ended: %s", handler.name, e)
+        except Exception as e:  # noqa: BLE001
+            if type(e).__name__ not in ("WebSocketDisconnect", "ClientDisconnected"):
+                log.exception("%s stream failed", handler.name)
+        finally:
+            await handler.session.close()
+            self.ctx.metrics.streams.dec()
+
+
+class _Handler:
+    """One protocol on one connection. ``on_text`` / ``on_bytes`` return True to end the loop;
+    a FlashASRError they raise becomes an ``error`` event naming ``event_id``."""
+
+    name = "websocket"
+
+    def __init__(self, ctx: ServeContext, ws: WebSocket, emit, session: StreamSession, turn_detection):
+        self.ctx, self.ws, self.emit, self.session = ctx, ws, emit, session
+        self.turn_detection = turn_detection
+        self.event_id = None
+
+    def view(self) -> dict:
+        return session_view(self.session, self.turn_detection, self.ctx.backend.info.get("model"))
+
+
+class Realtime(_Handler):
+    """``/v1/realtime``: OpenAI Realtime transcription events (JSON text frames, base64 PCM16)."""
+
+    name = "realtime"
+
+    async def start(self) -> None:
+        await self.emit({"type": "transcription_session.created", "session": self.view()})
+
+    async def on_bytes(self, data: bytes):
+        raise APIError("binary frames are not part of the Realtime protocol; send JSON events "
+                       "(or use /v1/stream for raw PCM)", code="invalid_request")
+
+    async def on_text(self, text):
+        try:
+            ev = json.loads(text or "")
+        except ValueError as e:
+            raise APIError(f"malformed JSON event: {e}", code="invalid_json") from None
+        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+            raise APIError("every event must be a JSON object with a string 'type'", param="type")
+        self.event_id = ev.get("event_id")
+        typ, s = ev["type"], self.session
+        if typ == "input_audio_buffer.append":
+            await s.append_pcm16(_b64_audio(ev.get("audio")))
+        elif typ == "input_audio_buffer.commit":
+            await s.commit()
+        elif typ == "input_audio_buffer.clear":
+            await s.clear()
+        elif typ in ("transcription_session.update", "session.update"):
+            self.apply(parse_session_update(ev.get("session") or {}, s.options, self.ctx.backend.capabilities,
+                                            self.ctx.cfg))
+            await self.emit({"type": "session.updated" if typ == "session.update" else
+                             "transcription_session.updated", "session": self.view()})
+        else:
+            raise APIError(f"unknown event type {typ!r}", param="type", code="unknown_event")
+
+    def apply(self, upd: SessionUpdate) -> None:
+        """Apply a parsed (wholly valid) session update to the live session."""
+        s = self.session
+        if upd.options is not UNCHANGED:
+            s.options = upd.options
+        if upd.rate is not UNCHANGED and upd.rate != s.resampler.rate:
+            s.resampler = Resampler(upd.rate)
+        if upd.partial_interval is not UNCHANGED:
+            s.partial_interval = upd.partial_interval
+        if upd.turn_detection is not UNCHANGED:
+            td = self.turn_detection = upd.turn_detection
+            if td is None:
+                s.vad, s.in_speech = None, False
+            else:
+                s.prefix = int(td["prefix_padding_ms"] * SR / 1000)
+                s.vad = LazyVad(td)
+
+
+class Binary(_Handler):
+    """``/v1/stream``: binary PCM16 frames; JSON control messages ``commit``, ``clear``, ``close``."""
+
+    name = "binary"
+
+    async def start(self) -> None:
+        await self.emit({"type": "session.created", "session": self.view()})
+
+    async def on_bytes(self, data: bytes):
+        await self.session.append_pcm16(data)
+
+    async def on_text(self, text):
+        try:
+            ev = json.loads(text or "")
+        except ValueError as e:
+            raise APIError(f"malformed JSON control message: {e}", code="invalid_json") from None
+        typ = ev.get("type") if isinstance(ev, dict) else None
+        if typ in ("commit", "input_audio_buffer.commit"):
+            await self.session.commit()
+        elif typ in ("clear", "input_audio_buffer.clear"):
+            await self.session.clear()
+        elif typ == "close":
+            await self.session.drain(self.ctx.cfg.request_timeout_s)
+            await self.ws.close(code=1000)
+            return True
+        else:
+            raise APIError(f"unknown control message {typ!r}; use commit, clear or close", param="type",
+                           code="unknown_event")
+
+
+def _b64_audio(audio) -> bytes:
+    if not isinstance(audio, str):
+        raise APIError("'audio' must be a base64 string", param="audio")
+    try:
+        return base64.b64decode(audio, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError("'audio' is not valid base64", param="audio") from None
+
+
+def websocket_router(ctx: ServeContext) -> APIRouter:
+    """``/v1/realtime`` and ``/v1/stream``."""
+    router = APIRouter()
+    door = WebSocketDoor(ctx)
+    cfg = ctx.cfg
+
+    def session(emit, rate, options, turn_detection, partial_interval_ms, full_partials=False) -> StreamSession:
+        return StreamSession(ctx.backend, emit, input_rate=rate, vad=LazyVad(turn_detection) if turn_detection else None,
+                             options=options, partial_interval_ms=partial_interval_ms,
+                             max_utterance_s=cfg.max_utterance_s, prefix_padding_ms=cfg.vad_prefix_padding_ms,
+                             metrics=ctx.metrics, full_partials=full_partials)
+
+    @router.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket):
+        """Realtime transcription; ``?sample_rate=`` sets the input rate (default 24000, as OpenAI's pcm16)."""
+        emit = await door.open(ws)
+        if emit is None:
+            return
+        try:
+            rate = check_rate(ws.query_params["sample_rate"]) if "sample_rate" in ws.query_params else 24000
+        except APIError as e:
+            return await door.refuse(ws, emit, e, "invalid sample_rate")
+        td = default_turn_detection(cfg)
+        s = session(emit, rate, stream_options(None, ctx.backend.capabilities), td, cfg.partial_interval_ms)
+        await door.serve(ws, Realtime(ctx, ws, emit, s, td))
+
+    @router.websocket("/v1/stream")
+    async def binary_stream(ws: WebSocket):
+        """``?sample_rate=16000&language=en&vad=false&partial_interval_ms=500&partials=delta``."""
+        emit = await door.open(ws)
+        if emit is None:
+            return
+        try:
+            q = parse_stream_query(ws.query_params, ctx.backend.capabilities, cfg)
+        except FlashASRError as e:
+            return await door.refuse(ws, emit, e, "invalid query parameters")
+        s = session(emit, q.rate, q.options, q.turn_detection, q.partial_interval_ms, q.full_partials)
+        await door.serve(ws, Binary(ctx, ws, emit, s, q.turn_detection))
+
+    return router
+
+
+__all__ = ["websocket_router", "WebSocketDoor", "Realtime", "Binary", "send_error"]

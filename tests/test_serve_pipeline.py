@@ -1,0 +1,216 @@
+"""Uploads through the pipeline: the server cuts like the CLI, off the model thread, with fair turns.
+
+* In process, with a fake slow model (each call sleeps 0.2 s): the splitter runs in the CPU pool
+  (``flashasr-cpu``), never on the model thread (``flashasr-model``), and a short upload sent
+  while a 40-piece upload is being transcribed is answered after about one batch in flight, not
+  after the 20 batches a first-come-first-served queue would make it wait for.
+* Against a real ``flashasr serve`` (tiny.en): a 69 s upload's transcript equals
+  ``flashasr.transcribe`` of the same file (VAD pieces), and with ``segmentation=none`` equals
+  ``model.transcribe_waveform`` (Whisper's own 30 s seek); a Realtime session update naming a
+  language the model cannot take is refused at the update and the session keeps working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+
+from conftest import AUDIO
+from test_serve_util import CLIP, CLIP_WORDS, Server, pcm16, wav_bytes, words
+
+from flashasr.models.base import ASRModel
+from flashasr.types import Transcript
+
+LONG = AUDIO / "long" / "long-en-voxpopuli-000.ogg"  # 69 s of European Parliament English
+DELAY = 0.2  # seconds per model call of the fake model
+
+
+class SlowModel(ASRModel):
+    """Every call sleeps DELAY s; a piece's text names its length in samples."""
+
+    name, family = "slow-fake", "whisper"
+
+    def __init__(self):
+        self.calls: list[tuple[float, list[int], str]] = []  # (end time, piece lengths, thread)
+
+    def _transcribe(self, waves, options):
+        time.sleep(DELAY)
+        self.calls.append((time.monotonic(), [w.size for w in waves], threading.current_thread().name))
+        return [Transcript(text=f"n{w.size}", language="en", duration=w.size / 16000, model=self.name)
+                for w in waves]
+
+
+def _noise(seconds: float, seed: int) -> bytes:
+    x = np.random.default_rng(seed).standard_normal(int(seconds * 16000)) * 300
+    return wav_bytes(x.astype("<i2").tobytes())
+
+
+async def _in_process_server(cfg, model):
+    """create_app + LocalBackend(model) under uvicorn in this event loop; returns (base url, stop)."""
+    import uvicorn
+
+    from flashasr.serve.app import create_app
+    from flashasr.serve.backend import LocalBackend
+
+    app = create_app(cfg, lambda cfg, pool, metrics: LocalBackend(cfg, pool, model=model))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, loop="none", lifespan="on", log_level="warning"))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with httpx.AsyncClient() as c:
+        t_end = time.monotonic() + 30
+        while True:
+            try:
+                if (await c.get(base + "/ready")).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < t_end and not task.done()
+            await asyncio.sleep(0.02)
+
+    async def stop():
+        server.should_exit = True
+        await task
+        sock.close()
+
+    return base, stop
+
+
+def test_long_upload_is_cut_in_the_cpu_pool_and_takes_turns_with_a_short_one(monkeypatch):
+    import flashasr.pipeline.plan as plan
+    from flashasr.serve.config import ServeConfig
+
+    split_threads = []
+    real_split = plan.vad_split
+
+    def recording_split(*a, **kw):
+        split_threads.append(threading.current_thread().name)
+        return real_split(*a, **kw)
+
+    monkeypatch.setattr(plan, "vad_split", recording_split)
+    model = SlowModel()
+    cfg = ServeConfig(max_batch=2, batch_wait_ms=0, cpu_threads=2, warmup=False)
+    form = {"segmentation": "fixed", "max_segment_s": "1", "response_format": "verbose_json"}
+    long_body, short_body = _noise(40, 0), _noise(0.5, 1)  # 40 pieces of 1 s; one piece of 0.5 s
+
+    async def go():
+        base, stop = await _in_process_server(cfg, model)
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+                post = c.post("/v1/audio/transcriptions", files={"file": ("long.wav", long_body)}, data=form)
+                long_task = asyncio.ensure_future(post)
+                t_end = time.monotonic() + 20
+                while not model.calls:  # the long upload's first batch is done: its pieces are queued
+                    assert time.monotonic() < t_end and not long_task.done()
+                    await asyncio.sleep(0.01)
+                t0 = time.monotonic()
+                short = await c.post("/v1/audio/transcriptions", files={"file": ("short.wav", short_body)},
+                                     data=form)
+                short_s = time.monotonic() - t0
+                calls_before_short = len(model.calls)
+                metrics = (await c.get("/metrics")).text
+                return (await long_task).json(), short.json(), short_s, calls_before_short, metrics
+        finally:
+            await stop()
+
+    long_r, short_r, short_s, calls_before_short, metrics = asyncio.run(go())
+    assert long_r["text"] == " ".join(["n16000"] * 40) and long_r["duration"] == 40.0
+    assert short_r["text"] == "n8000"
+    # the splitter ran for both uploads, in the CPU pool; the model only ever ran on its own thread
+    assert len(split_threads) == 2 and all(t.startswith("flashasr-cpu") for t in split_threads), split_threads
+    assert {t.split("_")[0] for _, _, t in model.calls} == {"flashasr-model"}
+    # fair turns: the short piece went into the batch after the one in flight (FIFO: after all 20)
+    short_call = next(i for i, (_, sizes, _) in enumerate(model.calls) if 8000 in sizes)
+    assert short_call <= 3, [sizes for _, sizes, _ in model.calls]
+    assert calls_before_short <= 4 < 20  # most of the long upload's pieces were still queued
+    assert short_s < 4 * DELAY + 1.0, short_s  # ~2 batch times; FIFO would be >= 20 * DELAY = 4 s
+    assert 'flashasr_stage_seconds_count{stage="plan"} 2.0' in metrics
+
+
+# --------------------------------------------------------------------- real server, tiny.en
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve_pipeline"), "--max-audio-s", "120", "--partial-interval-ms", "0")
+    yield s
+    s.stop()
+
+
+def _upload(server, data: bytes, name: str, **form) -> dict:
+    r = httpx.post(server.base + "/v1/audio/transcriptions", files={"file": (name, data)},
+                   data={"response_format": "verbose_json", **form}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _same_transcript(got: dict, want: Transcript) -> None:
+    want_d = json.loads(json.dumps(want.to_dict()))
+    assert got["text"] == want_d["text"]
+    assert got["duration"] == want_d["duration"] and got["language"] == want_d["language"]
+    assert [s["text"] for s in got["segments"]] == [s["text"] for s in want_d["segments"]]
+    for g, w in zip(got["segments"], want_d["segments"]):  # batch mates may move a time by a frame
+        assert abs(g["start"] - w["start"]) <= 0.02 and abs(g["end"] - w["end"]) <= 0.02
+
+
+def test_long_whisper_upload_equals_the_python_api_and_none_keeps_the_seek(server):
+    import flashasr
+    from flashasr.audio import load_audio
+    from flashasr.pipeline import cached_model
+
+    data = LONG.read_bytes()
+    vad = _upload(server, data, LONG.name)
+    seek = _upload(server, data, LONG.name, segmentation="none")
+    assert vad["duration"] > 60 and len(words(vad["text"])) > 100
+    _same_transcript(vad, flashasr.transcribe(LONG))  # the CLI's path: VAD pieces, merged
+    model = cached_model(None, "cpu")
+    _same_transcript(seek, model.transcribe_waveform(load_audio(LONG, target_rate=16000).samples))
+
+
+def test_realtime_update_refuses_a_language_the_model_cannot_take(server):
+    pcm = pcm16(CLIP)
+
+    async def go():
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/realtime?sample_rate=16000") as ws:
+            await ws.recv()
+            upd = {"type": "transcription_session.update", "event_id": "u1", "session": {
+                "turn_detection": None, "input_audio_transcription": {"language": "de"}}}
+            await ws.send(json.dumps(upd))
+            err = json.loads(await ws.recv())
+            await ws.send(json.dumps({"type": "transcription_session.update", "session": {}}))
+            same = json.loads(await ws.recv())
+            upd["session"]["input_audio_transcription"]["language"] = "English"
+            await ws.send(json.dumps(upd))
+            ok = json.loads(await ws.recv())
+            for off in range(0, len(pcm), 640):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(pcm[off:off + 640]).decode()}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            while True:
+                ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                if ev["type"].endswith("transcription.completed"):
+                    break
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/stream?language=de") as ws:
+            refused = json.loads(await ws.recv())
+            await asyncio.wait_for(ws.wait_closed(), 5)
+        return err, same, ok, ev, refused, ws.close_code
+
+    err, same, ok, final, refused, close_code = asyncio.run(go())
+    assert err["type"] == "error" and err["error"]["code"] == "unsupported_language", err
+    assert err["error"]["param"] == "language" and err["error"]["event_id"] == "u1"
+    # the refused update changed nothing (neither its language nor its turn_detection) ...
+    assert same["session"]["input_audio_transcription"]["language"] is None
+    assert same["session"]["turn_detection"]["type"] == "server_vad"
+    # ... and the session takes a language the model can do (the options' one rule: names accepted)
+    assert ok["type"] == "transcription_session.updated" and ok["session"]["turn_detection"] is None
+    assert ok["session"]["input_audio_transcription"]["language"] == "en"
+    assert words(final["transcript"]) == CLIP_WORDS
+    assert refused["error"]["code"] == "unsupported_language" and close_code == 1008
