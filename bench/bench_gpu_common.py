@@ -119,7 +119,7 @@ V3_YAML_CANDIDATES = [REPO / ".devdata" / "shared" / "fixtures" / "parakeet" / "
 
 def build_v3_model(device="cuda", seed=0):
     """Random-weight Parakeet-TDT 0.6B v3 (float32 weights; engines convert in place)."""
-    from flashasr.models.parakeet.config import build_random_parakeet
+    from flashasr.random_models import build_random_parakeet
 
     path = next(p for p in V3_YAML_CANDIDATES if p.exists())
     return build_random_parakeet(path, device=device, dtype="float32", seed=seed)

@@ -1,7 +1,7 @@
 """Peer benchmark: NVIDIA NeMo's own Parakeet-TDT inference vs our engine, SAME random weights.
 
 Builds NeMo's ``EncDecRNNTBPEModel`` (nemo-toolkit 3.0.0, carried to the GPU machine as wheels:
-``scripts/device_nemo.sh``) from the parakeet-tdt-0.6b-v3 architecture config
+``scripts/gpu_bench_nemo_peer.sh``) from the parakeet-tdt-0.6b-v3 architecture config
 (``fixtures/parakeet/parakeet-tdt-0.6b-v3.yaml``) with an 8192-piece SentencePiece BPE stand-in
 tokenizer (trained here in < 1 s on seeded synthetic text: texts are meaningless, token ids are
 what is compared). Weights: our seeded random init (:func:`flashasr.models.parakeet.model.random_init`),
@@ -31,7 +31,7 @@ decoder CUDA-graph mode, peak GPU memory. Inputs shorter than 1.0 s are zero-pad
 (half left, half right) for BOTH engines first, as NeMo's transcribe() does, so the outputs are
 comparable.
 
-Run (device): ``bash scripts/device_nemo.sh``; CPU smoke test (tiny config, needs nemo installed):
+Run (device): ``bash scripts/gpu_bench_nemo_peer.sh``; CPU smoke test (tiny config, needs nemo installed):
 ``PYTHONPATH=src:bench python bench/bench_gpu_nemo_peer.py --smoke``.
 Writes bench/results/gpu_<name>.json (also copied to $OUT).
 """
@@ -301,7 +301,7 @@ def run(a, device, result, save, left) -> None:
     try:
         import nemo
     except ModuleNotFoundError as e:
-        raise SystemExit(f"NeMo is not installed ({e}): on the GPU machine run scripts/device_nemo.sh, which "
+        raise SystemExit(f"NeMo is not installed ({e}): on the GPU machine run scripts/gpu_bench_nemo_peer.sh, which "
                          f"installs the wheel set of docs/NEMO_PEER.md; here: pip install nemo-toolkit==3.0.0 "
                          f"plus that set") from None
     from nemo.collections.asr.models import EncDecRNNTBPEModel
@@ -542,7 +542,7 @@ def calibrate(ours, pieces, device, smoke) -> tuple[float, float]:
         del eng, twin, f
         torch.cuda.empty_cache()
         return res
-    from flashasr.models.parakeet.config import calibrate_random_joint, shape_random_joint
+    from flashasr.random_models import calibrate_random_joint, shape_random_joint
 
     shape_random_joint(ours)
     return calibrate_random_joint(ours, pieces[:4], iters=6 if smoke else 10)

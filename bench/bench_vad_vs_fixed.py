@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from flashasr.eval import load_manifest, normalize, word_errors
     from flashasr.jobs import run_job
-    from flashasr.models.registry import load_model
+    from flashasr.pipeline import load_model
 
     clip = next(c for c in load_manifest(SHARED / "audio/manifest.jsonl") if c["id"] == args.clip)
     ref = normalize(clip["reference"], "en")

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     from flashasr.audio import load_audio
     from flashasr.eval import FasterWhisperPeer, WordErrors, load_manifest, normalize, word_errors
     from flashasr.jobs import InputItem, run_job
-    from flashasr.models.registry import load_model
+    from flashasr.pipeline import load_model
 
     clips = [c for c in load_manifest(SHARED / "audio/manifest.jsonl")
              if c.get("category") in ("en_read", "en_conversational") and c.get("reference")]

@@ -3,8 +3,8 @@
 # the same random-weight 0.6B-v3 model (bench/bench_gpu_nemo_peer.py). docs/NEMO_PEER.md explains
 # the wheel set.
 #
-#   bash scripts/device_nemo.sh fetch   # HERE (needs PyPI): wheels for CPython 3.12 x86-64 -> .whl-nemo/ (13.5 MiB)
-#   bash scripts/device_nemo.sh         # ON THE GPU MACHINE (device run), with
+#   bash scripts/gpu_bench_nemo_peer.sh fetch   # HERE (needs PyPI): wheels for CPython 3.12 x86-64 -> .whl-nemo/ (13.5 MiB)
+#   bash scripts/gpu_bench_nemo_peer.sh         # ON THE GPU MACHINE (device run), with
 #       carry: [".whl-nemo", ".devdata/speech16k.npz", ".devdata/shared/fixtures/parakeet/parakeet-tdt-0.6b-v3.yaml"]
 #       (.devdata/speech16k.npz comes from bench/bench_gpu_prepare_audio.py; all together ~48 MiB with the repo)
 #
@@ -37,7 +37,7 @@ if [ "${1:-}" = "fetch" ]; then
 fi
 
 export PYTHONUNBUFFERED=1
-[ -d .whl-nemo ] || { echo ".whl-nemo missing: run 'bash scripts/device_nemo.sh fetch' here and carry .whl-nemo"; exit 1; }
+[ -d .whl-nemo ] || { echo ".whl-nemo missing: run 'bash scripts/gpu_bench_nemo_peer.sh fetch' here and carry .whl-nemo"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-nemo/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:src:bench

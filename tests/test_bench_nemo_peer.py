@@ -1,5 +1,5 @@
 """Helpers of bench/bench_gpu_nemo_peer.py that need no NeMo (the NeMo run itself is a device
-benchmark: scripts/device_nemo.sh; its CPU smoke test needs nemo-toolkit, which CI lacks)."""
+benchmark: scripts/gpu_bench_nemo_peer.sh; its CPU smoke test needs nemo-toolkit, which CI lacks)."""
 
 from __future__ import annotations
 

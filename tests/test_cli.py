@@ -43,15 +43,17 @@ class _Memo:
     def __getattr__(self, k):
         return getattr(self._m, k)
 
-    def transcribe_batch(self, waves, *, language=None, word_timestamps=False):
+    def transcribe_batch(self, waves, options=None, **changes):
         import hashlib
 
-        keys = [(hashlib.sha1(w.tobytes()).hexdigest(), language, word_timestamps) for w in waves]
+        from flashasr.options import TranscribeOptions
+
+        options = TranscribeOptions.build(options, **changes)
+        keys = [(hashlib.sha1(w.tobytes()).hexdigest(), options.decoding) for w in waves]
         todo = [k for k in range(len(waves)) if keys[k] not in self._memo]
         if todo:
             self.calls += 1
-            outs = self._m.transcribe_batch([waves[k] for k in todo], language=language,
-                                            word_timestamps=word_timestamps)
+            outs = self._m.transcribe_batch([waves[k] for k in todo], options)
             for k, o in zip(todo, outs):
                 self._memo[keys[k]] = o
         import copy
@@ -61,21 +63,21 @@ class _Memo:
 
 @pytest.fixture(autouse=True, scope="module")
 def _memo_model():
-    from flashasr.models import registry
+    from flashasr import pipeline
 
-    orig = registry.cached_model
+    orig = pipeline.cached_model
     memo: list[_Memo] = []
 
-    def cached(spec=None, device="cpu", dtype=None):
+    def cached(spec=None, device="cpu", dtype=None, engine="auto"):
         if spec in (None, "tiny.en") and device == "cpu" and dtype is None:
             if not memo:  # loaded on first use only
                 memo.append(_Memo(orig(None, "cpu")))
             return memo[0]
-        return orig(spec, device, dtype)
+        return orig(spec, device, dtype, engine)
 
-    registry.cached_model = cached
+    pipeline.cached_model = cached
     yield
-    registry.cached_model = orig
+    pipeline.cached_model = orig
 
 
 def _cli(*args, timeout=120):
@@ -276,12 +278,12 @@ def test_missing_input_fails_alone_and_others_finish(tmp_path, capsys):
 
 def test_bad_output_dir_is_a_usage_error(tmp_path, capsys, monkeypatch):
     """--output-dir that is a file, under a file, or not creatable: one line, exit 2, no model load."""
-    from flashasr.models import registry
+    from flashasr import pipeline
 
     def no_load(*a, **k):
         raise AssertionError("the model must not be loaded for a bad --output-dir")
 
-    monkeypatch.setattr(registry, "cached_model", no_load)
+    monkeypatch.setattr(pipeline, "cached_model", no_load)
     afile = tmp_path / "afile"
     afile.write_text("x")
     for out in (afile, afile / "sub"):

@@ -44,8 +44,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "Hugging Face Whisper folder, a Whisper .pt, a Parakeet .nemo or nvidia/parakeet-... id, or "
                         "random:NAME|PATH (Parakeet with random weights shaped by a NeMo YAML, for benchmarks)")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--engine", choices=("auto", "plain"), default="auto",
+                   help="auto (default): the GPU engine for the model on CUDA (Parakeet: encoder profiles + "
+                        "graph decoder; Whisper: static-cache graph decoder); plain: plain PyTorch")
     p.add_argument("--language", default=None,
-                   help="ISO 639-1 code (default: the manifest's language, else detected / the model's)")
+                   help="ISO 639-1 code, any case, or an English language name (default: the manifest's "
+                        "language, else detected / the model's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,8 +111,15 @@ def _install_sigterm() -> None:
 def cmd_transcribe(args: argparse.Namespace) -> int:
     """``flashasr transcribe``: see :func:`build_parser` for the options."""
     from .jobs import InputError, expand_inputs, run_job
-    from .models.registry import cached_model
+    from .options import TranscribeOptions
+    from .pipeline import cached_model
 
+    try:  # the one options object of this door, checked for syntax now and against the model below
+        options = TranscribeOptions(language=args.language, task=args.task, word_timestamps=args.word_timestamps,
+                                    segmentation=args.segmentation, max_segment_s=args.max_segment_s)
+    except FlashASRError as e:
+        _err(f"error: [{e.code}] {e}")
+        return EXIT_USAGE
     missing: list = []
     try:
         items = expand_inputs(args.inputs, missing=missing)
@@ -133,7 +144,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                  f"{e.strerror or e}")
             return EXIT_USAGE
     try:
-        model = cached_model(args.model, args.device)  # in-process callers reuse a loaded model
+        model = cached_model(args.model, args.device, None, args.engine)  # in-process callers reuse a loaded model
     except FlashASRError as e:
         _err(f"error: [{e.code}] cannot load model {args.model or 'tiny.en'}: {e}")
         return EXIT_USAGE
@@ -142,10 +153,10 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
              f"{type(e).__name__}: {e}")
         return EXIT_USAGE
 
-    if args.language and args.language.lower() != "en" and not getattr(model, "multilingual", True) \
-            and getattr(model, "family", "") == "whisper":
-        _err(f"error: [unsupported_language] model {getattr(model, 'name', args.model)} is English-only; "
-             f"--language {args.language} needs a multilingual model (e.g. --model base)")
+    try:
+        options = options.resolve(model.capabilities)
+    except FlashASRError as e:  # a language or task this model cannot do
+        _err(f"error: [{e.code}] {e}")
         return EXIT_USAGE
     several = len(items) > 1
     order = {str(it.path): k for k, it in enumerate(items)}
@@ -173,9 +184,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
 
     _install_sigterm()
     try:
-        report = run_job(items, model, args.output_dir, args.format, language=args.language,
-                         word_timestamps=args.word_timestamps, batch_size=args.batch_size, task=args.task,
-                         segmentation=args.segmentation, max_segment_s=args.max_segment_s,
+        report = run_job(items, model, args.output_dir, args.format, options=options, batch_size=args.batch_size,
                          workers=args.workers, cpu_pool=args.cpu_pool, resume=args.resume, progress=args.progress,
                          on_result=on_result, keep_transcripts=False)
     except FlashASRError as e:

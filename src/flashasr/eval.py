@@ -529,8 +529,13 @@ def _versions() -> dict:
 
 def run_eval_cli(args: argparse.Namespace) -> int:
     """``flashasr eval``: print the table to stdout; exit 1 when a clip failed, 2 on bad usage."""
-    from .models.registry import load_model
+    from .pipeline import load_model
 
+    missing = [m for m in ("jiwer", "whisper_normalizer") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: [missing_dependency] 'flashasr eval' needs the eval extra (pip install 'flashasr[eval]'); "
+              f"not installed: {', '.join(missing)}", file=sys.stderr)
+        return 2
     cats = None
     if args.category:
         cats = [c.strip() for a in args.category for c in a.split(",") if c.strip()]
