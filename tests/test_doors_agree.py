@@ -37,38 +37,51 @@ def recording(tmp_path_factory) -> str:
 
 
 def _view(d: dict) -> dict:
-    """What must agree: the text, language, duration and every segment's times and text."""
+    """What must agree: the text, language, duration, every segment's times and text, the words."""
     return {"text": d["text"], "language": d["language"], "duration": d["duration"],
-            "segments": [(s["start"], s["end"], s["text"]) for s in d["segments"]]}
+            "segments": [(s["start"], s["end"], s["text"]) for s in d["segments"]],
+            "words": [(w["word"], w["start"], w["end"]) for w in d.get("words") or []]}
 
 
-def _cli(path: str, spec: str | None, out) -> dict:
+# the default options, and options through every door: word times, a language given by name, shorter pieces
+VARIANTS = [{}, {"word_timestamps": True, "language": "English", "max_segment_s": 20}]
+
+
+def _cli(path: str, spec: str | None, out, opts: dict) -> dict:
     args = ["transcribe", path, "-f", "verbose_json", "-o", str(out), "-q", "--no-resume"]
+    args += ["--word-timestamps"] * bool(opts.get("word_timestamps"))
+    args += [x for k in ("language", "max_segment_s") if k in opts for x in (f"--{k.replace('_', '-')}", str(opts[k]))]
     assert main(args + (["--model", spec] if spec else [])) == 0
     return json.loads((out / "ninety.verbose.json").read_text())
 
 
-def _http(server: Server, path: str) -> dict:
+def _http(server: Server, path: str, opts: dict) -> dict:
+    data = {"response_format": "verbose_json"}
+    data.update({k: str(v) for k, v in opts.items() if k != "word_timestamps"})
+    if opts.get("word_timestamps"):
+        data["timestamp_granularities[]"] = ["word", "segment"]
     with open(path, "rb") as f:
-        r = httpx.post(server.base + "/v1/audio/transcriptions", files={"file": ("ninety.wav", f)},
-                       data={"response_format": "verbose_json"}, timeout=300)
+        r = httpx.post(server.base + "/v1/audio/transcriptions", files={"file": ("ninety.wav", f)}, data=data,
+                       timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-@pytest.mark.parametrize("spec, modes", [(None, ("single",)), (PARAKEET, ("single", "multi"))],
-                         ids=["whisper-tiny.en", "parakeet-fixture"])
-def test_cli_api_and_server_give_the_same_transcript(recording, tmp_path, spec, modes):
-    cli = _view(_cli(recording, spec, tmp_path / "cli"))
-    api = _view(flashasr.transcribe(recording, model=spec).to_dict())
-    assert api == cli
-    assert cli["duration"] == 90.0 and cli["segments"]
-    if spec is None:  # real speech, real weights: words from both ends of the file, in 4 VAD pieces
-        assert "elephants" in cli["text"].lower() and "capital letter" in cli["text"].lower()
-        assert len(cli["segments"]) >= 8 and cli["segments"][-1][1] > 80
-    for mode in modes:
-        server = Server(tmp_path, *(["--model", spec] if spec else []), "--mode", mode)
-        try:
-            assert _view(_http(server, recording)) == cli, mode
-        finally:
+@pytest.mark.parametrize("spec", [None, PARAKEET], ids=["whisper-tiny.en", "parakeet-fixture"])
+def test_cli_api_and_server_give_the_same_transcript(recording, tmp_path, spec):
+    servers = {mode: Server(tmp_path, *(["--model", spec] if spec else []), "--mode", mode)
+               for mode in ("single", "multi")}
+    try:
+        for k, opts in enumerate(VARIANTS):
+            cli = _view(_cli(recording, spec, tmp_path / f"cli{k}", opts))
+            api = _view(flashasr.transcribe(recording, model=spec, **opts).to_dict(words=bool(opts)))
+            assert api == cli, opts
+            assert cli["duration"] == 90.0 and cli["segments"] and bool(cli["words"]) == bool(opts)
+            if spec is None:  # real speech, real weights: words from both ends of the file, in VAD pieces
+                assert "elephants" in cli["text"].lower() and "capital letter" in cli["text"].lower()
+                assert len(cli["segments"]) >= 8 and cli["segments"][-1][1] > 80 and cli["language"] == "english"
+            for mode, server in servers.items():
+                assert _view(_http(server, recording, opts)) == cli, (mode, opts)
+    finally:
+        for server in servers.values():
             server.stop()

@@ -37,17 +37,18 @@ def test_a_language_that_is_not_a_code_is_named(bad):
 def test_syntax_errors_name_their_option():
     with pytest.raises(UnsupportedTaskError, match="task must be one of") as e:
         TranscribeOptions(task="summarise")
-    assert e.value.code == "invalid_request"
+    assert e.value.code == "invalid_request" and e.value.param == "task"
     with pytest.raises(InvalidRequestError, match="segmentation") as e:
         TranscribeOptions(segmentation="silence")
     assert e.value.param == "segmentation"
-    for bad in (0, -1.0, math.nan, math.inf, "abc", True):
+    for bad in (0, 0.001, 0.999, -1.0, math.nan, math.inf, "abc", True):
         with pytest.raises(InvalidRequestError, match="max_segment_s") as e:
             TranscribeOptions(max_segment_s=bad)
         assert e.value.param == "max_segment_s"
     with pytest.raises(InvalidRequestError, match="word_timestamps"):
         TranscribeOptions(word_timestamps="yes")
     assert TranscribeOptions(max_segment_s="12.5").max_segment_s == 12.5
+    assert TranscribeOptions(max_segment_s=1).max_segment_s == 1.0
 
 
 def test_frozen_hashable_and_round_trips():
@@ -90,6 +91,7 @@ def test_resolve_asks_the_model():
     assert TranscribeOptions(max_segment_s=90).resolve(ENGLISH_ONLY).max_segment_s == 30.0
     r = TranscribeOptions(max_segment_s=12).resolve(ENGLISH_ONLY)
     assert r.max_segment_s == 12.0 and r.resolve(ENGLISH_ONLY) == r
+    assert r.language is None  # the options say what the caller asked; the model's own language is the merger's
 
 
 def test_capabilities_round_trip_and_real_models():

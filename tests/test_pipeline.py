@@ -137,6 +137,11 @@ def test_merge_sets_duration_language_task_and_global_times():
     assert (tr.text, tr.language, tr.task, tr.duration, tr.segments) == ("", "en", "translate", 3.0, [])
     detected = Transcript("x", "fr", 1.0, [], None)
     assert merge_pieces([(0.0, detected)], 1.0, options=TranscribeOptions()).language == "fr"
+    # no speech on a model of one language (English-only Whisper): its language, as its pieces would say
+    english = ModelCapabilities(name="tiny", languages=frozenset({"en"}))
+    empty = merge_pieces([], 8.0, options=TranscribeOptions(), caps=english)
+    assert (empty.language, empty.model) == ("en", "tiny")
+    assert merge_pieces([], 8.0, options=TranscribeOptions(), caps=WHISPERISH).language is None
 
 
 def test_models_never_cut_and_the_pipeline_does(monkeypatch):

@@ -278,3 +278,53 @@ def test_translate_task_crosses_the_engine_socket(tmp_path):
     assert (b.text, b.task) == ("[transcribe]", "transcribe")
     assert seen == ["translate", "transcribe"]
     assert a.to_dict()["task"] == "translate"
+
+
+def test_scheduler_fair_queue_equal_lengths_and_no_starvation():
+    """Uploads share the model fairly by audio seconds: an upload arriving behind a long one of
+    equal-length pieces is served within the next two batches (not after all of them), and a long
+    upload keeps about half the batches while short uploads keep arriving (it never starves)."""
+    from flashasr.options import TranscribeOptions
+
+    class NoModel:
+        sample_rate = 16000
+
+    opts = TranscribeOptions()
+    secs = lambda n: [(k * 16000, (k + 1) * 16000) for k in range(n)]  # noqa: E731 - n pieces of 1 s
+
+    async def go(n_long: int, max_batch: int, arrivals: int):
+        """A long upload, then before each of ``arrivals`` picks a 2-piece (first pick) or 1-piece
+        short upload; returns per pick how many of its pieces were the long upload's."""
+        s = BatchScheduler(NoModel(), max_batch=max_batch)
+        s._wake = asyncio.Event()
+        xl = np.zeros(16000 * n_long, np.float32)
+        tasks = [asyncio.ensure_future(s.submit_pieces(xl, secs(n_long), opts))]
+        await asyncio.sleep(0)
+        picks = [s._pick()]
+        for k in range(arrivals):
+            tasks.append(asyncio.ensure_future(s.submit_pieces(np.zeros(32000, np.float32), secs(2 if k == 0 else 1),
+                                                               opts)))
+            await asyncio.sleep(0)
+            picks.append(s._pick())
+        for b in picks:
+            for it in b:
+                if not it.fut.done():
+                    it.fut.set_result(None)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await s.stop()
+        return [sum(it.samples.base is xl for it in b) for b in picks]
+
+    # equal lengths, batches of 2: A's first batch, then B's two pieces within the next two batches
+    longs = asyncio.run(go(20, 2, 2))
+    assert longs[0] == 2 and 4 - sum(longs[1:]) == 2 + 1  # B's 2 pieces and the 1-piece C, A's the rest
+    longs = asyncio.run(go(20, 2, 1))
+    assert longs[1] <= 1  # B's pieces lead the very next batch
+    # overload: batches of 1 and a new short upload before every pick. Each upload gets an equal
+    # share, so the long one's share shrinks as the backlog of short ones grows, but it keeps moving
+    # (the virtual time reaches its next piece) and finishes; a rule that always let newer uploads'
+    # first pieces go first would leave it at its first piece forever
+    longs = asyncio.run(go(10, 1, 80))
+    assert sum(longs) == 10, longs
+    assert sum(longs[:20]) >= 5, longs

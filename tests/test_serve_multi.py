@@ -61,8 +61,8 @@ def test_multi_workers_and_shared_memory(multi):
     for _ in range(2):  # the second request reuses the pooled segment
         t = client.audio.transcriptions.create(model="whisper-1", file=CLIP.open("rb"))
         assert words(t.text) == CLIP_WORDS
-    new = _shm() - before
-    assert len(new) == 1 and int(next(iter(new)).split("_")[1]) in pids  # one pooled segment of a front end
+    mine = {n for n in _shm() - before if int(n.split("_")[1]) in pids | engine}  # not other servers' on this machine
+    assert len(mine) == 1 and int(next(iter(mine)).split("_")[1]) in pids  # one pooled segment of a front end
     assert multi.metric("flashasr_engine_requests_active") == 0
 
 

@@ -125,6 +125,21 @@ def test_transcribe_batch_equals_reference():
                [(s.start, s.end, s.text, s.tokens) for s in r.segments]
 
 
+def test_engine_batch_is_sized_by_its_kv_cache():
+    """Static KV cache bytes per row from the dims (large-v3 fp16: 304 MiB), and the default batch:
+    the largest bucket whose cache fits a quarter of the free GPU memory (on CPU: the largest)."""
+    from flashasr.engine.whisper_gpu import batch_for_memory, kv_cache_bytes_per_row
+    from flashasr.models.whisper.model import WhisperDims, WhisperModel
+
+    d = WhisperDims(n_mels=128, n_audio_ctx=1500, n_audio_state=1280, n_audio_head=20, n_audio_layer=32,
+                    n_vocab=51866, n_text_ctx=448, n_text_state=1280, n_text_head=20, n_text_layer=32)
+    with torch.device("meta"):
+        large = WhisperModel(d).half()
+    assert kv_cache_bytes_per_row(large) == 2 * 32 * (448 + 1500) * 1280 * 2
+    assert batch_for_memory(tiny().model) == 128
+    assert WhisperGPUASR(tiny()).engine.max_batch == 128  # a CPU model: the largest bucket
+
+
 def test_forced_lengths():
     """Benchmark hook: each row emits exactly its forced number of tokens, then eot."""
     asr = tiny()
@@ -229,6 +244,7 @@ def test_gpu_engine_choice_wires_the_whisper_engine_and_equals_the_plain_path(dt
     plain = tiny("cuda", dtype)
     fast = engines.accelerate(plain)
     assert type(fast).__name__ == "WhisperGPUASR" and fast.model is plain.model
+    assert fast.engine.max_batch == 128  # tiny.en's cache is small: the largest bucket fits
     monkeypatch.setenv("FLASHASR_GPU_ENGINE", "0")
     assert engines.accelerate(plain) is plain
     monkeypatch.delenv("FLASHASR_GPU_ENGINE")

@@ -366,11 +366,11 @@ def evaluate(clips: list[dict], model, *, peer: FasterWhisperPeer | None = None,
     for c in clips:
         rep.setdefault(groups.get(c["id"], c["id"]), c["id"])
 
-    english_only = not bool(getattr(model, "multilingual", False))
+    langs = model.capabilities.languages  # the model's own rule: one language (English-only) wins
 
     def lang_for(c):
-        if english_only:
-            return "en"
+        if langs is not None and len(langs) == 1:
+            return next(iter(langs))
         return language or c.get("language")
 
     items = [InputItem(path=Path(c["abs_path"]), key=c["id"], display=c["id"], language=lang_for(c), meta=c)

@@ -21,7 +21,7 @@ Fields (all immutable, so an options object is hashable and can key a batch):
                     (consecutive windows) or ``"none"`` (the model's own long-form procedure:
                     Whisper's 30 s seek; a model without one is cut at pauses once the audio is
                     longer than its window). See :mod:`flashasr.pipeline.plan`.
-``max_segment_s``   longest piece in seconds; None: the model's window. Clamped to the window.
+``max_segment_s``   longest piece in seconds (>= 1); None: the model's window. Clamped to the window.
 ==================  =====================================================================
 
 The model sees ``language``, ``task`` and ``word_timestamps`` (:attr:`~TranscribeOptions.decoding`);
@@ -43,6 +43,7 @@ from .languages import LANGUAGE_NAMES
 
 TASKS = ("transcribe", "translate")
 SEGMENTATIONS = ("vad", "fixed", "none")
+MIN_SEGMENT_S = 1.0  # shorter pieces lose context and multiply model calls (0.001 s: 3,000 per 3 s clip)
 
 _CODE_OF_NAME = {name: code for code, name in LANGUAGE_NAMES.items()}
 _TAG = re.compile(r"([a-z]{2,3})(?:[-_][a-z0-9]{2,8})*")
@@ -138,8 +139,10 @@ class TranscribeOptions:
     def __post_init__(self):
         object.__setattr__(self, "language", normalize_language(self.language))
         if self.task not in TASKS:
-            raise UnsupportedTaskError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}",
+            err = UnsupportedTaskError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}",
                                        code="invalid_request")
+            err.param = "task"
+            raise err
         if not isinstance(self.word_timestamps, bool):
             raise InvalidRequestError(f"word_timestamps must be true or false; got {self.word_timestamps!r}",
                                       param="word_timestamps")
@@ -151,8 +154,8 @@ class TranscribeOptions:
                 v = float(self.max_segment_s)
             except (TypeError, ValueError):
                 v = float("nan")
-            if isinstance(self.max_segment_s, bool) or not (math.isfinite(v) and v > 0):
-                raise InvalidRequestError(f"max_segment_s must be a positive number of seconds; "
+            if isinstance(self.max_segment_s, bool) or not (math.isfinite(v) and v >= MIN_SEGMENT_S):
+                raise InvalidRequestError(f"max_segment_s must be a number of seconds >= {MIN_SEGMENT_S:g}; "
                                           f"got {self.max_segment_s!r}", param="max_segment_s")
             object.__setattr__(self, "max_segment_s", v)
 
@@ -216,5 +219,5 @@ class TranscribeOptions:
 
 DEFAULT_OPTIONS = TranscribeOptions()
 
-__all__ = ["TranscribeOptions", "ModelCapabilities", "DEFAULT_OPTIONS", "TASKS", "SEGMENTATIONS",
+__all__ = ["TranscribeOptions", "ModelCapabilities", "DEFAULT_OPTIONS", "TASKS", "SEGMENTATIONS", "MIN_SEGMENT_S",
            "normalize_language"]

@@ -55,7 +55,8 @@ from ..models.whisper.tokenizer import WhisperTokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WhisperGPUEngine", "WhisperGPUASR", "WhisperEngineError", "DEFAULT_BUCKETS", "DEFAULT_SPANS"]
+__all__ = ["WhisperGPUEngine", "WhisperGPUASR", "WhisperEngineError", "DEFAULT_BUCKETS", "DEFAULT_SPANS",
+           "batch_for_memory", "kv_cache_bytes_per_row"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_SPANS = (64, 128, 256, 448)
@@ -434,6 +435,30 @@ class WhisperGPUEngine:
                                                 for k, v in self.stats.items()}}
 
 
+def kv_cache_bytes_per_row(model: WhisperModel) -> int:
+    """Bytes of static KV cache one batch row holds: K and V of self-attention (``n_text_ctx``
+    positions) and cross-attention (``n_audio_ctx`` frames) in every decoder layer, in the model's
+    dtype (large-v3 fp16: 304 MiB a row; tiny.en fp16: 11 MiB)."""
+    d = model.dims
+    item = next(model.parameters()).element_size()
+    return 2 * d.n_text_layer * (d.n_text_ctx + d.n_audio_ctx) * d.n_text_state * item
+
+
+def batch_for_memory(model: WhisperModel, *, fraction: float = 0.25, largest: int = DEFAULT_BUCKETS[-1]) -> int:
+    """The largest bucket (a power of two, 1 .. ``largest``) whose static KV cache takes at most
+    ``fraction`` of the GPU memory free now: large-v3 on a 24 GB card gets a few rows, not the 128
+    rows (31 GB) that fit an H200. On a CPU model: ``largest``."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return largest
+    free, _total = torch.cuda.mem_get_info(p.device)
+    rows = int(fraction * free // max(1, kv_cache_bytes_per_row(model)))
+    b = 1
+    while b * 2 <= min(rows, largest):
+        b *= 2
+    return b
+
+
 class WhisperGPUASR(WhisperASR):
     """A :class:`WhisperASR` whose windows are encoded and greedily decoded by a
     :class:`WhisperGPUEngine`; everything else (log-mel, seek, segments, language detection,
@@ -445,7 +470,7 @@ class WhisperGPUASR(WhisperASR):
     Args:
         asr: a loaded :class:`WhisperASR`.
         engine: a :class:`WhisperGPUEngine` over ``asr.model`` (default: built with
-            ``engine_kwargs``).
+            ``engine_kwargs``; its ``max_batch`` by default :func:`batch_for_memory`).
     Raises:
         WhisperEngineError: ``asr`` is not a Whisper model, or ``engine`` uses another model.
     """
@@ -453,6 +478,8 @@ class WhisperGPUASR(WhisperASR):
     def __init__(self, asr: WhisperASR, engine: WhisperGPUEngine | None = None, **engine_kwargs):
         if not isinstance(asr, WhisperASR):
             raise WhisperEngineError(f"WhisperGPUASR needs a WhisperASR, got {type(asr).__name__}")
+        if engine is None and "max_batch" not in engine_kwargs:
+            engine_kwargs["max_batch"] = batch_for_memory(asr.model)
         engine = engine or WhisperGPUEngine(asr.model, asr.tokenizer, **engine_kwargs)
         if engine.model is not asr.model:
             raise WhisperEngineError("the engine must decode the same model object as the ASR")

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from ..formats import EXTENSIONS, render
-from ..options import TranscribeOptions
+from ..options import ModelCapabilities, TranscribeOptions
 from ..pipeline import merge_pieces
 from .batcher import FileState
 from .inputs import InputItem
@@ -49,23 +49,25 @@ class Finisher:
         report: the job's report (``audio_s``, ``finish_s`` are added to here).
         out_dir: output folder, or None (results only go to ``on_result`` and the report).
         fmt: output format; ``summary``: the folder's journal (None without ``out_dir``).
-        model_name: journal and ``Transcript.model``; ``options``: the job's resolved options,
-            recorded in every journal line as ``options.to_dict()`` (the resume match).
-        sample_rate: the model's rate (file duration = samples / rate).
+        caps: the model's capabilities: its name (journal and ``Transcript.model``), its rate (file
+            duration = samples / rate), its language when it has only one (the merger's).
+        options: the job's resolved options, recorded in every journal line as
+            ``options.to_dict()`` (the resume match).
         on_result: called with each :class:`FileResult`; ``keep_transcripts``: keep them in the
             report afterwards.
     """
 
     def __init__(self, items: list[InputItem], *, report: JobReport, out_dir: Path | None, fmt: str,
-                 summary: Summary | None, model_name: str, options: TranscribeOptions, sample_rate: int,
+                 summary: Summary | None, caps: ModelCapabilities, options: TranscribeOptions,
                  on_result: Callable[[FileResult], None] | None = None, keep_transcripts: bool = True):
         self.items = items
         self.results: list[FileResult | None] = [None] * len(items)
         self.report = report
         self.out_dir, self.fmt, self.summary = out_dir, fmt, summary
-        self.model_name = model_name
+        self.caps = caps
+        self.model_name = caps.name
         self.options_record = options.to_dict()
-        self.sample_rate = sample_rate
+        self.sample_rate = caps.sample_rate
         self.on_result = on_result
         self.keep_transcripts = keep_transcripts
         self.bar = None
@@ -125,7 +127,7 @@ class Finisher:
             res.status, res.error_code, res.error_message = "failed", st.error[0], st.error[1]
         else:
             parts = [(a / self.sample_rate, t) for (a, _b), t in zip(st.pieces, st.results)]
-            res.transcript = merge_pieces(parts, dur, options=st.options, model=self.model_name)
+            res.transcript = merge_pieces(parts, dur, options=st.options, caps=self.caps)
             self.report.audio_s += dur
             if self.out_dir is not None:
                 nbytes = self._write(st, res)

@@ -301,9 +301,8 @@ def run_job(
     n_workers = int(workers) if workers else default_workers(device)
     report = JobReport(device=device, model=caps.name, batch_size=batch_size, workers=max(1, min(n_workers, len(todo))),
                        cpu_pool=_pool_kind(cpu_pool, device, n_workers, decode_fn is not None or split_fn is not None))
-    finisher = Finisher(items, report=report, out_dir=out_dir, fmt=fmt, summary=summary, model_name=caps.name,
-                        options=opts, sample_rate=caps.sample_rate, on_result=on_result,
-                        keep_transcripts=keep_transcripts)
+    finisher = Finisher(items, report=report, out_dir=out_dir, fmt=fmt, summary=summary, caps=caps, options=opts,
+                        on_result=on_result, keep_transcripts=keep_transcripts)
     batcher = Batcher(model, batch_size, synchronize_cuda=device.startswith("cuda"))
     # forks the worker processes now, before this job starts any thread of its own
     feeder = DecodeFeeder([str(it.path) for it in items], todo, options=opts, caps=caps, workers=report.workers,

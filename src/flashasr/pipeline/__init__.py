@@ -53,8 +53,7 @@ def transcribe_samples(model, samples: np.ndarray, options: TranscribeOptions | 
     pieces = plan_pieces(x, opts, caps, split=split)
     outs = model.transcribe_batch([x[a:b] for a, b in pieces], opts) if pieces else []
     sr = caps.sample_rate
-    return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, outs)], x.size / sr, options=opts,
-                        model=caps.name)
+    return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, outs)], x.size / sr, options=opts, caps=caps)
 
 
 __all__ = ["transcribe_samples", "plan_pieces", "piece_limit_s", "vad_split", "quiet_split", "Splitter",

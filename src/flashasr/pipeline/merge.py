@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..options import TranscribeOptions
+from ..options import ModelCapabilities, TranscribeOptions
 from ..types import Segment, Transcript, Word
 
 
@@ -13,7 +13,8 @@ def _clip(t: float, lo: float, hi: float) -> float:
 
 
 def merge_pieces(parts: Sequence[tuple[float, Transcript]], duration: float, *,
-                 options: TranscribeOptions | None = None, model: str | None = None) -> Transcript:
+                 options: TranscribeOptions | None = None, model: str | None = None,
+                 caps: ModelCapabilities | None = None) -> Transcript:
     """Merge per-piece transcripts into one transcript of the whole recording.
 
     Args:
@@ -24,7 +25,9 @@ def merge_pieces(parts: Sequence[tuple[float, Transcript]], duration: float, *,
         options: ``language`` is reported when no piece detected one; ``task`` is the result's
             (``translate``: language ``"en"``); ``word_timestamps`` fills ``words`` (a list,
             possibly empty) or leaves it None.
-        model: model name for ``Transcript.model`` (default: the first piece's).
+        model: model name for ``Transcript.model`` (default: ``caps.name``, else the first piece's).
+        caps: the model's capabilities: a model of one language (English-only Whisper) reports it
+            also when no piece was transcribed (a recording without speech), as its pieces would.
     Returns:
         one :class:`Transcript`: ``text`` is the pieces' stripped texts joined by one space
         (pieces are cut at pauses, so no word spans a join and none is dropped or doubled);
@@ -61,6 +64,10 @@ def merge_pieces(parts: Sequence[tuple[float, Transcript]], duration: float, *,
         lang = "en"
     elif lang is None:
         lang = options.language
+    if lang is None and caps is not None and caps.languages is not None and len(caps.languages) == 1:
+        (lang,) = caps.languages
+    if model is None and caps is not None:
+        model = caps.name
     if model is None:
         model = next((t.model for _, t in parts if t.model), None)
     return Transcript(text=" ".join(texts), language=lang, duration=duration, segments=segments,

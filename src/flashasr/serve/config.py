@@ -16,7 +16,7 @@ class ServeConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    model: str | None = None            # model spec for flashasr.models.registry.load_model (None: tiny.en)
+    model: str | None = None            # model spec for flashasr.pipeline.engines.load_model (None: tiny.en)
     device: str = "cpu"
     dtype: str | None = None
     engine: str = "auto"                # "auto": the GPU engine on CUDA; "plain": plain PyTorch

@@ -460,7 +460,7 @@ def transcript_to_wire(t: Transcript) -> dict:
                       s.compression_ratio, s.temperature, s.seek,
                       [[w.word, w.start, w.end, w.probability] for w in s.words]] for s in t.segments],
         "words": None if t.words is None else [[w.word, w.start, w.end, w.probability] for w in t.words],
-        **({"task": t.task} if t.task != "transcribe" else {}),
+        "task": t.task,
     }
 
 

@@ -92,7 +92,7 @@ class UploadTranscriber:
         m.stage.labels("transcribe").observe(time.perf_counter() - t1)
         sr = caps.sample_rate
         return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, parts)], samples.size / sr, options=options,
-                            model=caps.name)
+                            caps=caps)
 
     async def _refuse_task_early(self, request: Request, task: str) -> None:
         """A task the (known) model cannot do is refused before the body is read: no upload, no decode."""

@@ -9,10 +9,16 @@ Priorities (lower runs first):
   * ``PARTIAL`` (1): a stream's interim transcript; a newer partial of the same stream
     replaces a queued older one (``coalesce_key``), the older one resolves to ``None``;
   * ``OFFLINE`` (2): the pieces of uploads (:func:`flashasr.pipeline.plan_pieces` cut them in
-    the CPU pool); batched with pieces of similar length, anchored on the piece with the fewest
-    pieces of its own upload ahead of it (then the oldest): uploads take turns piece by piece,
-    so a short upload waits for at most the batch in flight, not for a 4-hour upload queued
-    before it, and nothing starves.
+    the CPU pool), shared fairly among uploads by fair queuing over audio seconds: each piece gets
+    a virtual start tag -- the scheduler's virtual time when its upload arrived plus the audio of
+    the upload's earlier pieces -- and the piece with the smallest tag (then the oldest) leads the
+    next batch; the virtual time then moves to the end of that piece (its tag + its seconds).
+    Concurrent uploads thus get equal shares of the model's audio throughput: a short upload
+    waits for about one batch in flight, not for a 4-hour upload queued before it, and a long
+    upload keeps its share however many short ones arrive (the virtual time passes its next tag,
+    where it wins as the older: nothing starves). Single waveforms arriving together go oldest
+    first. The batch is the leader plus the pieces of equal options closest to its length
+    (little padding; ties in fair order).
 
 Items share a batch only when their options' ``decoding`` (language, task, word timestamps) is
 equal; the batch runs through :func:`flashasr.pipeline.transcribe_pieces` (one bad piece fails
@@ -49,7 +55,7 @@ class _Item:
     fut: asyncio.Future
     t_enq: float
     seq: int = 0
-    turn: int = 0  # pieces of the same upload ahead of this one (fair order among uploads)
+    tag: float = 0.0  # virtual start time in audio seconds (fair order among uploads; see the module docstring)
 
     @property
     def group(self) -> tuple:
@@ -78,6 +84,7 @@ class BatchScheduler:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._seq = itertools.count()
+        self._vtime = 0.0  # virtual time (audio seconds) of the fair queue of uploads
         # one thread owns the model: no per-request threads, ever
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashasr-model")
         self._exec.submit(lambda: None).result()  # start the thread now (constant thread count)
@@ -106,11 +113,11 @@ class BatchScheduler:
         return sum(len(q) for q in self._queues.values())
 
     def _enqueue(self, samples: np.ndarray, options: TranscribeOptions, priority: int,
-                 coalesce_key: str | None = None, turn: int = 0) -> _Item:
+                 coalesce_key: str | None = None, tag: float | None = None) -> _Item:
         if samples.dtype != np.float32 or samples.ndim != 1:
             samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
         it = _Item(samples, options, priority, coalesce_key, asyncio.get_running_loop().create_future(),
-                   time.perf_counter(), next(self._seq), turn)
+                   time.perf_counter(), next(self._seq), self._vtime if tag is None else tag)
         if priority == PARTIAL and coalesce_key is not None:
             old = self._partials.pop(coalesce_key, None)
             if old is not None and not old.fut.done():
@@ -167,7 +174,10 @@ class BatchScheduler:
         """
         if samples.dtype != np.float32 or samples.ndim != 1:
             samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
-        items = [self._enqueue(samples[a:b], options, priority, turn=k) for k, (a, b) in enumerate(pieces)]
+        items, tag = [], self._vtime  # the upload's pieces follow each other in virtual time
+        for a, b in pieces:
+            items.append(self._enqueue(samples[a:b], options, priority, tag=tag))
+            tag += (b - a) / self.sample_rate
         self._gauge()
         self._wake.set()
         try:
@@ -190,14 +200,14 @@ class BatchScheduler:
             self._queues[p] = q
             if not q:
                 continue
-            # oldest first (nothing starves); offline: uploads take turns piece by piece
-            anchor = min(q, key=lambda it: (it.turn, it.seq)) if p == OFFLINE else q[0]
-            same = [it for it in q if it.group == anchor.group]
-            if p == OFFLINE and len(same) > 1:
-                # pack by length: the anchor plus the items closest to its length
+            # streaming: oldest first; offline: the smallest virtual start tag (fair among uploads)
+            anchor = min(q, key=lambda it: (it.tag, it.seq)) if p == OFFLINE else q[0]
+            others = [it for it in q if it is not anchor and it.group == anchor.group]
+            if p == OFFLINE:  # pack by length: the items closest to the anchor's, ties in fair order
+                self._vtime = max(self._vtime, anchor.tag + len(anchor.samples) / self.sample_rate)
                 n = len(anchor.samples)
-                same.sort(key=lambda it: abs(len(it.samples) - n))
-            batch = same[: self.max_batch]
+                others.sort(key=lambda it: (abs(len(it.samples) - n), it.tag, it.seq))
+            batch = [anchor] + others[: self.max_batch - 1]
             chosen = set(id(it) for it in batch)
             self._queues[p] = [it for it in q if id(it) not in chosen]
             if p == FINAL and len(batch) < self.max_batch:  # streaming work shares the batch: partials fill it

@@ -1,7 +1,7 @@
 """Parakeet-TDT (NVIDIA NeMo FastConformer + TDT) implemented in PyTorch; see docs/PARAKEET.md.
 
 Entry points: :func:`load_parakeet` (a ``.nemo`` file), :func:`resolve_hub_id`
-(``nvidia/parakeet-tdt-0.6b-v3`` -> local ``.nemo``),; decoding interface in
+(``nvidia/parakeet-tdt-0.6b-v3`` -> local ``.nemo``); decoding interface in
 :mod:`.decoder`. Random weights of a config for benchmarks: :mod:`flashasr.random_models`.
 """
 
