@@ -949,7 +949,7 @@ def analysis(d: dict, a_rows: dict, workers: int) -> dict:
              "cpu_stage_ceiling_speed_factor": round(workers * 3600 / (c["decode"] + c["vad"]), 0)
              if (c["decode"] + c["vad"]) > 0 else None,
              "model_busy_fraction": round(rep.model_busy_fraction, 3),
-             "main_thread_busy_fraction": round(rep.main_thread_busy_fraction, 3),
+             "writer_busy_fraction": round(rep.writer_busy_fraction, 3),
              "nvml_mean_util_pct": (rep.nvml or {}).get("mean_util_pct"),
              "bound_by": rep.bound_by()}
         b1 = phases.get(f"b1: in memory via run_job, batch {b}")
@@ -968,7 +968,7 @@ def analysis(d: dict, a_rows: dict, workers: int) -> dict:
             "cpu_stage_utilisation": c.get("cpu_stage_utilisation"),
             "cpu_pool_busy_fraction": c.get("cpu_pool_busy_fraction"),
             "cpu_stage_cpu_efficiency": c.get("cpu_stage_cpu_efficiency"),
-            "main_thread_busy_fraction": c.get("main_thread_busy_fraction"), "bound_by": c.get("bound_by"),
+            "writer_busy_fraction": c.get("writer_busy_fraction"), "bound_by": c.get("bound_by"),
             "interrupted": c.get("interrupted")}
         for b, (rep, _row) in a_rows.items():
             out[f"batch_{b}"]["share_of_cpu_path_ceiling"] = round(rep.speed_factor / c["speed_factor"], 3)
@@ -976,7 +976,7 @@ def analysis(d: dict, a_rows: dict, workers: int) -> dict:
     if b3 and b3.get("speed_factor"):
         out["engine_own_packing_speed_factor"] = b3["speed_factor"]
     out["rule"] = ("bound_by: model if model calls >= 80 % of wall; cpu_stage if decode+VAD wall or CPU s "
-                   ">= 80 % of workers x wall; main_thread if model calls + output writing >= 80 %; else input "
+                   ">= 80 % of workers x wall; writer if output writing (its own thread) >= 80 %; else input "
                    "(nothing saturated); cpu_stage_ceiling = workers x 3600 / (decode + VAD CPU s per audio h)")
     return out
 

@@ -589,3 +589,41 @@ def test_batches_never_mix_decoding_options(synth_dir, tmp_path):
         want[x.item.language] = want.get(x.item.language, 0) + x.n_pieces
         assert x.transcript.language == (x.item.language or "en")
     assert per_lang == want and len(per_lang) == 3
+
+
+def test_vad_in_the_main_process_gives_the_workers_pieces(tmp_path, monkeypatch):
+    """The GPU path of the CPU stage: workers only decode, the main process plans many files at
+    once with the batched PyTorch Silero VAD (here on the CPU, as it runs on CUDA). Same pieces,
+    hence the same outputs, as the ONNX VAD in the workers; files without speech get no model call;
+    the model thread and the writer thread keep every file's result in place."""
+    import flashasr.audio.silero_torch as st
+    from flashasr.jobs import runner
+
+    d = tmp_path / "in"
+    clips = [AUDIO / "long" / "long-silero-test-60s.wav", AUDIO / "en" / "en-ls-61-70968-0002.wav",
+             AUDIO / "hard" / "hard-noise-no-speech-8s.wav", AUDIO / "en" / "en-jfk-inaugural.wav",
+             AUDIO / "hard" / "hard-music-vibe-ace.ogg"]
+    clips = [c for c in clips if c.exists()]
+    d.mkdir()
+    for k, c in enumerate(clips):
+        (d / f"{k}-{c.name}").symlink_to(c)
+    (d / "silence.wav").write_bytes(b"")
+    _write_wav(d / "zeros.wav", np.zeros(5 * SR, np.float32))
+    calls = []
+    real = st.speech_probabilities_batch
+
+    def on_cpu(signals, **kw):
+        calls.append(len(signals))
+        return real(signals, **dict(kw, device="cpu"))
+
+    a, b = HashModel(), HashModel()
+    r_workers = run_job([d], a, tmp_path / "w", "verbose_json", batch_size=4, workers=2, vad_device="cpu")
+    monkeypatch.setattr(st, "speech_probabilities_batch", on_cpu)
+    monkeypatch.setattr(runner, "_vad_device", lambda *a_: "cuda")
+    r_main = run_job([d], b, tmp_path / "m", "verbose_json", batch_size=4, workers=2)
+    assert calls and sum(calls) == len(r_main.ok)  # every decoded file's VAD ran in the main process, batched
+    assert _outputs(tmp_path / "w") == _outputs(tmp_path / "m") and len(r_main.ok) == len(clips) + 1
+    assert sum(a.batches) == sum(b.batches)  # the same pieces reached the model
+    zeros = next(r for r in r_main.ok if r.item.path.name == "zeros.wav")
+    assert zeros.transcript.text == "" and zeros.n_pieces == 0  # no speech: no piece, no model call
+    assert [r.error_code for r in r_main.failed] == ["empty_audio"]

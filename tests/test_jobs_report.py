@@ -193,7 +193,9 @@ def test_bound_by_rules():
 
     assert rep(model_busy_s=9.0).bound_by() == "model"
     assert rep(model_busy_s=2.0, decode_cpu_s=30.0, vad_cpu_s=5.0).bound_by() == "cpu_stage"
-    assert rep(model_busy_s=5.0, finish_s=4.0, decode_cpu_s=4.0).bound_by() == "main_thread"
+    # model calls and output writing run in threads of their own (the model and writer threads)
+    assert rep(model_busy_s=5.0, finish_s=4.0, decode_cpu_s=4.0).bound_by() == "input"
+    assert rep(model_busy_s=5.0, finish_s=8.5, decode_cpu_s=4.0).bound_by() == "writer"
     assert rep(model_busy_s=1.0, decode_cpu_s=4.0).bound_by() == "input"
     # threads occupied but mostly waiting (GIL / no free core): still the CPU stage
     slow = rep(model_busy_s=1.0, decode_cpu_s=8.0, prepare_wall_s=36.0)

@@ -267,7 +267,7 @@ def _group(pieces: list[tuple[int, int]], max_len: int, min_len: int) -> list[tu
 def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_s: float = 30.0,
                   min_segment_s: float | None = None, method: str = "vad", overlap_s: float = 0.0,
                   threshold: float = 0.5, min_silence_s: float = 0.3, min_speech_s: float = 0.25,
-                  pad_s: float = 0.2) -> list[tuple[int, int]]:
+                  pad_s: float = 0.2, probs: np.ndarray | None = None) -> list[tuple[int, int]]:
     """Cut a long mono signal into ranges an ASR model can take (Whisper: 30 s windows).
 
     Args:
@@ -286,6 +286,9 @@ def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_
         overlap_s: ``fixed`` only: seconds shared by consecutive windows.
         threshold, min_silence_s, min_speech_s, pad_s: as :func:`speech_segments`
             (a longer silence and padding than there by default, to keep ASR context).
+        probs: ``vad``: the speech probabilities of ``samples`` already computed (float32
+            ``[ceil(N16 / 512)]``, e.g. by :func:`flashasr.audio.silero_torch.speech_probabilities_batch`
+            for many recordings at once on the GPU); None computes them here (ONNX, CPU).
     Returns:
         ``[(start_sample, end_sample), ...]`` at ``sample_rate``, sorted; ``samples[a:b]``
         is one ASR input whose local times add ``a / sample_rate`` to become global.
@@ -315,7 +318,9 @@ def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_
         raise AudioArgumentError(f"method must be 'vad' or 'fixed', got {method!r}")
     if n == 0:
         return []
-    p = speech_probabilities(x, sample_rate)
+    p = speech_probabilities(x, sample_rate) if probs is None else np.asarray(probs, np.float32).reshape(-1)
+    if probs is not None and sample_rate == VAD_RATE and p.shape[0] != -(-n // FRAME):
+        raise AudioArgumentError(f"probs holds {p.shape[0]} frames; {n} samples need {-(-n // FRAME)}")
     segs = _segments_samples(p, n, threshold=threshold, min_silence_s=min_silence_s,
                              min_speech_s=min_speech_s, pad_s=pad_s, neg_threshold=None,
                              rate=sample_rate)

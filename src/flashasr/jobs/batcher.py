@@ -1,4 +1,4 @@
-"""Cross-file batching: pending pieces of many files -> model calls -> each file's piece results.
+"""Cross-file batching: pending pieces of many files -> batches -> each file's piece results.
 
 State: the prepared files in progress (:class:`FileState`: samples float32 ``[N]``, pieces
 ``[(start, end)]`` in samples, the file's resolved :class:`~flashasr.options.TranscribeOptions`,
@@ -8,10 +8,10 @@ one result slot per piece) and the pending pieces ``(file number, piece number)`
   of the same :attr:`~flashasr.options.TranscribeOptions.decoding` (language, task, word
   timestamps; any file) closest to it in length. Batches are length-homogeneous (little padding)
   and no file waits behind later ones. Cost: O(P log P) for P pending pieces.
-* :meth:`Batcher.run_batch`: one :func:`flashasr.pipeline.transcribe_pieces` call (a failing batch
-  is redone piece by piece there, so a bad piece fails only its file), then
-  ``torch.cuda.synchronize()`` on CUDA so ``busy_s`` holds the GPU work; the files whose last
-  piece is now done are returned (and forgotten here).
+* :meth:`Batcher.complete`: a batch's results (from the model thread,
+  :class:`~flashasr.jobs.model_worker.ModelWorker`, one :func:`flashasr.pipeline.transcribe_pieces`
+  call: a failing batch is redone piece by piece there, so a bad piece fails only its file) routed
+  to their files; the files whose last piece is now done are returned (and forgotten here).
 
 Batched results equal per-file results because every piece is transcribed on its own by the
 model contract of :meth:`~flashasr.models.base.ASRModel.transcribe_batch`.
@@ -19,13 +19,11 @@ model contract of :meth:`~flashasr.models.base.ASRModel.transcribe_batch`.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..options import TranscribeOptions
-from ..pipeline import transcribe_pieces
 from ..types import Transcript
 from .feeder import error_of
 from .inputs import InputItem
@@ -45,28 +43,37 @@ class FileState:
     t0: float
     results: list[Transcript | None] = field(init=False)
     remaining: int = field(init=False)
+    n_samples: int = field(init=False)
     error: tuple[str, str] | None = None
 
     def __post_init__(self):
-        self.results = [None] * len(self.pieces)
-        self.remaining = len(self.pieces)
+        self.n_samples = int(self.samples.size)
+        self.results = [None] * len(self.pieces or ())
+        self.remaining = len(self.pieces or ())
+
+    def planned(self, pieces: list[tuple[int, int]]) -> None:
+        """Its pieces, once planned in the main process."""
+        self.pieces = pieces
+        self.results = [None] * len(pieces)
+        self.remaining = len(pieces)
+
+    def drop_audio(self) -> int:
+        """Free the samples once the model is done with them; returns how many there were."""
+        self.samples = np.empty(0, np.float32)
+        return self.n_samples
 
 
 class Batcher:
-    """Pending pieces of many files and the model calls that consume them (main thread only).
+    """Pending pieces of many files, formed into batches and routed back (main thread only).
 
     Attributes:
-        busy_s: wall seconds inside model calls (synchronised on CUDA).
-        batch_pieces: pieces per model call, in call order.
+        batch_pieces: pieces per batch, in the order batches were taken.
     """
 
-    def __init__(self, model, batch_size: int, *, synchronize_cuda: bool = False):
-        self.model = model
+    def __init__(self, batch_size: int):
         self.batch_size = int(batch_size)
-        self.synchronize_cuda = synchronize_cuda
         self.active: dict[int, FileState] = {}
         self.pending: list[tuple[int, int]] = []
-        self.busy_s = 0.0
         self.batch_pieces: list[int] = []
 
     def add(self, st: FileState) -> None:
@@ -81,8 +88,9 @@ class Batcher:
         a, b = self.active[fi].pieces[pi]
         return b - a
 
-    def take_batch(self) -> tuple[list[tuple[int, int]], TranscribeOptions]:
-        """Remove and return the next batch (see the module docstring) and its options."""
+    def take_batch(self) -> tuple[list[tuple[int, int]], TranscribeOptions, list[np.ndarray]]:
+        """Remove and return the next batch (see the module docstring), its options and its
+        waveforms (views of the files' samples)."""
         head = self.pending[0]
         options = self.active[head[0]].options
         hl = self._length(*head)
@@ -91,19 +99,16 @@ class Batcher:
         chosen = {0} | {k for _, k in cands[: self.batch_size - 1]}
         batch = [p for k, p in enumerate(self.pending) if k in chosen]
         self.pending = [p for k, p in enumerate(self.pending) if k not in chosen]
-        return batch, options
-
-    def run_batch(self, batch: list[tuple[int, int]], options: TranscribeOptions) -> list[FileState]:
-        """Transcribe ``batch`` in one model call; returns the files it completed, in batch order."""
+        self.batch_pieces.append(len(batch))
         waves = []
         for fi, pi in batch:
             a, b = self.active[fi].pieces[pi]
             waves.append(self.active[fi].samples[a:b])
-        t0 = time.perf_counter()
-        outs = transcribe_pieces(self.model, waves, options)
-        self._synchronize()
-        self.busy_s += time.perf_counter() - t0
-        self.batch_pieces.append(len(batch))
+        return batch, options, waves
+
+    def complete(self, batch: list[tuple[int, int]], outs: list) -> list[FileState]:
+        """Route a batch's results (a Transcript or the exception of each piece) to their files;
+        returns the files it completed, in batch order (and forgets them)."""
         done = []
         for (fi, pi), out in zip(batch, outs):
             st = self.active[fi]
@@ -118,20 +123,6 @@ class Batcher:
                 del self.active[fi]
                 done.append(st)
         return done
-
-    def run_next(self) -> list[FileState]:
-        """:meth:`take_batch` then :meth:`run_batch`."""
-        return self.run_batch(*self.take_batch())
-
-    def _synchronize(self) -> None:
-        if not self.synchronize_cuda:
-            return
-        try:
-            import torch
-
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001 - no usable CUDA: nothing to wait for
-            pass
 
 
 __all__ = ["Batcher", "FileState"]

@@ -54,12 +54,12 @@ from ..pipeline import plan_pieces
 @dataclass
 class Prepared:
     """A decoded, planned file. ``samples`` float32 ``[N]`` at the model rate; ``pieces`` sample
-    ranges from :func:`flashasr.pipeline.plan_pieces` (empty: no speech); ``t0``
+    ranges from :func:`flashasr.pipeline.plan_pieces` (empty: no speech; None: not planned yet); ``t0``
     ``time.perf_counter()`` at the start of the decode (CLOCK_MONOTONIC: comparable across
     processes on Linux); CPU and wall seconds of the stage."""
 
     samples: np.ndarray
-    pieces: list[tuple[int, int]]
+    pieces: list[tuple[int, int]] | None
     t0: float
     decode_cpu_s: float
     vad_cpu_s: float
@@ -97,13 +97,15 @@ def default_decode(path: str, target_rate: int):
 
 
 def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
-                 decode: Callable | None = None, split: Callable | None = None) -> Prepared | DecodeFailure:
+                 decode: Callable | None = None, split: Callable | None = None,
+                 plan: bool = True) -> Prepared | DecodeFailure:
     """The CPU stage for one file: decode + resample (+ downmix), then :func:`plan_pieces`.
 
     Runs in a decode thread or in a forked worker process (then ``decode``/``split`` are None and
     the module's :func:`default_decode` / the pipeline's VAD splitter are used).
     ``decode(path, rate)`` returns an object with ``.samples``; ``split(samples, rate, max_s,
-    method)`` is :func:`plan_pieces`' ``split=`` hook.
+    method)`` is :func:`plan_pieces`' ``split=`` hook. ``plan=False``: decode only
+    (``Prepared.pieces`` None; the main process plans many files at once, the VAD on the GPU).
     """
     t0 = time.perf_counter()
     try:
@@ -113,7 +115,7 @@ def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
         if samples.size == 0:
             raise EmptyAudioError(f"{path}: the file holds no audio samples")
         c1 = time.thread_time()
-        pieces = plan_pieces(samples, options, caps, split=split)
+        pieces = plan_pieces(samples, options, caps, split=split) if plan else None
         c2 = time.thread_time()
     except KeyboardInterrupt:
         raise
@@ -162,6 +164,7 @@ class DecodeFeeder:
         workers: pool size; ``cpu_pool``: ``"thread"`` or ``"process"``.
         max_buffered: decoded-but-unfinished audio (samples) above which no new decode starts.
         decode, split: :func:`prepare_file`'s hooks (threads only).
+        plan: whether the workers plan the pieces (False: decode only, see :func:`prepare_file`).
 
     The main thread calls :meth:`start` (inside its ``try``: a Ctrl-C held back while forking is
     raised there), then loops over :meth:`maintain`, :meth:`take_ready`, :meth:`release` (a file
@@ -172,11 +175,11 @@ class DecodeFeeder:
 
     def __init__(self, paths: list[str], todo: Iterable[int], *, options: TranscribeOptions,
                  caps: ModelCapabilities, workers: int, cpu_pool: str, max_buffered: int,
-                 decode: Callable | None = None, split: Callable | None = None):
+                 decode: Callable | None = None, split: Callable | None = None, plan: bool = True):
         self.paths = paths
         self.todo: deque[int] = deque(todo)
         self.options, self.caps = options, caps
-        self.decode, self.split = decode, split
+        self.decode, self.split, self.plan = decode, split, plan
         self.workers = workers
         self.cpu_pool = cpu_pool
         self.prefetch = max(2, 2 * workers)
@@ -267,7 +270,8 @@ class DecodeFeeder:
         queue = self.suspects if suspect else self.todo
         i = queue.popleft()
         try:
-            f = self.pool.submit(prepare_file, self.paths[i], self.options, self.caps, self.decode, self.split)
+            f = self.pool.submit(prepare_file, self.paths[i], self.options, self.caps, self.decode, self.split,
+                                 self.plan)
         except BrokenProcessPool:  # replaced by the main thread (maintain)
             queue.appendleft(i)
             self.broken = True

@@ -14,12 +14,13 @@ Its wall time is ``JobReport.finish_s``; the audio it finished, ``JobReport.audi
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 from ..formats import EXTENSIONS, render
 from ..options import ModelCapabilities, TranscribeOptions
@@ -42,7 +43,15 @@ def progress_bar(total: int, progress: bool | None):
 
 
 class Finisher:
-    """Writes each finished input's output and journal line and reports it (main thread only).
+    """Writes each finished input's output and journal line and reports it, in one thread.
+
+    After :meth:`start_writer` that thread is its own (``flashasr-writer``): the conductor hands
+    over results with :meth:`emit`, :meth:`fail` and :meth:`finish` and goes on at once, while
+    merging, rendering, the atomic writes and the journal lines (fsynced once per group of
+    results written together) happen beside the model's work; ``on_result`` and the progress bar
+    are then called from that thread, in the order results were handed over. Without
+    :meth:`start_writer` everything runs in the caller's thread. :meth:`close` writes everything
+    handed over, then returns (re-raising an error of the writer thread).
 
     Args:
         items: the job's inputs; ``results[i]`` is input ``i``'s :class:`FileResult` once emitted.
@@ -72,19 +81,70 @@ class Finisher:
         self.keep_transcripts = keep_transcripts
         self.bar = None
         self.t_job = time.perf_counter()
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------------ the writer thread
+    def start_writer(self) -> None:
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(target=self._write_loop, name="flashasr-writer", daemon=True)
+        self._thread.start()
+
+    def _call(self, fn, *args) -> None:
+        if self._queue is None:
+            fn(*args)
+        else:
+            if self._error is not None:
+                raise self._error
+            self._queue.put((fn, args))
+
+    def _write_loop(self) -> None:
+        q = self._queue
+        while True:
+            item = q.get()
+            if item is None:
+                break
+            try:
+                item[0](*item[1])
+                if q.empty() and self.summary is not None:
+                    self.summary.sync()  # group commit: one fsync for what was written together
+            except BaseException as e:  # noqa: BLE001 - re-raised in the conductor
+                self._error = e
+                break
+        if self.summary is not None:
+            try:
+                self.summary.sync()
+            except OSError:
+                pass
 
     def open_progress(self, progress: bool | None) -> None:
         self.bar = progress_bar(len(self.items), progress)
 
     def close(self) -> None:
+        """Write everything handed over, stop the writer thread, close the progress bar.
+
+        Raises:
+            the error that stopped the writer thread (an unwritable journal, an ``on_result`` error).
+        """
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
         if self.bar is not None:
             self.bar.close()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
 
     def emit(self, i: int, res: FileResult, output_bytes: int | None = None) -> None:
         """Record input ``i``'s result: journal line (ok/failed), ``on_result``, progress."""
+        self._call(self._emit, i, res, output_bytes)
+
+    def _emit(self, i: int, res: FileResult, output_bytes: int | None = None) -> None:
         self.results[i] = res
         if self.summary is not None and res.status in ("ok", "failed"):
-            self.summary.append(self._record(res, output_bytes))
+            self.summary.append(self._record(res, output_bytes), sync=self._queue is None)
         if self.on_result is not None:
             self.on_result(res)
         if not self.keep_transcripts:
@@ -115,12 +175,15 @@ class Finisher:
         msg = message.replace(str(item.path), item.display) if item.display not in message else message
         if not msg.startswith(item.display) and item.display not in msg:
             msg = f"{item.display}: {msg}"
-        self.emit(i, FileResult(item=item, status="failed", error_code=code, error_message=msg))
+        self.emit(i, FileResult(item=item, status="failed", error_code=code, error_message=msg))  # via the writer
 
     def finish(self, st: FileState) -> None:
         """A file whose pieces are all done (or that has none): merge, render, write, emit."""
+        self._call(self._finish, st)
+
+    def _finish(self, st: FileState) -> None:
         t_fin = time.perf_counter()
-        dur = st.samples.size / self.sample_rate
+        dur = st.n_samples / self.sample_rate
         res = FileResult(item=st.item, status="ok", duration=dur, n_pieces=len(st.pieces))
         nbytes = None
         if st.error is not None:
@@ -132,8 +195,7 @@ class Finisher:
             if self.out_dir is not None:
                 nbytes = self._write(st, res)
         res.processing_s = time.perf_counter() - st.t0
-        st.samples = np.empty(0, np.float32)
-        self.emit(st.idx, res, nbytes)
+        self._emit(st.idx, res, nbytes)
         self.report.finish_s += time.perf_counter() - t_fin
 
     def _write(self, st: FileState, res: FileResult) -> int | None:

@@ -92,6 +92,7 @@ class Summary:
         self._lock = threading.Lock()
         self.previous: dict[tuple[str, str | None], dict] = {}
         self._order: list[str] = []
+        self._unsynced = False
 
     def load(self) -> dict[tuple[str, str | None], dict]:
         """Read earlier lines; the last line per (input path, format) wins. Returns {key: record}."""
@@ -136,8 +137,10 @@ class Summary:
             return None
         return rec
 
-    def append(self, rec: dict) -> None:
-        """Append one record (thread-safe), flushed and fsynced."""
+    def append(self, rec: dict, *, sync: bool = True) -> None:
+        """Append one record (thread-safe), flushed, and fsynced unless ``sync=False`` (group
+        commit: the caller calls :meth:`sync` after a group; a record's output is already durable
+        when it is appended, so a record lost with the unsynced tail only means that input is redone)."""
         line = json.dumps(rec, ensure_ascii=False) + "\n"
         with self._lock:
             # Memory first: a Ctrl-C (KeyboardInterrupt can land between any two bytecodes)
@@ -151,7 +154,19 @@ class Summary:
                         line = "\n" + line
                 f.write(line.encode("utf-8"))
                 f.flush()
+                if sync:
+                    os.fsync(f.fileno())
+                else:
+                    self._unsynced = True
+
+    def sync(self) -> None:
+        """fsync the journal if records were appended with ``sync=False`` since the last sync."""
+        with self._lock:
+            if not self._unsynced or not self.path.exists():
+                return
+            with open(self.path, "rb") as f:
                 os.fsync(f.fileno())
+            self._unsynced = False
 
     def compact(self, order: list[str]) -> None:
         """Rewrite the journal atomically with one line per (input, format), inputs in ``order`` first.

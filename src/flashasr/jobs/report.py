@@ -147,21 +147,21 @@ class JobReport:
         return (self.decode_cpu_s + self.vad_cpu_s) / self.prepare_wall_s if self.prepare_wall_s > 0 else 0.0
 
     @property
-    def main_thread_busy_fraction(self) -> float:
-        """(model calls + merging/rendering/writing) wall seconds / job wall seconds."""
-        return min(1.0, (self.model_busy_s + self.finish_s) / self.wall_s) if self.wall_s > 0 else 0.0
+    def writer_busy_fraction(self) -> float:
+        """Merging/rendering/writing wall seconds (the writer thread) / job wall seconds."""
+        return min(1.0, self.finish_s / self.wall_s) if self.wall_s > 0 else 0.0
 
     def bound_by(self) -> str:
-        """Which stage bounds throughput, from the fractions above: ``model`` (model calls
-        >= 80 % of wall time), ``cpu_stage`` (the worker pool >= 80 % occupied or its CPU
-        >= 80 % used), ``main_thread`` (model calls + output work >= 80 %), else ``input``
-        (nothing saturated: too little work in flight, I/O, or start-up and tail effects)."""
+        """Which stage bounds throughput, from the fractions above: ``model`` (model calls -- the
+        model thread -- >= 80 % of wall time), ``cpu_stage`` (the worker pool >= 80 % occupied or its
+        CPU >= 80 % used), ``writer`` (output work -- the writer thread -- >= 80 %), else ``input``
+        (nothing saturated: too little work in flight, I/O, the conductor, or start-up and tail)."""
         if self.model_busy_fraction >= 0.8:
             return "model"
         if max(self.cpu_stage_utilisation, self.cpu_pool_busy_fraction) >= 0.8:
             return "cpu_stage"
-        if self.main_thread_busy_fraction >= 0.8:
-            return "main_thread"
+        if self.writer_busy_fraction >= 0.8:
+            return "writer"
         return "input"
 
     def to_dict(self) -> dict:
@@ -181,7 +181,7 @@ class JobReport:
             "prepare_wall_s": round(self.prepare_wall_s, 3),
             "cpu_pool_busy_fraction": round(self.cpu_pool_busy_fraction, 3),
             "cpu_stage_cpu_efficiency": round(self.cpu_stage_cpu_efficiency, 3),
-            "main_thread_busy_fraction": round(self.main_thread_busy_fraction, 3),
+            "writer_busy_fraction": round(self.writer_busy_fraction, 3),
             "bound_by": self.bound_by(),
             "batches": self.n_batches, "pieces": self.n_pieces, "device": self.device, "model": self.model,
             "interrupted": self.interrupted,

@@ -40,9 +40,11 @@ from typing import Callable, Iterable
 from ..errors import FlashASRError, InvalidRequestError
 from ..formats import FORMATS
 from ..options import ModelCapabilities, TranscribeOptions
+from ..pipeline import plan_many
 from .batcher import Batcher, FileState
-from .feeder import DecodeFailure, DecodeFeeder, Prepared, unblock_sigint
+from .feeder import DecodeFailure, DecodeFeeder, unblock_sigint
 from .finish import Finisher
+from .model_worker import ModelWorker
 from .inputs import InputItem, expand_inputs
 from .outputs import Summary, clean_stale_tmp
 from .report import FileResult, JobReport
@@ -169,58 +171,90 @@ def _triage(items: list[InputItem], opts: TranscribeOptions, caps: ModelCapabili
 
 
 class _Conductor:
-    """The main thread's loop: admit prepared files, run a batch when it is time, else wait."""
+    """The main thread's loop: admit decoded files (planning their pieces, the VAD batched on the
+    GPU when the workers only decode), hand batches to the model thread, route its results, hand
+    finished files to the writer thread; else wait for a decode or a batch to finish."""
 
     def __init__(self, items: list[InputItem], file_opts: list, feeder: DecodeFeeder, batcher: Batcher,
-                 finisher: Finisher, report: JobReport, batch_wait_s: float):
+                 model: ModelWorker, finisher: Finisher, report: JobReport, batch_wait_s: float, *,
+                 options: TranscribeOptions, caps: ModelCapabilities, vad_device: str, split: Callable | None):
         self.items, self.file_opts = items, file_opts
-        self.feeder, self.batcher, self.finisher = feeder, batcher, finisher
+        self.feeder, self.batcher, self.model, self.finisher = feeder, batcher, model, finisher
         self.report = report
         self.batch_wait_s = batch_wait_s
+        self.options, self.caps, self.vad_device, self.split = options, caps, vad_device, split
+        self.batches: dict[int, list[tuple[int, int]]] = {}  # batch number -> its (file, piece) slots
+        self._n = 0
 
     def run(self) -> None:
         timed_out = False
         while True:
             self.feeder.maintain()
+            done_now = self.model.take_done()
+            for token, outs in done_now:
+                for st in self.batcher.complete(self.batches.pop(token), outs):
+                    self._finished(st)
             got_now = self.feeder.take_ready()
-            for i, got in got_now:
-                self._admit(i, got)
+            self._admit(got_now)
             self.feeder.refill()
             pending = bool(self.batcher.pending)
-            # run a batch when full, or when nothing more is coming soon: no decode in flight and
-            # none that may start (inputs exhausted or the memory budget full), or a wait that
-            # timed out with nothing decoded (the decoders lag: don't idle)
-            if pending and (self.batcher.full() or self.feeder.nothing_coming() or timed_out):
-                self._run_batch()
+            if pending and self.model.has_room() and self._time_for_a_batch(timed_out):
+                self._submit()
                 timed_out = False
                 continue
-            if not pending and self.feeder.exhausted():
+            if not pending and self.model.idle and self.feeder.exhausted():
                 return
-            if got_now:
+            if got_now or done_now:
                 timed_out = False
                 continue
             fired = self.feeder.wait(self.batch_wait_s if pending else 1.0)
             timed_out = pending and not fired
 
-    def _admit(self, i: int, got: Prepared | DecodeFailure) -> None:
-        if isinstance(got, DecodeFailure):
-            self.finisher.fail(i, got.code, got.message)
-            return
-        self.report.decode_cpu_s += got.decode_cpu_s
-        self.report.vad_cpu_s += got.vad_cpu_s
-        self.report.prepare_wall_s += got.wall_s
-        st = FileState(i, self.items[i], self.file_opts[i], got.samples, got.pieces, got.t0)
-        if st.pieces:
-            self.batcher.add(st)
-            return
-        self.feeder.release(st.samples.size)  # no speech: an empty transcript, no model call
-        self.finisher.finish(st)
+    def _time_for_a_batch(self, timed_out: bool) -> bool:
+        """A full batch; or, with the model idle: nothing more coming soon (no decode in flight or
+        ready and none may start), a wait that timed out, or a quarter batch after the first batch
+        (the GPU is not kept waiting for a full one). A second batch only queues when full."""
+        if self.batcher.full():
+            return True
+        if not self.model.idle:
+            return False
+        return (self.feeder.nothing_coming() or timed_out
+                or (self.model.batches_done > 0 and len(self.batcher.pending) * 4 >= self.batcher.batch_size))
 
-    def _run_batch(self) -> None:
-        for st in self.batcher.run_next():
-            self.feeder.release(st.samples.size)
-            self.finisher.finish(st)
-        self.feeder.refill()  # finished files freed memory
+    def _submit(self) -> None:
+        batch, options, waves = self.batcher.take_batch()
+        self._n += 1
+        self.batches[self._n] = batch
+        self.model.submit(self._n, waves, options)
+
+    def _admit(self, got: list) -> None:
+        """Decoded files (and decode failures) in; pieces planned here when the workers did not."""
+        states = []
+        for i, p in got:
+            if isinstance(p, DecodeFailure):
+                self.finisher.fail(i, p.code, p.message)
+                continue
+            self.report.decode_cpu_s += p.decode_cpu_s
+            self.report.vad_cpu_s += p.vad_cpu_s
+            self.report.prepare_wall_s += p.wall_s
+            states.append(FileState(i, self.items[i], self.file_opts[i], p.samples, p.pieces, p.t0))
+        unplanned = [st for st in states if st.pieces is None]
+        if unplanned:
+            c0 = time.thread_time()
+            plans = plan_many([st.samples for st in unplanned], self.options, self.caps, vad_device=self.vad_device,
+                              split=self.split)
+            for st, pieces in zip(unplanned, plans):
+                st.planned(pieces)
+            self.report.vad_cpu_s += time.thread_time() - c0
+        for st in states:
+            if st.pieces:
+                self.batcher.add(st)
+            else:  # no speech: an empty transcript, no model call
+                self._finished(st)
+
+    def _finished(self, st: FileState) -> None:
+        self.feeder.release(st.drop_audio())  # its audio leaves the memory budget now
+        self.finisher.finish(st)
 
 
 def run_job(
@@ -242,6 +276,7 @@ def run_job(
     decode_fn: Callable | None = None,
     split_fn: Callable | None = None,
     gpu_monitor: bool | None = None,
+    vad_device: str | None = None,
     **changes,
 ) -> JobReport:
     """Transcribe many inputs with one model; the Python API behind ``flashasr transcribe``.
@@ -277,6 +312,11 @@ def run_job(
         gpu_monitor: sample NVML GPU utilisation in a background thread during the job
             (:class:`~flashasr.jobs.gpumon.NvmlSampler`, result in ``report.nvml``); None: on
             when the model's device is CUDA and ``torch.cuda`` is available.
+        vad_device: where the Silero VAD runs: ``"cpu"`` (ONNX, in the decode workers) or a CUDA
+            device (one batched PyTorch computation for the files decoded since the last look, in
+            the main process; the workers only decode); None: the model's device when it is CUDA,
+            else ``"cpu"``. The same pieces either way for recordings up to 131 s
+            (:func:`flashasr.pipeline.plan_many`).
     Returns:
         :class:`JobReport`; ``report.exit_code`` is non-zero when any input failed.
         On KeyboardInterrupt the job stops starting work, keeps the finished outputs
@@ -301,48 +341,67 @@ def run_job(
     n_workers = int(workers) if workers else default_workers(device)
     report = JobReport(device=device, model=caps.name, batch_size=batch_size, workers=max(1, min(n_workers, len(todo))),
                        cpu_pool=_pool_kind(cpu_pool, device, n_workers, decode_fn is not None or split_fn is not None))
+    vad_device = _vad_device(vad_device, device, split_fn)
     finisher = Finisher(items, report=report, out_dir=out_dir, fmt=fmt, summary=summary, caps=caps, options=opts,
                         on_result=on_result, keep_transcripts=keep_transcripts)
-    batcher = Batcher(model, batch_size, synchronize_cuda=device.startswith("cuda"))
+    batcher = Batcher(batch_size)
     # forks the worker processes now, before this job starts any thread of its own
     feeder = DecodeFeeder([str(it.path) for it in items], todo, options=opts, caps=caps, workers=report.workers,
                           cpu_pool=report.cpu_pool, max_buffered=int(max_buffered_audio_s * caps.sample_rate),
-                          decode=decode_fn, split=split_fn)
-    sampler = None
+                          decode=decode_fn, split=split_fn, plan=vad_device == "cpu")
+    model_worker = sampler = None
     try:
         finisher.open_progress(progress)
+        finisher.start_writer()
         for i, res in early:
             finisher.emit(i, res)
         sampler = _start_gpu_monitor(device, gpu_monitor)
         if sampler is None and gpu_monitor:
             report.nvml = {"available": False, "reason": f"model device is {device!r}, or torch.cuda is unavailable"}
+        model_worker = ModelWorker(model, wake=feeder.wake, synchronize_cuda=device.startswith("cuda"))
         feeder.start()  # a Ctrl-C held back while forking is raised here, inside the try
-        _Conductor(items, file_opts, feeder, batcher, finisher, report, batch_wait_s).run()
+        _Conductor(items, file_opts, feeder, batcher, model_worker, finisher, report, batch_wait_s, options=opts,
+                   caps=caps, vad_device=vad_device, split=split_fn).run()
     except KeyboardInterrupt:
         report.interrupted = True
         feeder.stop()
     finally:
         unblock_sigint()  # whatever happened before the loop started
+        if model_worker is not None:
+            model_worker.stop()  # the batch running finishes; nothing more starts
         feeder.shutdown()
-        finisher.close()
-        _account(report, finisher, batcher, feeder, t_job, cpu_job)
-        if sampler is not None:
-            report.nvml = sampler.stop()
-        if summary is not None:
-            try:
-                summary.compact([str(it.path) for it in items])
-            except OSError:
-                pass
+        try:
+            finisher.close()  # every finished file handed over is written
+        finally:
+            _account(report, finisher, batcher, feeder, model_worker, t_job, cpu_job)
+            if sampler is not None:
+                report.nvml = sampler.stop()
+            if summary is not None:
+                try:
+                    summary.compact([str(it.path) for it in items])
+                except OSError:
+                    pass
     return report
 
 
+def _vad_device(vad_device: str | None, device: str, split_fn) -> str:
+    """Where the VAD runs (see :func:`run_job`); with a custom ``split_fn``: in the workers."""
+    if split_fn is not None:
+        return "cpu"
+    if vad_device is None:
+        return device if device.startswith("cuda") and _cuda_available() else "cpu"
+    if vad_device != "cpu" and not str(vad_device).startswith("cuda"):
+        raise InvalidRequestError(f"vad_device must be 'cpu' or a CUDA device, got {vad_device!r}", param="vad_device")
+    return str(vad_device)
+
+
 def _account(report: JobReport, finisher: Finisher, batcher: Batcher, feeder: DecodeFeeder,
-             t_job: float, cpu_job: float) -> None:
+             model_worker: ModelWorker | None, t_job: float, cpu_job: float) -> None:
     """The final figures of the report (see :class:`JobReport` for each)."""
     report.results = [r for r in finisher.results if r is not None]
     report.wall_s = time.perf_counter() - t_job
     report.cpu_pool = feeder.cpu_pool  # threads, if too many worker deaths pushed the job onto them
-    report.model_busy_s = batcher.busy_s
+    report.model_busy_s = model_worker.busy_s if model_worker is not None else 0.0
     report.batch_pieces = list(batcher.batch_pieces)
     report.n_batches = len(batcher.batch_pieces)
     report.n_pieces = sum(batcher.batch_pieces)

@@ -26,7 +26,7 @@ from ..options import TranscribeOptions
 from ..types import Transcript
 from .engines import accelerate, cached_model, gpu_engine_enabled, load_model
 from .merge import merge_pieces
-from .plan import Splitter, piece_limit_s, plan_pieces, quiet_split, vad_split
+from .plan import Splitter, needs_vad, piece_limit_s, plan_many, plan_pieces, quiet_split, vad_split
 from .run import transcribe_pieces
 
 
@@ -56,5 +56,5 @@ def transcribe_samples(model, samples: np.ndarray, options: TranscribeOptions | 
     return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, outs)], x.size / sr, options=opts, caps=caps)
 
 
-__all__ = ["transcribe_samples", "plan_pieces", "piece_limit_s", "vad_split", "quiet_split", "Splitter",
+__all__ = ["transcribe_samples", "plan_pieces", "plan_many", "needs_vad", "piece_limit_s", "vad_split", "quiet_split", "Splitter",
            "transcribe_pieces", "merge_pieces", "accelerate", "gpu_engine_enabled", "load_model", "cached_model"]

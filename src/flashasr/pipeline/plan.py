@@ -36,14 +36,16 @@ from ..options import ModelCapabilities, TranscribeOptions
 Splitter = Callable[[np.ndarray, int, float, str], list]
 
 
-def vad_split(samples: np.ndarray, sample_rate: int, max_segment_s: float, method: str) -> list[tuple[int, int]]:
-    """:func:`flashasr.audio.vad.split_for_asr` (``method`` ``vad`` or ``fixed``); without the VAD
-    module (its ONNX runtime missing), :func:`quiet_split`."""
+def vad_split(samples: np.ndarray, sample_rate: int, max_segment_s: float, method: str,
+              probs: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """:func:`flashasr.audio.vad.split_for_asr` (``method`` ``vad`` or ``fixed``; ``probs``: the
+    speech probabilities already computed, e.g. on the GPU); without the VAD module (its ONNX
+    runtime missing), :func:`quiet_split`."""
     try:
         from ..audio.vad import split_for_asr
     except ImportError:
         return quiet_split(samples, sample_rate, max_segment_s)
-    return split_for_asr(samples, sample_rate, max_segment_s=max_segment_s, method=method)
+    return split_for_asr(samples, sample_rate, max_segment_s=max_segment_s, method=method, probs=probs)
 
 
 def quiet_split(samples: np.ndarray, sr: int, max_s: float) -> list[tuple[int, int]]:
@@ -72,8 +74,18 @@ def piece_limit_s(options: TranscribeOptions, caps: ModelCapabilities) -> float:
     return w if options.max_segment_s is None else min(float(options.max_segment_s), w)
 
 
+def needs_vad(n_samples: int, options: TranscribeOptions, caps: ModelCapabilities) -> bool:
+    """Whether :func:`plan_pieces` runs the VAD on a recording of ``n_samples`` (so a caller can
+    compute the speech probabilities beforehand, many recordings at once)."""
+    if n_samples == 0 or options.segmentation == "fixed":
+        return False
+    if options.segmentation == "none":
+        return not caps.long_form and n_samples > int(piece_limit_s(options, caps) * caps.sample_rate)
+    return True
+
+
 def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapabilities, *,
-                split: Splitter | None = None) -> list[tuple[int, int]]:
+                split: Splitter | None = None, probs: np.ndarray | None = None) -> list[tuple[int, int]]:
     """Sample ranges for one recording (see the module docstring for the policy).
 
     Args:
@@ -82,6 +94,8 @@ def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapa
         caps: the model's window and whether it has a long-form procedure.
         split: replaces :func:`vad_split` (``split(samples, rate, max_s, method)``; tests and
             benchmarks with pre-computed cuts).
+        probs: the recording's Silero speech probabilities, when already computed (see
+            :func:`needs_vad`; :func:`flashasr.audio.silero_torch.speech_probabilities_batch`).
     Returns:
         sorted, non-empty ``(start, end)`` ranges within ``[0, N]``, each at most ``W`` long
         except the single ``none`` range of a long-form model.
@@ -97,11 +111,36 @@ def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapa
         if caps.long_form or fits:
             return [(0, n)]
         method = "vad"
-    pieces = [(max(0, int(a)), min(n, int(b))) for a, b in (split or vad_split)(samples, sr, limit, method)]
+    if split is not None:
+        got = split(samples, sr, limit, method)
+    else:
+        got = vad_split(samples, sr, limit, method, probs=probs if method == "vad" else None)
+    pieces = [(max(0, int(a)), min(n, int(b))) for a, b in got]
     pieces = [(a, b) for a, b in pieces if b > a]
     if pieces and fits:
         return [(0, n)]
     return pieces
 
 
-__all__ = ["plan_pieces", "piece_limit_s", "vad_split", "quiet_split", "Splitter"]
+def plan_many(recordings: list[np.ndarray], options: TranscribeOptions, caps: ModelCapabilities, *,
+              vad_device: str = "cpu", split: Splitter | None = None) -> list[list[tuple[int, int]]]:
+    """:func:`plan_pieces` for several recordings at once.
+
+    With ``vad_device`` other than ``"cpu"`` (e.g. ``"cuda"``), the Silero VAD of every recording
+    that needs it runs as ONE batched PyTorch computation on that device
+    (:func:`flashasr.audio.silero_torch.speech_probabilities_batch`: the same network; for
+    recordings up to 131 s the same probabilities up to float rounding, hence the same pieces);
+    the cutting itself stays on the CPU. ``"cpu"``: the ONNX VAD per recording, as
+    :func:`plan_pieces`.
+    """
+    probs: dict[int, np.ndarray] = {}
+    if split is None and vad_device != "cpu" and caps.sample_rate == 16000:
+        need = [k for k, x in enumerate(recordings) if needs_vad(int(x.shape[0]), options, caps)]
+        if need:
+            from ..audio.silero_torch import speech_probabilities_batch
+
+            probs = dict(zip(need, speech_probabilities_batch([recordings[k] for k in need], device=vad_device)))
+    return [plan_pieces(x, options, caps, split=split, probs=probs.get(k)) for k, x in enumerate(recordings)]
+
+
+__all__ = ["plan_pieces", "plan_many", "needs_vad", "piece_limit_s", "vad_split", "quiet_split", "Splitter"]

@@ -1,0 +1,162 @@
+"""Silero VAD as one batched PyTorch computation: the same network and weights as the package's
+ONNX models, run over every frame of many recordings at once (on the GPU, or the CPU).
+
+The network (the 16 kHz model in the package's ``silero_vad.jit``, whose weights its ONNX models
+hold; the layout of the package's ``tinygrad_model.py``), per 32 ms frame of 512 samples at 16 kHz
+preceded by the previous frame's last 64 samples (zeros before the first):
+
+    [576] --reflect pad 64--> [640] --STFT conv (258 x 256, stride 128)--> |.| [129, 4]
+          --conv 3 +ReLU--> [128, 4] --conv 3 /2 +ReLU--> [64, 2] --conv 3 /2 +ReLU--> [64, 1]
+          --conv 3 +ReLU--> [128] --LSTM cell (state carried from frame to frame)--> h [128]
+          --ReLU, 1x1 conv, sigmoid--> speech probability
+
+Everything before the LSTM is independent per frame, so all frames of all recordings go through
+the convolutions as one batch ``[F, 576]``; the LSTM then runs as one cuDNN/oneDNN call over each
+recording's frame sequence ``[T, B, 128]`` (recordings padded at their ends: the LSTM is causal,
+so padding changes nothing before it). A recording longer than ``chunk_frames`` is cut into chunks
+that run side by side in the batch, each started ``warmup_frames`` early from a zero state; the
+warm-up outputs are dropped (the state forgets a zero start within a few seconds: on the shared
+long clips the probabilities of the 4 s warm-up agree with the sequential ones to about 1e-4 and
+the cut points are the same, ``tests/test_vad.py``).
+
+Frame ``t`` of a recording covers seconds ``[t * 0.032, (t + 1) * 0.032)``; the last frame is
+zero-padded, as :func:`flashasr.audio.vad.speech_probabilities` (ONNX) does; both give the same
+probabilities up to float rounding (tested).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Sequence
+
+import numpy as np
+
+FRAME = 512
+CONTEXT = 64
+_NETS: dict = {}
+_LOCK = threading.Lock()
+
+
+# the 16 kHz network's tensors in the package's TorchScript model (the weights of its ONNX models;
+# the package's silero_vad_16k.safetensors holds an older network's) -> the names used here
+_NAMES = {"_model.stft.forward_basis_buffer": "stft_conv.weight",
+          "_model.encoder.0.reparam_conv.weight": "conv1.weight", "_model.encoder.0.reparam_conv.bias": "conv1.bias",
+          "_model.encoder.1.reparam_conv.weight": "conv2.weight", "_model.encoder.1.reparam_conv.bias": "conv2.bias",
+          "_model.encoder.2.reparam_conv.weight": "conv3.weight", "_model.encoder.2.reparam_conv.bias": "conv3.bias",
+          "_model.encoder.3.reparam_conv.weight": "conv4.weight", "_model.encoder.3.reparam_conv.bias": "conv4.bias",
+          "_model.decoder.rnn.weight_ih": "lstm_cell.weight_ih", "_model.decoder.rnn.weight_hh": "lstm_cell.weight_hh",
+          "_model.decoder.rnn.bias_ih": "lstm_cell.bias_ih", "_model.decoder.rnn.bias_hh": "lstm_cell.bias_hh",
+          "_model.decoder.decoder.2.weight": "final_conv.weight", "_model.decoder.decoder.2.bias": "final_conv.bias"}
+
+
+def _load_weights() -> dict:
+    """The 16 kHz network's tensors (CPU, float32) from the silero-vad package's TorchScript file."""
+    import silero_vad
+    import torch
+
+    path = os.path.join(os.path.dirname(silero_vad.__file__), "data", "silero_vad.jit")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Silero VAD model not found in the silero-vad package ({path})")
+    import warnings
+
+    with warnings.catch_warnings():  # torch 2.11+ deprecates TorchScript; only its tensors are read here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        sd = torch.jit.load(path, map_location="cpu").state_dict()
+    return {ours: sd[theirs].detach().float().clone() for theirs, ours in _NAMES.items()}
+
+
+def _net(device: str):
+    """The network's tensors on ``device`` (float32), loaded once per device."""
+    with _LOCK:
+        if device not in _NETS:
+            import torch
+
+            w = {k: v.to(device=device) for k, v in _load_weights().items()}
+            lstm = torch.nn.LSTM(128, 128).to(device)
+            with torch.no_grad():
+                lstm.weight_ih_l0.copy_(w["lstm_cell.weight_ih"])
+                lstm.weight_hh_l0.copy_(w["lstm_cell.weight_hh"])
+                lstm.bias_ih_l0.copy_(w["lstm_cell.bias_ih"])
+                lstm.bias_hh_l0.copy_(w["lstm_cell.bias_hh"])
+            lstm.eval()
+            lstm.flatten_parameters()
+            _NETS[device] = (w, lstm)
+        return _NETS[device]
+
+
+def frames_of(x: np.ndarray) -> np.ndarray:
+    """float32 [N] -> [ceil(N / 512), 576]: each 32 ms frame with the previous frame's last 64 samples
+    (zeros before the first; the last frame zero-padded), as the ONNX models take them."""
+    n_frames = -(-x.shape[0] // FRAME)
+    padded = np.zeros(CONTEXT + n_frames * FRAME, np.float32)
+    padded[CONTEXT:CONTEXT + x.shape[0]] = x
+    return np.lib.stride_tricks.sliding_window_view(padded, CONTEXT + FRAME)[::FRAME]
+
+
+def _encode(frames, w):
+    """[F, 576] -> LSTM inputs [F, 128] (the per-frame part of the network)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = F.pad(frames.unsqueeze(1), (0, 64), mode="reflect")
+    x = F.conv1d(x, w["stft_conv.weight"], stride=128)
+    x = torch.sqrt(x[:, :129] ** 2 + x[:, 129:] ** 2)
+    x = F.relu(F.conv1d(x, w["conv1.weight"], w["conv1.bias"], padding=1))
+    x = F.relu(F.conv1d(x, w["conv2.weight"], w["conv2.bias"], stride=2, padding=1))
+    x = F.relu(F.conv1d(x, w["conv3.weight"], w["conv3.bias"], stride=2, padding=1))
+    x = F.relu(F.conv1d(x, w["conv4.weight"], w["conv4.bias"], padding=1))
+    return x.squeeze(-1)
+
+
+def speech_probabilities_batch(signals: Sequence[np.ndarray], *, device: str = "cpu", chunk_frames: int = 4096,
+                               warmup_frames: int = 1024) -> list[np.ndarray]:
+    """Silero speech probability per 32 ms frame for every 16 kHz recording, in one computation.
+
+    Args:
+        signals: float32 ``[N_i]`` arrays at 16 kHz.
+        device: where to compute (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+        chunk_frames: a recording longer than this (4,096 frames = 131 s) runs as chunks side by
+            side; up to it, the result equals the sequential ONNX model's up to float rounding.
+        warmup_frames: frames each later chunk starts early (run, then dropped) to warm its state.
+    Returns:
+        float32 ``[ceil(N_i / 512)]`` per recording (empty for an empty one).
+    Raises:
+        ValueError: a signal that is not 1-D.
+    """
+    import torch
+
+    w, lstm = _net(str(device))
+    frames, rows, total, first = [], [], [], 0  # rows: (signal, first kept, first run, frames run, offset)
+    for i, s in enumerate(signals):
+        x = np.asarray(s, dtype=np.float32)
+        if x.ndim != 1:
+            raise ValueError(f"signal {i}: expected mono samples [N], got shape {x.shape}")
+        f = frames_of(x)
+        total.append(f.shape[0])
+        frames.append(f)
+        for keep in range(0, f.shape[0], chunk_frames):
+            start = max(0, keep - warmup_frames)
+            rows.append((i, keep, start, min(f.shape[0], keep + chunk_frames) - start, first))
+        first += f.shape[0]
+    out = [np.zeros(0, np.float32) if t == 0 else np.empty(t, np.float32) for t in total]
+    if not rows:
+        return out
+    with torch.inference_mode():
+        allf = torch.from_numpy(np.concatenate(frames)).to(device, non_blocking=False)
+        feats = _encode(allf, w)  # [F_total, 128]
+        t_max = max(r[3] for r in rows)
+        # gather each row's frames into [t_max, B, 128] in one indexing op (padding rows read frame 0, masked later)
+        idx = np.zeros((t_max, len(rows)), np.int64)
+        for b, (_i, _keep, start, n, off) in enumerate(rows):
+            idx[:n, b] = np.arange(off + start, off + start + n)
+        seq = feats[torch.from_numpy(idx).to(device)]
+        h, _ = lstm(seq)
+        p = torch.sigmoid(torch.relu(h) @ w["final_conv.weight"][0, :, 0] + w["final_conv.bias"][0])  # [T, B]
+        p = p.T.float().cpu().numpy()
+    for b, (i, keep, start, n, _off) in enumerate(rows):
+        out[i][keep:start + n] = p[b, keep - start:n]
+    return out
+
+
+__all__ = ["speech_probabilities_batch", "frames_of"]

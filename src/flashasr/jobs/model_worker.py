@@ -1,0 +1,121 @@
+"""The job's model thread: batches of pieces through the model while the main thread prepares the next.
+
+The conductor (main thread) hands over one batch at a time (:meth:`ModelWorker.submit`: at most
+one running and one waiting); this thread runs it through
+:func:`flashasr.pipeline.transcribe_pieces` (one model call; one bad piece fails alone), waits for
+the GPU on CUDA (so ``busy_s`` holds the GPU work) and hands the results back
+(:meth:`ModelWorker.take_done`), waking the conductor. The GPU so never waits for the Python
+around it: admitting decoded files, planning their pieces, routing results and writing outputs
+all happen while a batch runs (before, the main thread did them between model calls: the model
+was busy 46 % of the job's wall time on the H200, ``bench/results/offline_e2e_h200_baseline.json``).
+
+The model is called from this one thread only (the engines keep their own lock anyway).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+
+from ..options import TranscribeOptions
+from ..pipeline import transcribe_pieces
+
+
+class ModelWorker:
+    """One thread that owns the model calls of a job.
+
+    Args:
+        model: an :class:`~flashasr.models.base.ASRModel`.
+        wake: set whenever a batch is done (the conductor waits on it).
+        synchronize_cuda: ``torch.cuda.synchronize()`` after each call (accounting).
+
+    Attributes:
+        busy_s: wall seconds inside model calls; ``in_flight``: batches submitted and not yet taken
+        back; ``batches_done``: batches finished so far.
+    """
+
+    def __init__(self, model, *, wake: threading.Event, synchronize_cuda: bool = False):
+        self.model = model
+        self.wake = wake
+        self.synchronize_cuda = synchronize_cuda
+        self.busy_s = 0.0
+        self.in_flight = 0
+        self.batches_done = 0
+        self.error: BaseException | None = None
+        self._todo: queue.Queue = queue.Queue()
+        self._done: deque = deque()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="flashasr-model", daemon=True)
+        self._thread.start()
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight == 0
+
+    def has_room(self) -> bool:
+        """Whether another batch may be handed over now (one running and one waiting at most)."""
+        return self.in_flight < 2
+
+    def submit(self, token, waves: list, options: TranscribeOptions) -> None:
+        """Queue one batch; ``token`` comes back with its results."""
+        self.in_flight += 1
+        self._todo.put((token, waves, options))
+
+    def take_done(self) -> list[tuple[object, list]]:
+        """``[(token, per piece a Transcript or its exception)]`` of the batches done since the last call.
+
+        Raises:
+            the error that stopped the thread (not a piece's own failure, which comes back as its result).
+        """
+        with self._lock:
+            got = list(self._done)
+            self._done.clear()
+        self.in_flight -= len(got)
+        if self.error is not None:
+            raise self.error
+        return got
+
+    def stop(self) -> None:
+        """Finish the batch running (a model call cannot be cut short), drop the waiting one, end the thread."""
+        while True:
+            try:
+                self._todo.get_nowait()
+            except queue.Empty:
+                break
+        self._todo.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._todo.get()
+            if job is None:
+                return
+            token, waves, options = job
+            t0 = time.perf_counter()
+            try:
+                outs = transcribe_pieces(self.model, waves, options)
+                self._synchronize()
+            except BaseException as e:  # noqa: BLE001 - not a piece's failure: the job must stop
+                self.error = e
+                self.wake.set()
+                return
+            self.busy_s += time.perf_counter() - t0
+            with self._lock:
+                self._done.append((token, outs))
+                self.batches_done += 1
+            self.wake.set()
+
+    def _synchronize(self) -> None:
+        if not self.synchronize_cuda:
+            return
+        try:
+            import torch
+
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - no usable CUDA: nothing to wait for
+            pass
+
+
+__all__ = ["ModelWorker"]
