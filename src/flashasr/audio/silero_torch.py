@@ -26,6 +26,7 @@ probabilities up to float rounding (tested).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Sequence
@@ -142,21 +143,46 @@ def speech_probabilities_batch(signals: Sequence[np.ndarray], *, device: str = "
     out = [np.zeros(0, np.float32) if t == 0 else np.empty(t, np.float32) for t in total]
     if not rows:
         return out
-    with torch.inference_mode():
-        allf = torch.from_numpy(np.concatenate(frames)).to(device, non_blocking=False)
-        feats = _encode(allf, w)  # [F_total, 128]
-        t_max = max(r[3] for r in rows)
-        # gather each row's frames into [t_max, B, 128] in one indexing op (padding rows read frame 0, masked later)
-        idx = np.zeros((t_max, len(rows)), np.int64)
-        for b, (_i, _keep, start, n, off) in enumerate(rows):
-            idx[:n, b] = np.arange(off + start, off + start + n)
-        seq = feats[torch.from_numpy(idx).to(device)]
-        h, _ = lstm(seq)
-        p = torch.sigmoid(torch.relu(h) @ w["final_conv.weight"][0, :, 0] + w["final_conv.bias"][0])  # [T, B]
-        p = p.T.float().cpu().numpy()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode())
+        if str(device).startswith("cuda"):  # its own stream: the model's work is not waited for
+            stack.enter_context(torch.cuda.stream(_stream(device)))
+        p = _run(frames, rows, w, lstm, device)
     for b, (i, keep, start, n, _off) in enumerate(rows):
         out[i][keep:start + n] = p[b, keep - start:n]
     return out
+
+
+def _stream(device: str):
+    with _LOCK:
+        if ("stream", device) not in _NETS:
+            import torch
+
+            _NETS[("stream", device)] = torch.cuda.Stream(device=device)
+        return _NETS[("stream", device)]
+
+
+def _run(frames: list[np.ndarray], rows: list, w: dict, lstm, device: str) -> np.ndarray:
+    """The network over all frames: [B rows, T] probabilities on the host."""
+    import torch
+
+    # the frame count padded to a power of two (>= 1024): few distinct shapes, so cuDNN's autotuning
+    # (on when the GPU engine runs: benchmark mode) runs a few times, not at every call
+    n = sum(f.shape[0] for f in frames)
+    bucket = max(1024, 1 << (n - 1).bit_length())
+    allf = torch.from_numpy(np.concatenate(frames + [np.zeros((bucket - n, CONTEXT + FRAME), np.float32)]))
+    if str(device).startswith("cuda"):
+        allf = allf.pin_memory().to(device, non_blocking=True)
+    feats = _encode(allf, w)  # [F_total, 128]
+    t_max = max(r[3] for r in rows)
+    # each row's frames into [t_max, B, 128] in one indexing op (rows shorter than t_max read frame
+    # 0 at their end: the LSTM is causal, so nothing before it changes, and those outputs are dropped)
+    idx = np.zeros((t_max, len(rows)), np.int64)
+    for b, (_i, _keep, start, n, off) in enumerate(rows):
+        idx[:n, b] = np.arange(off + start, off + start + n)
+    h, _ = lstm(feats[torch.from_numpy(idx).to(feats.device)])
+    p = torch.sigmoid(torch.relu(h) @ w["final_conv.weight"][0, :, 0] + w["final_conv.bias"][0])  # [T, B]
+    return p.T.float().cpu().numpy()
 
 
 __all__ = ["speech_probabilities_batch", "frames_of"]

@@ -196,7 +196,8 @@ class OfflineParakeetEngine:
             self.decoder.capture(p.batch if lengths is None else len(idx), t_enc)
 
     @torch.no_grad()
-    def transcribe_arrays(self, waveforms: Sequence[np.ndarray], *, pipelined: bool | None = None) -> OfflineOutput:
+    def transcribe_arrays(self, waveforms: Sequence[np.ndarray], *, pipelined: bool | None = None,
+                          checked: bool = False) -> OfflineOutput:
         """Transcribe float32 16 kHz mono waveforms (numpy ``[N]`` each); results in input order.
 
         ``pipelined`` (default: on CUDA): the decoder of batch k runs on a side stream while
@@ -205,12 +206,14 @@ class OfflineParakeetEngine:
         ``wait`` (host blocked on results) and ``total``. Not pipelined: stages run one after the
         other with a synchronisation between them, and the timings split the wall time.
 
-        Thread-safe: concurrent calls run one after the other.
+        Thread-safe: concurrent calls run one after the other. ``checked=True``: the waveforms already
+        passed :func:`~flashasr.models.base.as_waveform` (the model interface checked them): not
+        checked again (one pass over every sample saved).
 
         Raises:
             AudioError: an input is not a 1-D float array, or contains NaN or infinite samples.
         """
-        waves = [as_waveform(w, f"input {i}") for i, w in enumerate(waveforms)]
+        waves = list(waveforms) if checked else [as_waveform(w, f"input {i}") for i, w in enumerate(waveforms)]
         with self._lock:
             return self._transcribe_checked(waves, pipelined)
 

@@ -76,7 +76,8 @@ class ParakeetGPUASR(ParakeetASR):
 
     def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
         """All pieces in one engine call (it sorts and packs them into profiles itself)."""
-        out = self.engine.transcribe_arrays(pieces)  # serialised by the engine's lock
+        out = self.engine.transcribe_arrays(pieces, checked=True)  # serialised by the engine's lock; checked by
+        # ASRModel.transcribe_batch
         return [Hypothesis(list(it.token_ids), list(it.token_frames), list(it.token_durations)) for it in out.items]
 
     def memory_report(self) -> list[dict]:

@@ -98,7 +98,7 @@ def default_decode(path: str, target_rate: int):
 
 def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
                  decode: Callable | None = None, split: Callable | None = None,
-                 plan: bool = True) -> Prepared | DecodeFailure:
+                 plan: bool = True, shared: bool = False) -> Prepared | DecodeFailure:
     """The CPU stage for one file: decode + resample (+ downmix), then :func:`plan_pieces`.
 
     Runs in a decode thread or in a forked worker process (then ``decode``/``split`` are None and
@@ -106,6 +106,9 @@ def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
     ``decode(path, rate)`` returns an object with ``.samples``; ``split(samples, rate, max_s,
     method)`` is :func:`plan_pieces`' ``split=`` hook. ``plan=False``: decode only
     (``Prepared.pieces`` None; the main process plans many files at once, the VAD on the GPU).
+    ``shared=True`` (worker processes): the samples go back in a shared-memory segment
+    (``Prepared.samples`` is then its :func:`flashasr.shm.put_array` handle, turned back into an
+    array by the feeder), not pickled through the pool's pipe.
     """
     t0 = time.perf_counter()
     try:
@@ -117,6 +120,10 @@ def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
         c1 = time.thread_time()
         pieces = plan_pieces(samples, options, caps, split=split) if plan else None
         c2 = time.thread_time()
+        if shared:
+            from ..shm import put_array
+
+            samples = put_array(samples)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - reported per file
@@ -206,6 +213,10 @@ class DecodeFeeder:
             return cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="flashasr-decode")
         import multiprocessing as mp
 
+        from ..shm import cleanup_stale_segments
+
+        cleanup_stale_segments()  # samples of workers that died in an earlier job (or pool)
+
         # Ctrl-C held back while forking (a SIGINT landing inside fork's lock hooks was swallowed and
         # the job ran on); a pending one is raised when start() (or a later replacement) unblocks it
         masked = block_sigint()
@@ -271,7 +282,7 @@ class DecodeFeeder:
         i = queue.popleft()
         try:
             f = self.pool.submit(prepare_file, self.paths[i], self.options, self.caps, self.decode, self.split,
-                                 self.plan)
+                                 self.plan, self.cpu_pool == "process")
         except BrokenProcessPool:  # replaced by the main thread (maintain)
             queue.appendleft(i)
             self.broken = True
@@ -306,6 +317,8 @@ class DecodeFeeder:
                                     "crashed")
             except BaseException as e:  # noqa: BLE001 - a cancelled decode, ...
                 got = DecodeFailure(*error_of(e, Path(self.paths[i])))
+            if isinstance(got, Prepared) and isinstance(got.samples, tuple):
+                got = self._take_shared(i, got)
             self.solo.discard(i)
             self.ready.append((i, got))
             if isinstance(got, Prepared):
@@ -313,6 +326,16 @@ class DecodeFeeder:
                 self.held += 1
         self.wake.set()
         self.refill()
+
+    def _take_shared(self, i: int, got: Prepared) -> Prepared | DecodeFailure:
+        """A worker's shared-memory samples mapped here (no copy; the segment's name is gone)."""
+        from ..shm import take_array
+
+        try:
+            got.samples = take_array(*got.samples)
+        except OSError as e:
+            return DecodeFailure("internal_error", f"{self.paths[i]}: decoded samples lost in transit: {e}")
+        return got
 
     # ------------------------------------------------------------------ the main thread's calls
     def start(self) -> None:

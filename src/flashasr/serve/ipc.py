@@ -48,7 +48,6 @@ import enum
 import itertools
 import json
 import logging
-import os
 import socket
 import struct
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from ..options import TranscribeOptions
+from ..shm import create_segment, open_segment, unlink_segment
 from ..types import Segment, Transcript, Word
 from .errors import APIError, EngineUnavailable
 
@@ -236,65 +236,10 @@ class Conn:
 
 
 # ----------------------------------------------------------------- audio payloads
-SHM_PREFIX = "flashasr_"
-_shm_ids = itertools.count(1)
-
-
-def _unregister(name: str) -> None:
-    # Python < 3.13 registers every segment a process creates or attaches with the resource
-    # tracker (shared by a process tree), which would unlink segments it does not own when a
-    # process exits. Our segments bypass it: owners unlink explicitly, and stale ones (named
-    # flashasr_<pid>_<n>) are removed by :func:`cleanup_stale_segments`.
-    try:
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister("/" + name.lstrip("/"), "shared_memory")
-    except Exception:  # pragma: no cover
-        pass
-
-
-def _create_shm(size: int) -> shared_memory.SharedMemory:
-    shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}_{next(_shm_ids)}", create=True,
-                                     size=max(1, size))
-    _unregister(shm.name)
-    return shm
-
-
-def _open_shm(name: str) -> shared_memory.SharedMemory:
-    shm = shared_memory.SharedMemory(name=name)
-    _unregister(shm.name)
-    return shm
-
-
-def unlink_shm(name: str) -> None:
-    """Remove a shared-memory segment by name; missing is fine."""
-    try:
-        import _posixshmem
-
-        _posixshmem.shm_unlink("/" + name.lstrip("/"))
-    except FileNotFoundError:
-        pass
-
-
-def cleanup_stale_segments() -> int:
-    """Unlink ``/dev/shm/flashasr_<pid>_*`` segments whose creating process is gone; returns the count."""
-    n = 0
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return 0
-    for name in names:
-        if not name.startswith(SHM_PREFIX):
-            continue
-        try:
-            pid = int(name[len(SHM_PREFIX):].split("_", 1)[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            unlink_shm(name)
-            n += 1
-        except (ValueError, PermissionError):
-            pass
-    return n
+# segments: one home for the primitives (flashasr.shm), shared with the job runner's workers
+_create_shm = create_segment
+_open_shm = open_segment
+unlink_shm = unlink_segment
 
 
 class _Seg:

@@ -135,7 +135,7 @@ class _Workers:
         loop.add_reader(p.sentinel, self._on_exit, loop, p)
 
     def _on_exit(self, loop, p) -> None:  # a front-end worker died: replace it (its clients' connections are gone)
-        from .ipc import cleanup_stale_segments
+        from ..shm import cleanup_stale_segments
 
         loop.remove_reader(p.sentinel)
         p.join(0)
@@ -160,7 +160,7 @@ class _Workers:
 def _run_multi(cfg: ServeConfig, make_app) -> None:
     """The engine process (supervised), front end #0 here and ``cfg.workers - 1`` worker processes."""
     from .engine_proc import EngineSupervisor
-    from .ipc import cleanup_stale_segments
+    from ..shm import cleanup_stale_segments
 
     cleanup_stale_segments()  # shared memory left by crashed front ends of earlier runs
     tmpdir = None

@@ -1,0 +1,142 @@
+"""Shared-memory segments between the processes of one machine: audio crosses without pickling.
+
+Segments are POSIX shared memory named ``flashasr_<creator pid>_<n>`` (``/dev/shm`` on Linux),
+created and opened without :mod:`multiprocessing`'s resource tracker (before Python 3.13 it
+unlinks, at a process's exit, segments that process did not own). Owners unlink explicitly, and
+:func:`cleanup_stale_segments` removes those whose creator died.
+
+Two uses:
+
+* the HTTP server's front ends send uploads to the engine process (:mod:`flashasr.serve.ipc`:
+  pooled segments, reused);
+* the job runner's decode workers hand decoded samples to the main process
+  (:func:`put_array` in the worker, :func:`take_array` in the main process): one copy into the
+  segment, then the main process maps it and unlinks the name at once, so the memory lives exactly
+  as long as the array that maps it (nothing to leak if the main process dies later). Before, the
+  samples were pickled through the pool's pipe: four copies, and the unpickling held the main
+  process's GIL -- 4.3 CPU-s for 12 h of audio on the H200 machine, in the process that feeds the
+  GPU (``bench/results/profile_jobs_h200_threads.json``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+
+import numpy as np
+
+SHM_PREFIX = "flashasr_"
+_ids = itertools.count(1)
+
+
+def new_name() -> str:
+    """A fresh segment name of this process: ``flashasr_<pid>_<n>``."""
+    return f"{SHM_PREFIX}{os.getpid()}_{next(_ids)}"
+
+
+def unregister(name: str) -> None:
+    """Take a segment out of :mod:`multiprocessing`'s resource tracker (see the module docstring)."""
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister("/" + name.lstrip("/"), "shared_memory")
+    except Exception:  # pragma: no cover
+        pass
+
+
+def create_segment(size: int):
+    """A new :class:`multiprocessing.shared_memory.SharedMemory` of ``size`` bytes, untracked."""
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=new_name(), create=True, size=max(1, size))
+    unregister(shm.name)
+    return shm
+
+
+def open_segment(name: str):
+    """An existing segment as :class:`~multiprocessing.shared_memory.SharedMemory`, untracked."""
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=name)
+    unregister(shm.name)
+    return shm
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment's name; a missing one is fine (the memory goes once nothing maps it)."""
+    try:
+        import _posixshmem
+
+        _posixshmem.shm_unlink("/" + name.lstrip("/"))
+    except FileNotFoundError:
+        pass
+
+
+def cleanup_stale_segments() -> int:
+    """Unlink ``/dev/shm/flashasr_<pid>_*`` segments whose creating process is gone; returns the count."""
+    n = 0
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        try:
+            pid = int(name[len(SHM_PREFIX):].split("_", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            unlink_segment(name)
+            n += 1
+        except (ValueError, PermissionError):
+            pass
+    return n
+
+
+def put_array(a: np.ndarray) -> tuple[str, str, int]:
+    """Copy a 1-D array into a new segment; returns ``(name, dtype, length)`` for :func:`take_array`.
+
+    The segment belongs to whoever takes it; this process keeps no mapping.
+    """
+    a = np.ascontiguousarray(a).reshape(-1)
+    import _posixshmem
+
+    name = new_name()
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        size = max(1, a.nbytes)
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as m:
+            np.frombuffer(m, a.dtype, count=a.size)[:] = a
+    except BaseException:
+        os.close(fd)
+        unlink_segment(name)
+        raise
+    os.close(fd)
+    return name, a.dtype.str, int(a.size)
+
+
+def take_array(name: str, dtype: str, length: int) -> np.ndarray:
+    """Map a segment made by :func:`put_array` as a writable 1-D array and unlink its name at once.
+
+    The memory lives as long as the returned array (and the views of it); nothing to close.
+
+    Raises:
+        FileNotFoundError: no such segment (already taken, or never made).
+    """
+    import _posixshmem
+
+    dt = np.dtype(dtype)
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        size = max(1, dt.itemsize * int(length))
+        m = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+        unlink_segment(name)
+    return np.frombuffer(m, dt, count=int(length))
+
+
+__all__ = ["SHM_PREFIX", "new_name", "unregister", "create_segment", "open_segment", "unlink_segment",
+           "cleanup_stale_segments", "put_array", "take_array"]
