@@ -86,28 +86,28 @@ def _net(device: str):
         return _NETS[device]
 
 
-def frames_of(x: np.ndarray) -> np.ndarray:
-    """float32 [N] -> [ceil(N / 512), 576]: each 32 ms frame with the previous frame's last 64 samples
-    (zeros before the first; the last frame zero-padded), as the ONNX models take them."""
-    n_frames = -(-x.shape[0] // FRAME)
-    padded = np.zeros(CONTEXT + n_frames * FRAME, np.float32)
-    padded[CONTEXT:CONTEXT + x.shape[0]] = x
-    return np.lib.stride_tricks.sliding_window_view(padded, CONTEXT + FRAME)[::FRAME]
+def _conv(x, weight, bias, stride: int):
+    """A kernel-3, padding-1 1-D convolution over ``x`` [F, T, C] as one matrix product (cuBLAS;
+    no cuDNN algorithm search for the ever-changing frame counts) -> [F, T', O]."""
+    import torch.nn.functional as F
+
+    cols = F.pad(x, (0, 0, 1, 1)).unfold(1, 3, stride)  # [F, T', C, 3]
+    return cols.flatten(2) @ weight.flatten(1).T + bias
 
 
 def _encode(frames, w):
-    """[F, 576] -> LSTM inputs [F, 128] (the per-frame part of the network)."""
+    """[F, 576] -> LSTM inputs [F, 128] (the per-frame part of the network), as matrix products."""
     import torch
     import torch.nn.functional as F
 
-    x = F.pad(frames.unsqueeze(1), (0, 64), mode="reflect")
-    x = F.conv1d(x, w["stft_conv.weight"], stride=128)
-    x = torch.sqrt(x[:, :129] ** 2 + x[:, 129:] ** 2)
-    x = F.relu(F.conv1d(x, w["conv1.weight"], w["conv1.bias"], padding=1))
-    x = F.relu(F.conv1d(x, w["conv2.weight"], w["conv2.bias"], stride=2, padding=1))
-    x = F.relu(F.conv1d(x, w["conv3.weight"], w["conv3.bias"], stride=2, padding=1))
-    x = F.relu(F.conv1d(x, w["conv4.weight"], w["conv4.bias"], padding=1))
-    return x.squeeze(-1)
+    x = F.pad(frames.unsqueeze(1), (0, 64), mode="reflect").squeeze(1)  # [F, 640]
+    x = x.unfold(1, 256, 128) @ w["stft_conv.weight"][:, 0, :].T  # [F, 4, 258]
+    x = torch.sqrt(x[..., :129] ** 2 + x[..., 129:] ** 2)  # [F, 4, 129]
+    x = torch.relu(_conv(x, w["conv1.weight"], w["conv1.bias"], 1))  # [F, 4, 128]
+    x = torch.relu(_conv(x, w["conv2.weight"], w["conv2.bias"], 2))  # [F, 2, 64]
+    x = torch.relu(_conv(x, w["conv3.weight"], w["conv3.bias"], 2))  # [F, 1, 64]
+    x = torch.relu(_conv(x, w["conv4.weight"], w["conv4.bias"], 1))  # [F, 1, 128]
+    return x[:, 0]
 
 
 def speech_probabilities_batch(signals: Sequence[np.ndarray], *, device: str = "cpu", chunk_frames: int = 4096,
@@ -128,18 +128,26 @@ def speech_probabilities_batch(signals: Sequence[np.ndarray], *, device: str = "
     import torch
 
     w, lstm = _net(str(device))
-    frames, rows, total, first = [], [], [], 0  # rows: (signal, first kept, first run, frames run, offset)
+    # one buffer for all signals, each at a multiple of 512 samples plus 64 (its first frame's
+    # context: zeros), one frame of zeros between signals: then frame g of the whole buffer
+    # (buffer[512 g : 512 g + 576]) is frame t of signal i for g = base_i + t -- the frames are a
+    # view of the buffer on the device (no host-side framing, one copy of the audio)
+    xs, total, bases, rows, pos = [], [], [], [], 0  # rows: (signal, first kept, first run, frames run, base)
     for i, s in enumerate(signals):
         x = np.asarray(s, dtype=np.float32)
         if x.ndim != 1:
             raise ValueError(f"signal {i}: expected mono samples [N], got shape {x.shape}")
-        f = frames_of(x)
-        total.append(f.shape[0])
-        frames.append(f)
-        for keep in range(0, f.shape[0], chunk_frames):
+        n_frames = -(-x.shape[0] // FRAME)
+        xs.append(x)
+        total.append(n_frames)
+        bases.append(pos)
+        for keep in range(0, n_frames, chunk_frames):
             start = max(0, keep - warmup_frames)
-            rows.append((i, keep, start, min(f.shape[0], keep + chunk_frames) - start, first))
-        first += f.shape[0]
+            rows.append((i, keep, start, min(n_frames, keep + chunk_frames) - start, pos))
+        pos += n_frames + 1
+    buf = np.zeros(pos * FRAME + CONTEXT, np.float32)
+    for x, base in zip(xs, bases):
+        buf[base * FRAME + CONTEXT: base * FRAME + CONTEXT + x.shape[0]] = x
     out = [np.zeros(0, np.float32) if t == 0 else np.empty(t, np.float32) for t in total]
     if not rows:
         return out
@@ -147,7 +155,7 @@ def speech_probabilities_batch(signals: Sequence[np.ndarray], *, device: str = "
         stack.enter_context(torch.inference_mode())
         if str(device).startswith("cuda"):  # its own stream: the model's work is not waited for
             stack.enter_context(torch.cuda.stream(_stream(device)))
-        p = _run(frames, rows, w, lstm, device)
+        p = _run(buf, rows, w, lstm, device)
     for b, (i, keep, start, n, _off) in enumerate(rows):
         out[i][keep:start + n] = p[b, keep - start:n]
     return out
@@ -162,17 +170,12 @@ def _stream(device: str):
         return _NETS[("stream", device)]
 
 
-def _run(frames: list[np.ndarray], rows: list, w: dict, lstm, device: str) -> np.ndarray:
-    """The network over all frames: [B rows, T] probabilities on the host."""
+def _run(buf: np.ndarray, rows: list, w: dict, lstm, device: str) -> np.ndarray:
+    """The network over every frame of ``buf`` (see :func:`speech_probabilities_batch`):
+    [B rows, T] probabilities on the host."""
     import torch
 
-    # the frame count padded to a power of two (>= 1024): few distinct shapes, so cuDNN's autotuning
-    # (on when the GPU engine runs: benchmark mode) runs a few times, not at every call
-    n = sum(f.shape[0] for f in frames)
-    bucket = max(1024, 1 << (n - 1).bit_length())
-    allf = torch.from_numpy(np.concatenate(frames + [np.zeros((bucket - n, CONTEXT + FRAME), np.float32)]))
-    if str(device).startswith("cuda"):
-        allf = allf.pin_memory().to(device, non_blocking=True)
+    allf = torch.from_numpy(buf).to(device).unfold(0, CONTEXT + FRAME, FRAME)  # [G, 576], a view
     feats = _encode(allf, w)  # [F_total, 128]
     t_max = max(r[3] for r in rows)
     # each row's frames into [t_max, B, 128] in one indexing op (rows shorter than t_max read frame
@@ -185,4 +188,4 @@ def _run(frames: list[np.ndarray], rows: list, w: dict, lstm, device: str) -> np
     return p.T.float().cpu().numpy()
 
 
-__all__ = ["speech_probabilities_batch", "frames_of"]
+__all__ = ["speech_probabilities_batch"]

@@ -40,11 +40,11 @@ from typing import Callable, Iterable
 from ..errors import FlashASRError, InvalidRequestError
 from ..formats import FORMATS
 from ..options import ModelCapabilities, TranscribeOptions
-from ..pipeline import plan_many
 from .batcher import Batcher, FileState
 from .feeder import DecodeFailure, DecodeFeeder, unblock_sigint
 from .finish import Finisher
 from .model_worker import ModelWorker
+from .planner import Planner
 from .inputs import InputItem, expand_inputs
 from .outputs import Summary, clean_stale_tmp
 from .report import FileResult, JobReport
@@ -68,10 +68,10 @@ def default_workers(device: str = "cpu") -> int:
 
 def default_batch_size(device: str = "cpu") -> int:
     """Pieces per model call: 1 on CPU (measured: batching 8 Whisper windows on 2 CPU threads
-    was slower than one by one, 13.0x vs 15.4x, bench/results/whisper_cpu_vm.json), 128 on CUDA
-    (the Parakeet GPU engine: 5,201x at 16 pieces per call, 7,423x at 128, 7,865x at 512 on the
-    H200, bench/results/offline_e2e_h200.json)."""
-    return 128 if str(device).startswith("cuda") else 1
+    was slower than one by one, 13.0x vs 15.4x, bench/results/whisper_cpu_vm.json), 512 on CUDA
+    (the Parakeet GPU engine in memory: 8,232x at 128 pieces per call, 9,550x at 512; the job
+    from disk 2,233x and 2,453x; H200, bench/results/offline_e2e_h200_shm.json)."""
+    return 512 if str(device).startswith("cuda") else 1
 
 
 def _cuda_available() -> bool:
@@ -171,9 +171,9 @@ def _triage(items: list[InputItem], opts: TranscribeOptions, caps: ModelCapabili
 
 
 class _Conductor:
-    """The main thread's loop: admit decoded files (planning their pieces, the VAD batched on the
-    GPU when the workers only decode), hand batches to the model thread, route its results, hand
-    finished files to the writer thread; else wait for a decode or a batch to finish."""
+    """The main thread's loop: admit decoded files (to the planner thread when the workers only
+    decode: the VAD batched on the GPU), hand batches to the model thread, route its results, hand
+    finished files to the writer thread; else wait for a decode, a plan or a batch to finish."""
 
     def __init__(self, items: list[InputItem], file_opts: list, feeder: DecodeFeeder, batcher: Batcher,
                  model: ModelWorker, finisher: Finisher, report: JobReport, batch_wait_s: float, *,
@@ -183,6 +183,8 @@ class _Conductor:
         self.report = report
         self.batch_wait_s = batch_wait_s
         self.options, self.caps, self.vad_device, self.split = options, caps, vad_device, split
+        self.planner = None if vad_device == "cpu" else Planner(options, caps, vad_device=vad_device, wake=feeder.wake,
+                                                                 split=split)
         self.batches: dict[int, list[tuple[int, int]]] = {}  # batch number -> its (file, piece) slots
         self._n = 0
 
@@ -196,15 +198,17 @@ class _Conductor:
                     self._finished(st)
             got_now = self.feeder.take_ready()
             self._admit(got_now)
+            planned = self.planner.take_done() if self.planner is not None else []
+            self._queue(planned)
             self.feeder.refill()
             pending = bool(self.batcher.pending)
             if pending and self.model.has_room() and self._time_for_a_batch(timed_out):
                 self._submit()
                 timed_out = False
                 continue
-            if not pending and self.model.idle and self.feeder.exhausted():
+            if not pending and self.model.idle and self.feeder.exhausted() and not self._planning():
                 return
-            if got_now or done_now:
+            if got_now or done_now or planned:
                 timed_out = False
                 continue
             fired = self.feeder.wait(self.batch_wait_s if pending else 1.0)
@@ -218,7 +222,7 @@ class _Conductor:
             return True
         if not self.model.idle:
             return False
-        return (self.feeder.nothing_coming() or timed_out
+        return ((self.feeder.nothing_coming() and not self._planning()) or timed_out
                 or (self.model.batches_done > 0 and len(self.batcher.pending) * 4 >= self.batcher.batch_size))
 
     def _submit(self) -> None:
@@ -238,14 +242,20 @@ class _Conductor:
             self.report.vad_cpu_s += p.vad_cpu_s
             self.report.prepare_wall_s += p.wall_s
             states.append(FileState(i, self.items[i], self.file_opts[i], p.samples, p.pieces, p.t0))
-        unplanned = [st for st in states if st.pieces is None]
-        if unplanned:
-            c0 = time.thread_time()
-            plans = plan_many([st.samples for st in unplanned], self.options, self.caps, vad_device=self.vad_device,
-                              split=self.split)
-            for st, pieces in zip(unplanned, plans):
-                st.planned(pieces)
-            self.report.vad_cpu_s += time.thread_time() - c0
+        if self.planner is not None:  # the workers only decoded: the planner thread cuts
+            self.planner.submit([st for st in states if st.pieces is None])
+        self._queue([st for st in states if st.pieces is not None])
+
+    def _planning(self) -> bool:
+        return self.planner is not None and self.planner.in_flight > 0
+
+    def stop(self) -> None:
+        if self.planner is not None:
+            self.planner.stop()
+            self.report.vad_cpu_s += self.planner.cpu_s
+
+    def _queue(self, states: list[FileState]) -> None:
+        """Planned files: their pieces join the pending pool; a file without any has no speech."""
         for st in states:
             if st.pieces:
                 self.batcher.add(st)
@@ -349,7 +359,7 @@ def run_job(
     feeder = DecodeFeeder([str(it.path) for it in items], todo, options=opts, caps=caps, workers=report.workers,
                           cpu_pool=report.cpu_pool, max_buffered=int(max_buffered_audio_s * caps.sample_rate),
                           decode=decode_fn, split=split_fn, plan=vad_device == "cpu")
-    model_worker = sampler = None
+    model_worker = sampler = conductor = None
     try:
         finisher.open_progress(progress)
         finisher.start_writer()
@@ -360,13 +370,16 @@ def run_job(
             report.nvml = {"available": False, "reason": f"model device is {device!r}, or torch.cuda is unavailable"}
         model_worker = ModelWorker(model, wake=feeder.wake, synchronize_cuda=device.startswith("cuda"))
         feeder.start()  # a Ctrl-C held back while forking is raised here, inside the try
-        _Conductor(items, file_opts, feeder, batcher, model_worker, finisher, report, batch_wait_s, options=opts,
-                   caps=caps, vad_device=vad_device, split=split_fn).run()
+        conductor = _Conductor(items, file_opts, feeder, batcher, model_worker, finisher, report, batch_wait_s,
+                               options=opts, caps=caps, vad_device=vad_device, split=split_fn)
+        conductor.run()
     except KeyboardInterrupt:
         report.interrupted = True
         feeder.stop()
     finally:
         unblock_sigint()  # whatever happened before the loop started
+        if conductor is not None:
+            conductor.stop()  # the planner thread
         if model_worker is not None:
             model_worker.stop()  # the batch running finishes; nothing more starts
         feeder.shutdown()
