@@ -758,8 +758,11 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
     # (c) the CPU path alone: the same inputs from disk with a model that costs nothing
     if args.null_phase and left() > 5:
         try:
+            # the CPU path of the GPU job: on CUDA the same VAD placement (batched on the GPU, the
+            # workers only decode) as with the real model
             job(f"c: from disk, null model, batch {batch_sizes[0]}", [inputs_root], len(inputs),
-                tmp_root / "out_null", batch_sizes[0], cap("null"), use_model=NullModel(sr, seg_max))
+                tmp_root / "out_null", batch_sizes[0], cap("null"), use_model=NullModel(sr, seg_max),
+                vad_device=args.device if cuda else "cpu")
         except Exception as e:
             res.error("null", e)
 
