@@ -1008,7 +1008,8 @@ def main(argv=None) -> int:
     r.add_argument("--format", default="json")
     r.add_argument("--segmentation", default="vad", choices=("vad", "fixed"),
                    help="run_job segmentation (fixed: when onnxruntime/silero-vad are missing)")
-    r.add_argument("--max-buffered-s", type=float, default=1800.0, help="run_job max_buffered_audio_s")
+    r.add_argument("--max-buffered-s", type=float, default=None,
+                   help="run_job max_buffered_audio_s (default: the runner's, 4 h for GPU batches)")
     r.add_argument("--max-wall-s", type=float, default=None,
                    help="overall time budget in s, model load included (default 250; smoke 55)")
     r.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")

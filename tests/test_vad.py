@@ -317,3 +317,29 @@ def test_feed_many_equals_individual_feeds():
     assert sum(len(r) for r in ref) >= 6
     with pytest.raises(AudioArgumentError):
         StreamingVAD.feed_many([(vads[0], clips[0][:10]), (vads[0], clips[0][:10])])
+
+
+def test_batched_torch_silero_equals_the_onnx_model():
+    """flashasr.audio.silero_torch: the package's network over many recordings at once gives the
+    sequence ONNX model's probabilities (float rounding) and so the same pieces; chunked recordings
+    are stitched back in place; empty and non-1-D inputs."""
+    from flashasr.audio import load_audio
+    from flashasr.audio.silero_torch import speech_probabilities_batch
+    from flashasr.audio.vad import speech_probabilities, split_for_asr
+
+    names = ["long/long-silero-test-60s.wav", "en/en-ls-61-70968-0002.wav", "hard/hard-noise-no-speech-8s.wav",
+             "en/en-jfk-inaugural.wav"]
+    waves = [load_audio(AUDIO / n).samples for n in names] + [np.zeros(100, np.float32), np.zeros(0, np.float32)]
+    got = speech_probabilities_batch(waves)
+    for w, p in zip(waves, got):
+        ref = speech_probabilities(w) if w.size else np.zeros(0, np.float32)
+        assert p.shape == ref.shape and (p.size == 0 or float(np.abs(p - ref).max()) < 1e-4)
+    assert split_for_asr(waves[0], 16000, max_segment_s=12.0, probs=got[0]) == split_for_asr(waves[0], 16000,
+                                                                                            max_segment_s=12.0)
+    # chunks of 600 frames, each warmed up from the recording's start: stitched exactly in place
+    chunked = speech_probabilities_batch(waves[:1], chunk_frames=600, warmup_frames=2000)[0]
+    assert np.abs(chunked - got[0]).max() < 1e-4
+    with pytest.raises(ValueError, match="mono"):
+        speech_probabilities_batch([np.zeros((2, 100), np.float32)])
+    with pytest.raises(AudioArgumentError, match="frames"):
+        split_for_asr(waves[0], 16000, probs=got[1])

@@ -15,7 +15,7 @@ Two uses:
   as long as the array that maps it (nothing to leak if the main process dies later). Before, the
   samples were pickled through the pool's pipe: four copies, and the unpickling held the main
   process's GIL -- 4.3 CPU-s for 12 h of audio on the H200 machine, in the process that feeds the
-  GPU (``bench/results/profile_jobs_h200_threads.json``).
+  GPU (``bench/results/profile_jobs_h200_modelthread.json``).
 """
 
 from __future__ import annotations

@@ -74,6 +74,14 @@ def default_batch_size(device: str = "cpu") -> int:
     return 512 if str(device).startswith("cuda") else 1
 
 
+def default_max_buffered_s(batch_size: int) -> float:
+    """Decoded audio held before new decodes wait: 30 min, or 4 h (0.9 GB of float32 samples)
+    for GPU-sized batches of 64 or more pieces -- a batch of 512 pieces holds about 1.4 h, and one
+    is formed while another runs (with 30 min the decoders stalled and the engine got batches of
+    ~135 pieces: H200, ``bench/results/offline_e2e_h200_fill.json``)."""
+    return 14400.0 if int(batch_size) >= 64 else 1800.0
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -284,7 +292,7 @@ def run_job(
     progress: bool | None = None,
     on_result: Callable[[FileResult], None] | None = None,
     keep_transcripts: bool = True,
-    max_buffered_audio_s: float = 1800.0,
+    max_buffered_audio_s: float | None = None,
     batch_wait_s: float = 0.05,
     decode_fn: Callable | None = None,
     split_fn: Callable | None = None,
@@ -316,7 +324,8 @@ def run_job(
         progress: tqdm bar on stderr; None shows it only when stderr is a terminal.
         on_result: called in the main thread with each :class:`FileResult` as it finishes.
         keep_transcripts: keep ``FileResult.transcript`` in the report (False frees memory).
-        max_buffered_audio_s: decoded audio (seconds) held before new decodes wait.
+        max_buffered_audio_s: decoded audio (seconds) held before new decodes wait; None:
+            :func:`default_max_buffered_s` (it must hold a batch being formed beside the one running).
         batch_wait_s: how long a partial batch waits for more decoded pieces.
         decode_fn: replaces :func:`flashasr.audio.load_audio` (``decode_fn(path, rate)`` returns an
             object with ``.samples``); split_fn: the VAD splitter of
@@ -343,6 +352,8 @@ def run_job(
     t_job, cpu_job = time.perf_counter(), time.process_time()
     opts = TranscribeOptions.build(options, **changes)
     device = str(getattr(model, "device", "cpu"))
+    if max_buffered_audio_s is None:
+        max_buffered_audio_s = default_max_buffered_s(batch_size or default_batch_size(device))
     batch_size = _check_arguments(fmt, batch_size, workers, cpu_pool, max_buffered_audio_s, device)
     caps = model.capabilities
     opts = opts.resolve(caps)
