@@ -340,3 +340,14 @@ def test_translate_task_on_an_english_only_model_is_a_usage_error(capsys):
     rc = main(["transcribe", str(STELLA), "--task", "translate"])
     err = capsys.readouterr().err
     assert rc == 2 and "[unsupported_task]" in err and "cannot translate" in err
+
+
+@pytest.mark.parametrize("mode", ["single", "multi"])
+def test_serve_stops_with_exit_2_when_the_model_cannot_load(mode, tmp_path):
+    """A server that can never become ready does not keep running: `flashasr serve` with a model
+    that will not load says why and exits 2 (as `flashasr transcribe` does), in either mode."""
+    p = subprocess.run([sys.executable, "-m", "flashasr.serve.app", "--port", "0", "--mode", mode,
+                        "--model", str(tmp_path / "nope.nemo")], capture_output=True, text=True, timeout=120,
+                       env=ENV)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "nope.nemo" in p.stderr and "failed to load" in p.stderr

@@ -617,7 +617,7 @@ def test_vad_in_the_main_process_gives_the_workers_pieces(tmp_path, monkeypatch)
         return real(signals, **dict(kw, device="cpu"))
 
     a, b = HashModel(), HashModel()
-    r_workers = run_job([d], a, tmp_path / "w", "verbose_json", batch_size=4, workers=2, vad_device="cpu")
+    run_job([d], a, tmp_path / "w", "verbose_json", batch_size=4, workers=2, vad_device="cpu")
     monkeypatch.setattr(st, "speech_probabilities_batch", on_cpu)
     monkeypatch.setattr(runner, "_vad_device", lambda *a_: "cuda")
     r_main = run_job([d], b, tmp_path / "m", "verbose_json", batch_size=4, workers=2)

@@ -49,6 +49,10 @@ def test_syntax_errors_name_their_option():
         TranscribeOptions(word_timestamps="yes")
     assert TranscribeOptions(max_segment_s="12.5").max_segment_s == 12.5
     assert TranscribeOptions(max_segment_s=1).max_segment_s == 1.0
+    assert TranscribeOptions(segmentation=" VAD ").segmentation == "vad"  # any case, at every door
+    with pytest.raises(InvalidRequestError) as e:
+        TranscribeOptions(language="x" * 5000)
+    assert len(str(e.value)) < 300  # errors never echo a whole payload
 
 
 def test_frozen_hashable_and_round_trips():
@@ -76,7 +80,7 @@ def test_decoding_key_ignores_the_pipelines_fields():
 def test_resolve_asks_the_model():
     with pytest.raises(UnsupportedLanguageError, match="English-only") as e:
         TranscribeOptions(language="de").resolve(ENGLISH_ONLY)
-    assert e.value.code == "unsupported_language" and e.value.status == 400
+    assert e.value.code == "unsupported_language" and e.value.status == 400 and e.value.param == "language"
     with pytest.raises(UnsupportedLanguageError, match="not supported by base"):
         TranscribeOptions(language="ja").resolve(MULTI)
     with pytest.raises(UnsupportedTaskError, match=r"model 'tiny' \(whisper\) cannot translate") as e:

@@ -439,6 +439,45 @@ def test_stream_errors_keep_the_session(server):
     assert httpx.get(server.base + "/health").status_code == 200
 
 
+def test_malformed_session_updates_and_stream_queries_keep_the_server_whole(server):
+    """Values a careless or hostile client sends in a session update (infinite or huge numbers, a
+    string where an object goes, NaN) each get an error event naming the field, and the session
+    keeps working; a stream query with a non-finite or negative partial interval is refused at
+    open (error event, close 1008) without leaving a stream counted as open."""
+    bad = [{"partial_interval_ms": 1e308 * 10}, {"partial_interval_ms": "inf"}, {"partial_interval_ms": -5},
+           {"turn_detection": {"type": "server_vad", "prefix_padding_ms": 1e400}},
+           {"turn_detection": {"type": "server_vad", "threshold": "nan"}},
+           {"input_audio_sample_rate": 1e400}, {"input_audio_transcription": "de"},
+           {"audio": {"input": "x"}}, {"audio": {"input": {"transcription": "x"}}}, {"audio": 7}]
+
+    async def go():
+        h = {"Authorization": f"Bearer {KEY}"}
+        async with connect(_ws_url(server, "/v1/realtime"), additional_headers=h) as ws:
+            await ws.recv()
+            errors = []
+            for sess in bad:
+                # json.dumps writes 1e400 as Infinity, which JSON parsers accept: the server must not overflow on it
+                await ws.send(json.dumps({"type": "transcription_session.update", "session": sess}))
+                ev = json.loads(await ws.recv())
+                assert ev["type"] == "error", (sess, ev)
+                errors.append(ev["error"])
+            await ws.send(json.dumps({"type": "transcription_session.update", "session": {"partial_interval_ms": 250}}))
+            ok = json.loads(await ws.recv())
+        for q in ("nan", "inf", "-5"):
+            async with connect(_ws_url(server, f"/v1/stream?partial_interval_ms={q}"), additional_headers=h) as ws:
+                ev = json.loads(await ws.recv())
+                assert ev["type"] == "error" and ev["error"]["param"] == "partial_interval_ms", ev
+                await asyncio.wait_for(ws.wait_closed(), 5)
+                assert ws.close_code == 1008
+        return errors, ok
+
+    errors, ok = asyncio.run(go())
+    assert all(e["code"] in ("invalid_request", "invalid_sample_rate") and e["param"] for e in errors), errors
+    assert ok["type"] == "transcription_session.updated" and ok["session"]["partial_interval_ms"] == 250
+    time.sleep(0.5)
+    assert server.metric("flashasr_active_streams") == 0
+
+
 def test_2000_websockets_constant_threads(server):
     """2,000 concurrent idle or trickling WebSockets on one front-end process: no thread per connection."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

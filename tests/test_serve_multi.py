@@ -62,7 +62,11 @@ def test_multi_workers_and_shared_memory(multi):
         t = client.audio.transcriptions.create(model="whisper-1", file=CLIP.open("rb"))
         assert words(t.text) == CLIP_WORDS
     mine = {n for n in _shm() - before if int(n.split("_")[1]) in pids | engine}  # not other servers' on this machine
-    assert len(mine) == 1 and int(next(iter(mine)).split("_")[1]) in pids  # one pooled segment of a front end
+    owners = [int(n.split("_")[1]) for n in mine]
+    # one pooled segment per front end that served, reused by its second request (the keep-alive
+    # connection normally keeps both requests on one front end, but under load a new connection
+    # can reach the other)
+    assert mine and set(owners) <= pids and len(owners) == len(set(owners))
     assert multi.metric("flashasr_engine_requests_active") == 0
 
 

@@ -31,11 +31,17 @@ def _positive_int(s: str) -> int:
     return v
 
 
+_positive_int.__name__ = "positive integer"  # argparse names the type in "invalid ... value"
+
+
 def _positive_float(s: str) -> float:
     v = float(s)
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
     return v
+
+
+_positive_float.__name__ = "positive number"
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -536,6 +536,13 @@ def run_eval_cli(args: argparse.Namespace) -> int:
         print(f"error: [missing_dependency] 'flashasr eval' needs the eval extra (pip install 'flashasr[eval]'); "
               f"not installed: {', '.join(missing)}", file=sys.stderr)
         return 2
+    from .options import normalize_language
+
+    try:  # the one language rule of every door
+        args.language = normalize_language(args.language)
+    except FlashASRError as e:
+        print(f"error: [{e.code}] {e}", file=sys.stderr)
+        return 2
     cats = None
     if args.category:
         cats = [c.strip() for a in args.category for c in a.split(",") if c.strip()]

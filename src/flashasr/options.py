@@ -49,6 +49,12 @@ _CODE_OF_NAME = {name: code for code, name in LANGUAGE_NAMES.items()}
 _TAG = re.compile(r"([a-z]{2,3})(?:[-_][a-z0-9]{2,8})*")
 
 
+def _short(value) -> str:
+    """``repr(value)``, cut to 60 characters (error messages never echo a whole payload)."""
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def normalize_language(value) -> str | None:
     """The one language rule of every door: ``None``/``""`` -> None; else an ISO 639-1 code.
 
@@ -63,7 +69,7 @@ def normalize_language(value) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise InvalidRequestError(f"language must be a string such as 'en'; got {value!r}", param="language")
+        raise InvalidRequestError(f"language must be a string such as 'en'; got {_short(value)}", param="language")
     s = value.strip().lower()
     if not s:
         return None
@@ -72,7 +78,7 @@ def normalize_language(value) -> str | None:
         return m.group(1)
     if s in _CODE_OF_NAME:
         return _CODE_OF_NAME[s]
-    raise InvalidRequestError(f"language {value!r} is not a language code; use an ISO 639-1 code such as 'en' "
+    raise InvalidRequestError(f"language {_short(value)} is not a language code; use an ISO 639-1 code such as 'en' "
                               "or 'de' (or an English language name such as 'german')", param="language")
 
 
@@ -139,16 +145,18 @@ class TranscribeOptions:
     def __post_init__(self):
         object.__setattr__(self, "language", normalize_language(self.language))
         if self.task not in TASKS:
-            err = UnsupportedTaskError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}",
+            err = UnsupportedTaskError(f"task must be one of {', '.join(TASKS)}; got {_short(self.task)}",
                                        code="invalid_request")
             err.param = "task"
             raise err
+        if isinstance(self.segmentation, str):  # one rule at every door: any case, spaces around ignored
+            object.__setattr__(self, "segmentation", self.segmentation.strip().lower())
         if not isinstance(self.word_timestamps, bool):
             raise InvalidRequestError(f"word_timestamps must be true or false; got {self.word_timestamps!r}",
                                       param="word_timestamps")
         if self.segmentation not in SEGMENTATIONS:
             raise InvalidRequestError(f"segmentation must be one of {', '.join(SEGMENTATIONS)}; "
-                                      f"got {self.segmentation!r}", param="segmentation")
+                                      f"got {_short(self.segmentation)}", param="segmentation")
         if self.max_segment_s is not None:
             try:
                 v = float(self.max_segment_s)
@@ -156,7 +164,7 @@ class TranscribeOptions:
                 v = float("nan")
             if isinstance(self.max_segment_s, bool) or not (math.isfinite(v) and v >= MIN_SEGMENT_S):
                 raise InvalidRequestError(f"max_segment_s must be a number of seconds >= {MIN_SEGMENT_S:g}; "
-                                          f"got {self.max_segment_s!r}", param="max_segment_s")
+                                          f"got {_short(self.max_segment_s)}", param="max_segment_s")
             object.__setattr__(self, "max_segment_s", v)
 
     # ------------------------------------------------------------------ building
@@ -209,9 +217,12 @@ class TranscribeOptions:
                                        "English needs a multilingual Whisper model, e.g. --model base)")
         if self.language is not None and caps.languages is not None and self.language not in caps.languages:
             if caps.languages == frozenset({"en"}):
-                raise UnsupportedLanguageError(f"model {caps.name} is English-only; language {self.language!r} "
+                err = UnsupportedLanguageError(f"model {caps.name} is English-only; language {self.language!r} "
                                                "needs a multilingual model (e.g. --model base)")
-            raise UnsupportedLanguageError(f"language {self.language!r} is not supported by {caps.name}")
+            else:
+                err = UnsupportedLanguageError(f"language {self.language!r} is not supported by {caps.name}")
+            err.param = "language"
+            raise err
         window = float(caps.window_s)
         seg = window if self.max_segment_s is None else min(self.max_segment_s, window)
         return self if seg == self.max_segment_s else replace(self, max_segment_s=seg)

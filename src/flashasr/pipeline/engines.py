@@ -68,14 +68,40 @@ def accelerate(model, engine: str = "auto", **engine_kw):
     return model
 
 
+def _check_device(device: str) -> None:
+    """A device torch can use, or ModelLoadError (``invalid_device``) saying why not."""
+    from ..errors import ModelLoadError
+
+    d = str(device)
+    try:
+        import torch
+
+        dev = torch.device(d)
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelLoadError(f"device {d!r} is not a torch device; use cpu, cuda or cuda:N",
+                             code="invalid_device") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ModelLoadError(f"device {d!r} is not usable: {why}; use --device cpu", code="invalid_device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {d!r} is not usable: {torch.cuda.device_count()} CUDA GPU(s) visible",
+                                 code="invalid_device")
+    elif dev.type != "cpu":
+        raise ModelLoadError(f"device {d!r} is not supported; use cpu, cuda or cuda:N", code="invalid_device")
+
+
 def load_model(spec=None, *, device: str = "cpu", dtype: str | None = None, engine: str = "auto"):
     """Load a model (:func:`flashasr.models.registry.load_model` specs, plus ``random:NAME`` for
     benchmarks, :mod:`flashasr.random_models`) and put it behind its engine (:func:`accelerate`).
 
     Raises:
-        ModelLoadError / UnsupportedModelError: as the registry; FlashASRError for a bad ``engine``.
+        ModelLoadError / UnsupportedModelError: as the registry; ``invalid_device`` for a device torch
+            cannot use here (``cuda`` without a GPU or CUDA build, ``gpu``, ``cuda:7`` of 1 GPU);
+            FlashASRError for a bad ``engine``.
     """
     _check_engine(engine)
+    _check_device(device)
     s = None if spec is None else str(spec)
     if s is not None and s.startswith("random:"):
         from ..random_models import load_random_model

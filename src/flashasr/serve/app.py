@@ -73,6 +73,10 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
         else:
             backend = backend_factory(cfg, pool, metrics)
         ctx.state.update(pool=pool, backend=backend)
+        if hasattr(backend, "on_fatal") and getattr(app.state, "shutdown", None) is not None:
+            from .process import EXIT_MODEL_FAILED
+
+            backend.on_fatal = lambda: app.state.shutdown(EXIT_MODEL_FAILED)
         await backend.start()
         if getattr(backend, "mode", "") == "multi" and cfg.gc_freeze:
             gc.collect()

@@ -42,6 +42,7 @@ class LocalBackend:
         self.scheduler: BatchScheduler | None = None
         self.info: dict = {}
         self.error: str | None = None
+        self.on_fatal = None  # called when the model cannot be loaded (the app stops the server)
         self._task: asyncio.Task | None = None
 
     @property
@@ -57,10 +58,12 @@ class LocalBackend:
                 self.model = await asyncio.get_running_loop().run_in_executor(self.pool, load_and_warm, self.cfg)
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {e}"
-            log.error("model failed to load: %s", self.error)
+            log.error("model failed to load: %s; stopping", self.error)
+            if self.on_fatal is not None:  # a server that can never become ready stops (exit 2)
+                self.on_fatal()
             return
         m = self.model
-        self.scheduler = BatchScheduler(m, max_batch=self.cfg.max_batch, batch_wait_s=self.cfg.batch_wait_ms / 1000)
+        self.scheduler = BatchScheduler(m, max_batch=self.cfg.batch_limit, batch_wait_s=self.cfg.batch_wait_ms / 1000)
         self.scheduler.start()
         self.info = model_info(m, self.cfg)
         if self.cfg.gc_freeze:

@@ -26,7 +26,7 @@ class ServeConfig:
     mode: str = "single"                # "single": one process; "multi": engine process + front-end worker(s)
     workers: int = 1                    # front-end worker processes (multi mode)
     # engine / batching
-    max_batch: int = 8                  # waveforms per model call
+    max_batch: int | None = None        # waveforms per model call; None: 1 on CPU, 8 on CUDA (see batch_limit)
     batch_wait_ms: float = 2.0          # how long the scheduler waits to fill a batch of offline work
     warmup: bool = True
     gc_freeze: bool = True              # gc.freeze() after start-up/warm-up in each long-lived process
@@ -48,6 +48,15 @@ class ServeConfig:
     vad_silence_duration_ms: int = 500
     log_level: str = "warning"
     extra: dict = field(default_factory=dict)
+
+    @property
+    def batch_limit(self) -> int:
+        """``max_batch``, or its default for the device: 1 on CPU (on 2 cores 8 batched Whisper windows
+        ran slower than one by one, ``bench/results/whisper_cpu_vm.json``, and an upload's short
+        neighbour waited 10-18 s behind a batch of eight), 8 on CUDA."""
+        if self.max_batch is not None:
+            return int(self.max_batch)
+        return 8 if str(self.device).startswith("cuda") else 1
 
     @property
     def max_upload_bytes(self) -> int:
@@ -77,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("single", "multi"), default="single",
                    help="single: one process; multi: one engine process + front-end worker process(es)")
     p.add_argument("--workers", type=int, default=1, help="front-end worker processes (multi mode)")
-    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="waveforms per model call (default: 1 on CPU, where batching Whisper windows measured "
+                        "slower and a short request would wait behind a batch of 30 s windows; 8 on CUDA; "
+                        "use 256 with a Parakeet model on a GPU)")
     p.add_argument("--batch-wait-ms", type=float, default=2.0)
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-gc-freeze", action="store_true", help="skip gc.freeze() after start-up (benchmarks)")

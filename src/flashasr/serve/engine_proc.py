@@ -36,7 +36,7 @@ class EngineServer:
         self.model = model
         self.cfg = cfg
         self.metrics = EngineMetrics(cfg.device)
-        self.scheduler = BatchScheduler(model, max_batch=cfg.max_batch, batch_wait_s=cfg.batch_wait_ms / 1000,
+        self.scheduler = BatchScheduler(model, max_batch=cfg.batch_limit, batch_wait_s=cfg.batch_wait_ms / 1000,
                                         metrics=self.metrics)
         self.hello = model_info(model, cfg)
 
@@ -145,8 +145,15 @@ async def serve_unix(path: str, handler) -> None:
             t.cancel()
 
 
+EXIT_MODEL_FAILED = 3  # the engine's exit status when its model cannot be loaded (the supervisor stops)
+
+
 async def _engine_async(cfg: ServeConfig, path: str) -> None:
-    model = load_and_warm(cfg)
+    try:
+        model = load_and_warm(cfg)
+    except Exception as e:  # noqa: BLE001 - a model that will not load: say why once, then exit
+        log.error("model %s failed to load on %s: %s: %s", cfg.model or "tiny.en", cfg.device, type(e).__name__, e)
+        raise SystemExit(EXIT_MODEL_FAILED) from None
     srv = EngineServer(model, cfg)
     srv.scheduler.start()
     if cfg.gc_freeze:
@@ -196,6 +203,7 @@ class EngineSupervisor:
         self.metrics = metrics
         self.proc: mp.process.BaseProcess | None = None
         self.restarts = 0
+        self.on_fatal = None  # called when the engine cannot load its model
         self._ctx = mp.get_context("spawn")
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -221,6 +229,12 @@ class EngineSupervisor:
         self._loop.remove_reader(p.sentinel)
         p.join(0)
         if self._closing:
+            return
+        if p.exitcode == EXIT_MODEL_FAILED:  # restarting cannot help: the server stops (exit 2)
+            log.error("the engine process could not load the model (see its log above); stopping")
+            self._closing = True
+            if self.on_fatal is not None:
+                self.on_fatal()
             return
         self.restarts += 1
         if self.metrics is not None:

@@ -38,23 +38,36 @@ def _listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return s
 
 
-async def _serve(cfg: ServeConfig, app, sock: socket.socket) -> None:
+EXIT_MODEL_FAILED = 2  # the model cannot be loaded: the server stops (as `flashasr transcribe` exits 2)
+
+
+async def _serve(cfg: ServeConfig, app, sock: socket.socket) -> int:
+    """Serve until stopped; returns the exit status (``app.state.shutdown(code)`` stops it early,
+    e.g. when the model cannot be loaded)."""
     import uvicorn
 
     ucfg = uvicorn.Config(app, loop="none", lifespan="on", log_level=cfg.log_level, access_log=False,
                           ws_max_size=16 << 20, timeout_keep_alive=30, backlog=4096,
                           timeout_graceful_shutdown=5)
     server = uvicorn.Server(ucfg)
+    status = {"code": 0}
+
+    def shutdown(code: int) -> None:
+        status["code"] = code
+        server.should_exit = True
+
+    app.state.shutdown = shutdown
     await server.serve(sockets=[sock])
+    return status["code"]
 
 
-def _run_loop(coro) -> None:
+def _run_loop(coro):
     try:
         import uvloop
 
-        uvloop.run(coro)
+        return uvloop.run(coro)
     except ImportError:  # pragma: no cover
-        asyncio.run(coro)
+        return asyncio.run(coro)
 
 
 def _remote_factory(path: str, supervisor=None):
@@ -103,17 +116,16 @@ def _announce(cfg: ServeConfig, sock) -> None:
           file=sys.stderr, flush=True)
 
 
-def run(cfg: ServeConfig, make_app) -> None:
+def run(cfg: ServeConfig, make_app) -> int:
     """Serve ``make_app(cfg, backend_factory=None)`` (:func:`~.app.create_app`) until SIGINT/SIGTERM
-    in the configured process layout."""
+    in the configured process layout; returns the exit status (0, or :data:`EXIT_MODEL_FAILED`)."""
     logging.basicConfig(level=cfg.log_level.upper())
     _raise_fd_limit()
     if cfg.mode == "single":
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
         _announce(cfg, sock)
-        _run_loop(_serve(cfg, make_app(cfg), sock))
-    else:
-        _run_multi(cfg, make_app)
+        return int(_run_loop(_serve(cfg, make_app(cfg), sock)) or 0)
+    return _run_multi(cfg, make_app)
 
 
 class _Workers:
@@ -157,7 +169,7 @@ class _Workers:
             p.join(5)
 
 
-def _run_multi(cfg: ServeConfig, make_app) -> None:
+def _run_multi(cfg: ServeConfig, make_app) -> int:
     """The engine process (supervised), front end #0 here and ``cfg.workers - 1`` worker processes."""
     from .engine_proc import EngineSupervisor
     from ..shm import cleanup_stale_segments
@@ -172,22 +184,23 @@ def _run_multi(cfg: ServeConfig, make_app) -> None:
     _announce(cfg, sock)
     workers = _Workers(cfg, path, make_app)
 
-    async def main_async():
+    async def main_async() -> int:
         sup = EngineSupervisor(cfg, path)
-        sup.start()
         loop = asyncio.get_running_loop()
-        for _ in range(cfg.workers - 1):
-            workers.start(loop)
         app = make_app(cfg, _remote_factory(path, sup))
         sup.metrics = app.state.metrics
+        sup.on_fatal = lambda: app.state.shutdown(EXIT_MODEL_FAILED)  # set by _serve before any engine exit
+        sup.start()
+        for _ in range(cfg.workers - 1):
+            workers.start(loop)
         try:
-            await _serve(cfg, app, sock)
+            return await _serve(cfg, app, sock)
         finally:
             workers.unwatch(loop)
             sup.stop()
 
     try:
-        _run_loop(main_async())
+        return int(_run_loop(main_async()) or 0)
     finally:
         workers.stop()
         if tmpdir:
@@ -205,7 +218,6 @@ def main(argv: list[str] | None, make_app) -> int:
 
     cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        run(cfg, make_app)
+        return run(cfg, make_app)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         return 130
-    return 0

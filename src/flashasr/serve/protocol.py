@@ -23,6 +23,7 @@ the model's capabilities are known. Replies: :func:`session_view` (the ``session
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from ..formats import FORMATS
@@ -41,11 +42,23 @@ def resolve_known(options: TranscribeOptions, caps: ModelCapabilities | None) ->
     return options if caps is None else options.resolve(caps)
 
 
-def _number(value, param: str) -> float:
+def _short(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _number(value, param: str, lo: float | None = None, hi: float | None = None) -> float:
+    """A finite number (a JSON number or its text) within ``[lo, hi]``; else APIError naming ``param``."""
     try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise APIError(f"{param} must be a number; got {value!r}", param=param) from None
+        if isinstance(value, bool):
+            raise ValueError
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise APIError(f"{param} must be a number; got {_short(value)}", param=param) from None
+    if not math.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f" in [{lo:g}, {hi:g}]" if lo is not None and hi is not None else ""
+        raise APIError(f"{param} must be a finite number{rng}; got {_short(value)}", param=param)
+    return v
 
 
 def _number_or(value, default: float) -> float:
@@ -99,7 +112,7 @@ def parse_upload(form, task: str) -> UploadRequest:
         raise APIError(f"temperature must be a number in [0, 1]; got {temp!r}", param="temperature")
     max_s = (form.get("max_segment_s") or "").strip()
     options = TranscribeOptions(language=form.get("language"), task=task, word_timestamps="word" in gran,
-                                segmentation=(form.get("segmentation") or "").strip().lower() or "vad",
+                                segmentation=(form.get("segmentation") or "").strip() or "vad",
                                 max_segment_s=_number(max_s, "max_segment_s") if max_s else None)
     return UploadRequest(options, fmt, "word" in gran, (form.get("stream") or "").strip().lower() in TRUE)
 
@@ -149,17 +162,32 @@ def parse_turn_detection(td, cfg) -> dict | None:
     if not isinstance(td, dict) or td.get("type", "server_vad") != "server_vad":
         raise APIError("turn_detection must be null or {'type': 'server_vad', ...}", param="turn_detection")
     base = default_turn_detection(cfg)
+    msg = ("turn_detection: threshold must be in (0, 1), prefix_padding_ms in [0, 5000], "
+           "silence_duration_ms in (0, 10000]")
     try:
-        out = {"type": "server_vad", "threshold": float(td.get("threshold", base["threshold"])),
-               "prefix_padding_ms": int(td.get("prefix_padding_ms", base["prefix_padding_ms"])),
-               "silence_duration_ms": int(td.get("silence_duration_ms", base["silence_duration_ms"]))}
-    except (TypeError, ValueError):
+        out = {"type": "server_vad",
+               "threshold": _number(td.get("threshold", base["threshold"]), "turn_detection.threshold", 0.0, 1.0),
+               "prefix_padding_ms": int(_number(td.get("prefix_padding_ms", base["prefix_padding_ms"]),
+                                                "turn_detection.prefix_padding_ms", 0, 5000)),
+               "silence_duration_ms": int(_number(td.get("silence_duration_ms", base["silence_duration_ms"]),
+                                                  "turn_detection.silence_duration_ms", 0, 10000))}
+    except APIError:
         out = None
-    if out is None or not 0.0 < out["threshold"] < 1.0 or not (
-            0 <= out["prefix_padding_ms"] <= 5000 and 0 < out["silence_duration_ms"] <= 10000):
-        raise APIError("turn_detection: threshold must be in (0, 1), prefix_padding_ms in [0, 5000], "
-                       "silence_duration_ms in (0, 10000]", param="turn_detection")
+    if out is None or not 0.0 < out["threshold"] < 1.0 or out["silence_duration_ms"] <= 0:
+        raise APIError(msg, param="turn_detection")
     return out
+
+
+def _object(value, param: str) -> dict:
+    """An optional JSON object: None -> {}; anything but an object -> APIError naming ``param``."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise APIError(f"{param} must be an object; got {_short(value)}", param=param)
+    return value
+
+
+MAX_PARTIAL_INTERVAL_MS = 60000.0  # partials at most a minute apart (0: none)
 
 
 @dataclass(frozen=True)
@@ -193,7 +221,8 @@ def parse_session_update(sess, options: TranscribeOptions, caps: ModelCapabiliti
     """
     if not isinstance(sess, dict):
         raise APIError("'session' must be an object", param="session")
-    audio_in = ((sess.get("audio") or {}).get("input") or {}) if isinstance(sess.get("audio"), dict) else {}
+    audio = _object(sess.get("audio"), "session.audio")
+    audio_in = _object(audio.get("input"), "session.audio.input")
     fmt, rate, f2 = sess.get("input_audio_format"), sess.get("input_audio_sample_rate"), audio_in.get("format")
     if fmt is not None and fmt != "pcm16":
         raise APIError(f"input_audio_format {fmt!r} is not supported; use 'pcm16'", param="input_audio_format",
@@ -203,7 +232,8 @@ def parse_session_update(sess, options: TranscribeOptions, caps: ModelCapabiliti
             raise APIError(f"audio format {f2.get('type')!r} is not supported; use 'audio/pcm'",
                            param="audio.input.format", code="unsupported_format")
         rate = f2.get("rate", rate)
-    tr = sess.get("input_audio_transcription") or audio_in.get("transcription") or {}
+    tr = _object(sess.get("input_audio_transcription") or audio_in.get("transcription"),
+                 "input_audio_transcription")
     upd: dict = {}
     if "language" in tr:
         upd["options"] = resolve_known(TranscribeOptions.build(options, language=tr.get("language")), caps)
@@ -211,10 +241,7 @@ def parse_session_update(sess, options: TranscribeOptions, caps: ModelCapabiliti
         upd["rate"] = check_rate(rate)
     pi = sess.get("partial_interval_ms", tr.get("partial_interval_ms"))
     if pi is not None:
-        try:
-            upd["partial_interval"] = max(0, int(float(pi) * SR / 1000))
-        except (TypeError, ValueError):
-            raise APIError("partial_interval_ms must be a number", param="partial_interval_ms") from None
+        upd["partial_interval"] = int(_number(pi, "partial_interval_ms", 0, MAX_PARTIAL_INTERVAL_MS) * SR / 1000)
     if "turn_detection" in sess or "turn_detection" in audio_in:
         td = sess["turn_detection"] if "turn_detection" in sess else audio_in["turn_detection"]
         upd["turn_detection"] = parse_turn_detection(td, cfg)
@@ -239,7 +266,8 @@ def parse_stream_query(q, caps: ModelCapabilities | None, cfg) -> StreamQuery:
     rate = check_rate(q.get("sample_rate", "16000"))
     options = stream_options(q.get("language"), caps)
     use_vad = (q.get("vad") or "false").lower() in TRUE
-    pi = _number(q.get("partial_interval_ms", cfg.partial_interval_ms), "partial_interval_ms")
+    pi = _number(q.get("partial_interval_ms", cfg.partial_interval_ms), "partial_interval_ms", 0,
+                 MAX_PARTIAL_INTERVAL_MS)
     return StreamQuery(rate, options, default_turn_detection(cfg) if use_vad else None, pi,
                        (q.get("partials") or "delta").lower() == "full")
 

@@ -47,9 +47,10 @@ def check_rate(value) -> int:
         r = int(value)
         if str(value).strip() not in (str(r), f"{r}.0"):
             raise ValueError
-    except (TypeError, ValueError):
-        raise APIError(f"sample rate must be an integer number of Hz, got {value!r}", code="invalid_sample_rate",
-                       param="sample_rate") from None
+    except (TypeError, ValueError, OverflowError):
+        r = repr(value)
+        raise APIError(f"sample rate must be an integer number of Hz, got {r if len(r) <= 60 else r[:57] + '...'}",
+                       code="invalid_sample_rate", param="sample_rate") from None
     if not MIN_RATE <= r <= MAX_RATE:
         raise APIError(f"sample rate {r} Hz is outside {MIN_RATE}..{MAX_RATE} Hz", code="invalid_sample_rate",
                        param="sample_rate")

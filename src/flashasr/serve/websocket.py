@@ -116,6 +116,13 @@ class WebSocketDoor:
                 except FlashASRError as e:  # a bad message: the session lives on
                     await send_error(handler.emit, e, handler.event_id)
                     continue
+                except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+                    # a message we failed to understand (a bug of ours, not the client's connection):
+                    # an error event, logged once with its traceback, and the session lives on
+                    log.exception("%s: could not handle a client message", handler.name)
+                    await send_error(handler.emit, APIError(f"could not handle the message: {type(e).__name__}",
+                                                            code="invalid_request"), handler.event_id)
+                    continue
                 if stop:
                     break
         except (asyncio.TimeoutError, RuntimeError, ConnectionError) as e:
