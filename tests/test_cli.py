@@ -90,10 +90,39 @@ def _words(s: str) -> str:
 
 
 def test_subprocess_text_to_stdout():
-    r = _cli("transcribe", GOLDEN)
+    r = _cli("transcribe", GOLDEN, "--summary")
     assert r.returncode == 0, r.stderr
     assert _words(r.stdout) == "a golden fortune and a happy life"
     assert "speed factor" in r.stderr and "files      ok 1" in r.stderr
+    # one input, no --summary: just the transcript (the stage table is for jobs, or on request)
+    r = _cli("transcribe", GOLDEN)
+    assert r.returncode == 0 and _words(r.stdout) == "a golden fortune and a happy life" and r.stderr == ""
+
+
+def test_several_inputs_as_json_lines_and_a_closed_pipe(tmp_path):
+    """-f json / verbose_json with several inputs on stdout: one JSON object per line per input with
+    its path (a failed one with its error), nothing else; a reader that goes away (`| head -1`)
+    stops the job quietly with 141, no traceback."""
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"not audio at all" * 10)
+    r = _cli("transcribe", GOLDEN, bad, STELLA, "-f", "json", "-q")
+    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 1 and [x["path"] for x in recs] == [str(GOLDEN), str(bad), str(STELLA)]
+    assert _words(recs[0]["text"]) == "a golden fortune and a happy life" and recs[1]["error"]["code"]
+    assert "failed:" in r.stderr and "==>" not in r.stdout
+    r = _cli("transcribe", GOLDEN, STELLA, "-f", "verbose_json", "--word-timestamps", "-q")
+    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["path"] for x in recs] == [str(GOLDEN), str(STELLA)] and all(x["words"] and x["segments"] for x in recs)
+    many = tmp_path / "many"
+    many.mkdir()
+    for k in range(16):  # the job still runs when the reader goes away
+        shutil.copy(GOLDEN, many / f"c{k:02d}.wav")
+    p = subprocess.Popen([sys.executable, "-m", "flashasr.cli", "transcribe", str(many), "-f", "srt"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    p.stdout.readline()
+    p.stdout.close()  # as `| head -1` does
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err
 
 
 @pytest.mark.parametrize("fmt", ["text", "json", "srt", "vtt", "verbose_json"])

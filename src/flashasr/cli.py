@@ -18,6 +18,7 @@ from .errors import FlashASRError
 from .formats import FORMATS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a command-line tool whose reader went away exits with
 
 
 def _err(msg: str) -> None:
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip inputs with a complete output from an earlier run (default: on)")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: only when stderr is a terminal)")
+    t.add_argument("--summary", action=argparse.BooleanOptionalAction, default=None,
+                   help="the final table of files, audio, speed and stage costs on stderr (default: for several "
+                        "inputs or with --output-dir)")
     t.add_argument("--quiet", "-q", action="store_true", help="no final summary table")
 
     e = sub.add_parser("eval", help="WER on a manifest (optionally side by side with faster-whisper)",
@@ -164,38 +168,18 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     except FlashASRError as e:  # a language or task this model cannot do
         _err(f"error: [{e.code}] {e}")
         return EXIT_USAGE
-    several = len(items) > 1
-    order = {str(it.path): k for k, it in enumerate(items)}
-    ready: dict[int, tuple[str, str | None]] = {}
-    next_out = [0]
-
-    def on_result(res) -> None:
-        if args.output_dir is not None:
-            return
-        from .formats import render
-
-        text = None
-        if res.status == "ok" and res.transcript is not None:
-            text = render(res.transcript, args.format, words=True if args.word_timestamps else None)
-        ready[order[str(res.item.path)]] = (res.item.display, text)
-        while next_out[0] in ready:  # print in input order, each as soon as it can be
-            disp, txt = ready.pop(next_out[0])
-            next_out[0] += 1
-            if txt is None:
-                continue
-            if several:
-                sys.stdout.write(f"==> {disp} <==\n")
-            sys.stdout.write(txt if txt.endswith("\n") else txt + "\n")
-            sys.stdout.flush()
-
+    printer = None if args.output_dir is not None else StdoutPrinter(items, args.format, args.word_timestamps)
     _install_sigterm()
     try:
         report = run_job(items, model, args.output_dir, args.format, options=options, batch_size=args.batch_size,
                          workers=args.workers, cpu_pool=args.cpu_pool, resume=args.resume, progress=args.progress,
-                         on_result=on_result, keep_transcripts=False)
+                         on_result=printer, keep_transcripts=False)
     except FlashASRError as e:
         _err(f"error: [{e.code}] {e}")
         return EXIT_USAGE
+    except BrokenPipeError:  # `| head` closed stdout: stop quietly, as command-line tools do
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
     for r in report.failed:
         msg = r.error_message or ""
         if msg.startswith(f"{r.item.display}: "):  # the line already names the file
@@ -204,13 +188,69 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if report.interrupted:
         _err(f"interrupted: {len(report.ok) + len(report.skipped)} of {len(items)} inputs finished; "
              "re-run the same command to resume" if args.output_dir else "interrupted")
-    if not args.quiet:
+    if not args.quiet and (args.summary or (args.summary is None and (len(items) > 1 or args.output_dir))):
         _err(report.table())
         if missing:  # inputs that never reached the job (not found, unreadable folder): also failures
             _err(f"inputs     {len(missing)} not found or unreadable (the 'failed:' lines above); exit code 1")
         if args.output_dir:
             _err(f"outputs    {os.path.abspath(args.output_dir)} (summary.jsonl)")
     return EXIT_FAILED if missing and report.exit_code == EXIT_OK else report.exit_code
+
+
+class StdoutPrinter:
+    """The transcripts of a job without ``--output-dir``, on stdout in input order, each as soon as
+    it and every input before it are done (the job's ``on_result``, called from its writer thread).
+
+    One input: the format as it is. Several: ``json``/``verbose_json`` as JSON Lines -- one object per
+    input with its ``path`` (and ``error`` ``{code, message}`` for a failed one), nothing else on
+    stdout; ``text``/``srt``/``vtt`` each under a ``==> file <==`` header (failed inputs: nothing,
+    their ``failed:`` line goes to stderr).
+    """
+
+    def __init__(self, items, fmt: str, words: bool):
+        self.fmt, self.words = fmt, bool(words)
+        self.several = len(items) > 1
+        self.order = {str(it.path): k for k, it in enumerate(items)}
+        self.ready: dict[int, str | None] = {}
+        self.next = 0
+
+    def __call__(self, res) -> None:
+        self.ready[self.order[str(res.item.path)]] = self._render(res)
+        while self.next in self.ready:
+            out = self.ready.pop(self.next)
+            self.next += 1
+            if out is not None:
+                sys.stdout.write(out if out.endswith("\n") else out + "\n")
+                sys.stdout.flush()
+
+    def _render(self, res) -> str | None:
+        import json
+
+        from .formats import render
+
+        ok = res.status == "ok" and res.transcript is not None
+        lines = self.several and self.fmt in ("json", "verbose_json")
+        if lines:
+            if not ok:
+                rec = {"error": {"code": res.error_code, "message": res.error_message}} if res.status == "failed" else None
+            elif self.fmt == "json":
+                rec = {"text": res.transcript.text.strip()}
+            else:
+                rec = res.transcript.to_dict(words=True if self.words else None)
+            return None if rec is None else json.dumps({"path": res.item.display, **rec}, ensure_ascii=False)
+        if not ok:
+            return None
+        text = render(res.transcript, self.fmt, words=True if self.words else None)
+        return f"==> {res.item.display} <==\n{text}" if self.several else text
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null so the interpreter's final flush stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except OSError:
+        pass
 
 
 def cmd_serve(argv: list[str]) -> int:

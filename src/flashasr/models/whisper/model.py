@@ -59,8 +59,10 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
         raise ValueError("channels must be even")
     half = channels // 2
     inc = math.log(max_timescale) / (half - 1)
-    inv = torch.exp(-inc * torch.arange(half, dtype=torch.float32))
-    t = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]
+    # on the CPU explicitly: under a meta-device context (models are built on "meta", then their
+    # weights assigned) torch.arange goes through a decomposition that imports TorchDynamo (1 s)
+    inv = torch.exp(-inc * torch.arange(half, dtype=torch.float32, device="cpu"))
+    t = torch.arange(length, dtype=torch.float32, device="cpu")[:, None] * inv[None, :]
     return torch.cat([torch.sin(t), torch.cos(t)], dim=1)
 
 
@@ -166,7 +168,8 @@ class WhisperModel(nn.Module):
         enc.norm = nn.LayerNorm(d_a)
         self.encoder = enc
         dec = nn.Module()
-        dec.embed = nn.Embedding(dims.n_vocab, d_t)
+        # the weight given: no random init (a normal_ on the meta device imports TorchDynamo, 1 s of start-up)
+        dec.embed = nn.Embedding(dims.n_vocab, d_t, _weight=torch.empty(dims.n_vocab, d_t))
         dec.positions = nn.Parameter(torch.zeros(dims.n_text_ctx, d_t))
         dec.layers = nn.ModuleList([_DecoderLayer(d_t, dims.n_text_head) for _ in range(dims.n_text_layer)])
         dec.norm = nn.LayerNorm(d_t)
