@@ -6,6 +6,8 @@ batch and merge in the one pipeline (Whisper tiny.en and the NeMo-made Parakeet 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import wave
 
 import httpx
@@ -82,6 +84,17 @@ def test_cli_api_and_server_give_the_same_transcript(recording, tmp_path, spec):
                 assert len(cli["segments"]) >= 8 and cli["segments"][-1][1] > 80 and cli["language"] == "english"
             for mode, server in servers.items():
                 assert _view(_http(server, recording, opts)) == cli, (mode, opts)
+        if spec == PARAKEET:  # options Parakeet cannot use: accepted, and the reply says so
+            with open(recording, "rb") as f:
+                r = httpx.post(servers["multi"].base + "/v1/audio/transcriptions", files={"file": ("n.wav", f)},
+                               data={"prompt": "Stella", "temperature": "0.4"}, timeout=300)
+            assert r.status_code == 200 and r.headers["x-flashasr-ignored"] == "prompt, temperature"
+            with pytest.warns(UserWarning, match="does not use prompt, temperature"):
+                t = flashasr.transcribe(recording, model=spec, prompt="Stella", temperature=0.4)
+            assert t.text == flashasr.transcribe(recording, model=spec).text  # they change nothing here
+            proc = subprocess.run([sys.executable, "-m", "flashasr", "transcribe", str(recording), "--model", spec,
+                                   "--prompt", "Stella", "-o", str(tmp_path / "ign")], capture_output=True, text=True)
+            assert proc.returncode == 0 and "does not use --prompt" in proc.stderr, proc.stderr
     finally:
         for server in servers.values():
             server.stop()

@@ -561,9 +561,22 @@ def test_options_reach_the_model_as_one_object(synth_dir, tmp_path):
     assert all(x.transcript.language == "de" and x.transcript.words is not None for x in r.ok)
     rec = json.loads((out / "summary.jsonl").read_text().splitlines()[0])
     assert rec["options"] == want.to_dict() and set(rec["options"]) == {
-        "language", "task", "word_timestamps", "segmentation", "max_segment_s"}
+        "language", "task", "word_timestamps", "segmentation", "max_segment_s", "prompt", "temperature"}
     r2 = run_job([synth_dir], HashModel(), out, "json", split_fn=fixed_split, options=want)
     assert len(r2.skipped) == 8
+    # a journal written before prompt/temperature existed: the missing fields are their defaults
+    summary = out / "summary.jsonl"
+    old = []
+    for line in summary.read_text().splitlines():
+        r_ = json.loads(line)
+        if isinstance(r_.get("options"), dict):
+            r_["options"].pop("prompt", None), r_["options"].pop("temperature", None)
+        old.append(json.dumps(r_))
+    summary.write_text("\n".join(old) + "\n")
+    assert len(run_job([synth_dir], HashModel(), out, "json", split_fn=fixed_split, options=want).skipped) == 8
+    # a different prompt is a different job: everything runs again
+    r_p = run_job([synth_dir], HashModel(), out, "json", split_fn=fixed_split, options=TranscribeOptions.build(want, prompt="x"))
+    assert not r_p.skipped and r_p.exit_code == 0
     d = TranscribeOptions().to_dict()  # max_segment_s None resolves to the model's window
     r3 = run_job([synth_dir], HashModel(), tmp_path / "o3", "json", split_fn=fixed_split)
     assert r3.exit_code == 0

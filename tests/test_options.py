@@ -64,7 +64,7 @@ def test_frozen_hashable_and_round_trips():
     assert TranscribeOptions.build(a, task="translate").task == "translate" and a.task == "transcribe"
     assert TranscribeOptions.build(None) == TranscribeOptions()
     with pytest.raises(TypeError):
-        TranscribeOptions.build(a, temperature=0.3)
+        TranscribeOptions.build(a, beam_size=5)
     with pytest.raises(InvalidRequestError, match="unknown option"):
         TranscribeOptions.from_dict({"language": "en", "beam_size": 5})
     assert TranscribeOptions.from_dict(None) == TranscribeOptions()

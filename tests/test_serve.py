@@ -68,8 +68,9 @@ def test_openai_every_response_format(client, offline_text):
     assert all(0 <= w.start <= w.end <= v.duration + 1e-6 for w in v.words)
     v2 = _create(client, data, response_format="verbose_json")  # no word granularity: no words
     assert v2.text == offline_text and not getattr(v2, "words", None)
-    # prompt and temperature are accepted (and ignored: greedy decoding)
-    assert _create(client, data, prompt="Golden.", temperature=0.0, language="en").text == offline_text
+    # the prompt conditions Whisper (title case from "Golden."); the words stay the same
+    steered = _create(client, data, prompt="Golden.", temperature=0.0, language="en").text
+    assert steered != offline_text and words(steered) == CLIP_WORDS
 
 
 def test_openai_stream_sse(client, offline_text):
@@ -140,6 +141,29 @@ def test_error_codes(client):
         assert e.status_code == status and e.body["code"] == code, (code, e.body)
         assert set(e.response.json()["error"]) == {"message", "type", "param", "code"}
         assert e.body["type"] == "invalid_request_error" and e.body["message"]
+
+
+def test_prompt_temperature_and_granularities_as_openai(server, client):
+    """prompt and temperature reach Whisper (a spelling the prompt shows is followed; the temperature
+    (or a fallback above it) is recorded in the segments); timestamp_granularities with a format that cannot carry them is a
+    400, as OpenAI answers; /v1/models says which request options the model uses."""
+    stella = (AUDIO / "en" / "en-vctk-p225-001.wav").read_bytes()
+    assert _create(client, stella, name="s.wav").text == "Please call Stella."
+    assert _create(client, stella, name="s.wav", prompt="STELLA").text == "Please call STELLA."
+    v = _create(client, stella, name="s.wav", response_format="verbose_json", temperature=0.6)
+    # sampling starts at 0.6 and, as the reference does, falls back up the 0.2 schedule when a
+    # window fails its log-probability or compression check
+    assert v.segments and {s.temperature for s in v.segments} <= {0.6, 0.8, 1.0}
+    for fmt in ("json", "text", "srt"):
+        with pytest.raises(openai.APIStatusError) as ei:
+            _create(client, stella, name="s.wav", response_format=fmt, timestamp_granularities=["word"])
+        assert ei.value.status_code == 400 and ei.value.body["param"] == "timestamp_granularities[]"
+    with pytest.raises(openai.APIStatusError) as ei:
+        _create(client, stella, name="s.wav", temperature=1.5)
+    assert ei.value.status_code == 400 and ei.value.body["param"] == "temperature"
+    m = httpx.get(server.base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]
+    assert m["flashasr"]["prompt"] is True and m["flashasr"]["temperature"] is True
+    assert m["flashasr"]["languages"] == ["en"] and m["flashasr"]["family"] == "whisper"
 
 
 def test_upload_too_large_413(server, client):

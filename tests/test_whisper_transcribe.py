@@ -190,3 +190,40 @@ def test_base_translates_to_english_and_english_only_refuses():
     with pytest.raises(UnsupportedTaskError, match="task must be one of") as e:
         m.transcribe_waveform(waves[0], task="summarise")
     assert e.value.code == "invalid_request"
+
+
+def test_prompt_and_temperature_steer_whisper():
+    """The options Whisper can use, used: an initial prompt before the first window of every input
+    (a spelling it shows is followed), a first temperature above 0 (sampled, seeded per window:
+    reproducible, recorded in the segments); batched equals alone; other windows of a long input get
+    no prompt (the reference without conditioning on previous text)."""
+    from unittest import mock
+
+    from flashasr.models.whisper import decoding as D
+
+    m = model()
+    stella = audio("en-vctk-p225-001")
+    numbers = audio("en-picovoice-numbers")
+    assert m.transcribe_waveform(stella).text == "Please call Stella."
+    assert m.transcribe_waveform(stella, prompt="STELLA").text == "Please call STELLA."
+    spoken = m.transcribe_waveform(numbers, prompt="Six times ten equals sixty. A twelve percent chance.").text
+    assert "sixty" in spoken and "60" in m.transcribe_waveform(numbers).text  # the prompt's style is followed
+    both = m.transcribe_batch([stella, numbers], prompt="STELLA")
+    assert both[0].text == "Please call STELLA." and both[1].text == m.transcribe_waveform(numbers, prompt="STELLA").text
+    hot = m.transcribe_waveform(numbers, temperature=0.6)
+    assert hot.text == m.transcribe_waveform(numbers, temperature=0.6).text
+    assert {s.temperature for s in hot.segments} == {0.6} and {s.temperature for s in m.transcribe_waveform(
+        numbers).segments} == {0.0}
+    long = np.concatenate([numbers, np.zeros(16000, np.float32), stella] * 4)  # > 30 s: several windows
+    prefixes = []
+    real = D.decode_windows
+
+    def spy(*a, **k):
+        prefixes.append(len(k.get("prefix", ())))
+        return real(*a, **k)
+
+    with mock.patch.object(D, "decode_windows", spy):
+        m.transcribe_waveform(long, prompt="STELLA")
+    # the first window's decodes (with its fallback retries) carry the prompt, every later window none
+    later = prefixes.index(0)
+    assert later > 0 and all(p == prefixes[0] > 0 for p in prefixes[:later]) and not any(prefixes[later:])

@@ -36,7 +36,9 @@ def transcribe(audio, *, model=None, options: TranscribeOptions | None = None, s
             :func:`load_model`, or None for the embedded whisper tiny.en.
         options: :class:`~flashasr.options.TranscribeOptions`; ``**changes`` are its fields as
             keywords (``language="de"``, ``word_timestamps=True``, ``task="translate"``,
-            ``segmentation="none"``, ``max_segment_s=20``).
+            ``segmentation="none"``, ``max_segment_s=20``, ``prompt="..."``, ``temperature=0.2``).
+            Options the model does not use (``prompt``/``temperature`` on Parakeet-TDT) raise a
+            ``UserWarning`` naming them and are ignored.
     Returns:
         :class:`~flashasr.types.Transcript` (text, language, duration in seconds, segments, words).
     Raises:
@@ -51,6 +53,11 @@ def transcribe(audio, *, model=None, options: TranscribeOptions | None = None, s
     opts = TranscribeOptions.build(options, **changes)
     m = model if isinstance(model, ASRModel) else cached_model(None if model is None else str(model), device)
     opts = opts.resolve(m.capabilities)  # before the decode: a refused option costs nothing
+    ignored = m.capabilities.ignored(opts)
+    if ignored:
+        import warnings
+
+        warnings.warn(f"model {m.capabilities.name} does not use {', '.join(ignored)}; ignored", stacklevel=2)
     wav = load_audio(audio, sample_rate=sample_rate, target_rate=m.sample_rate)
     return transcribe_samples(m, wav.samples, opts)
 

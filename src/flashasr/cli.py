@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one output per input (relative folders mirrored) plus summary.jsonl here; "
                         "without it transcripts go to stdout")
     t.add_argument("--word-timestamps", action="store_true", help="word-level times (verbose_json 'words')")
+    t.add_argument("--prompt", default=None,
+                   help="text that conditions the decoding: spellings, names, style (Whisper's initial prompt, "
+                        "given to the first window of every piece); other models ignore it and say so")
+    t.add_argument("--temperature", type=float, default=None,
+                   help="first decoding temperature, 0..1 (Whisper: 0 greedy, then the fallback schedule; above "
+                        "0 sampled, seeded per window)")
     t.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
                    help="translate: English text from speech in another language (multilingual Whisper "
                         "models, e.g. --model base)")
@@ -130,7 +136,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
 
     try:  # the one options object of this door, checked for syntax now and against the model below
         options = TranscribeOptions(language=args.language, task=args.task, word_timestamps=args.word_timestamps,
-                                    segmentation=args.segmentation, max_segment_s=args.max_segment_s)
+                                    segmentation=args.segmentation, max_segment_s=args.max_segment_s,
+                                    prompt=args.prompt, temperature=args.temperature)
     except FlashASRError as e:
         _err(f"error: [{e.code}] {e}")
         return EXIT_USAGE
@@ -172,6 +179,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     except FlashASRError as e:  # a language or task this model cannot do
         _err(f"error: [{e.code}] {e}")
         return EXIT_USAGE
+    for name in model.capabilities.ignored(options):
+        _err(f"warning: model {model.capabilities.name} does not use --{name}; it is ignored")
     printer = None if args.output_dir is not None else StdoutPrinter(items, args.format, args.word_timestamps)
     _install_sigterm()
     try:

@@ -22,9 +22,17 @@ Fields (all immutable, so an options object is hashable and can key a batch):
                     Whisper's 30 s seek; a model without one is cut at pauses once the audio is
                     longer than its window). See :mod:`flashasr.pipeline.plan`.
 ``max_segment_s``   longest piece in seconds (>= 1); None: the model's window. Clamped to the window.
+``prompt``          text that conditions the decoding (Whisper's initial prompt: spellings,
+                    names, style), given to the first window of every piece; None: none.
+``temperature``     the first decoding temperature (0..1; Whisper: greedy at 0, sampling above,
+                    then the fallback schedule upward in steps of 0.2); None: 0.
 ==================  =====================================================================
 
-The model sees ``language``, ``task`` and ``word_timestamps`` (:attr:`~TranscribeOptions.decoding`);
+A model that does not use ``prompt`` or ``temperature`` (Parakeet-TDT) accepts them and says so:
+:meth:`ModelCapabilities.ignored` (the server answers with an ``X-Flashasr-Ignored`` header).
+
+The model sees ``language``, ``task``, ``word_timestamps``, ``prompt`` and ``temperature``
+(:attr:`~TranscribeOptions.decoding`);
 ``segmentation`` and ``max_segment_s`` are the pipeline's. Pieces whose ``decoding`` is equal may
 share one model call.
 
@@ -43,6 +51,7 @@ from .languages import LANGUAGE_NAMES
 
 TASKS = ("transcribe", "translate")
 SEGMENTATIONS = ("vad", "fixed", "none")
+MAX_PROMPT_CHARS = 4000
 MIN_SEGMENT_S = 1.0  # shorter pieces lose context and multiply model calls (0.001 s: 3,000 per 3 s clip)
 
 _CODE_OF_NAME = {name: code for code, name in LANGUAGE_NAMES.items()}
@@ -99,6 +108,8 @@ class ModelCapabilities:
         multilingual: ``language=None`` detects the language (Whisper) / the vocabulary covers
             several languages (Parakeet v3).
         translates: ``task="translate"`` is possible (multilingual Whisper).
+        prompts: the ``prompt`` option conditions the decoding (Whisper).
+        temperature: the ``temperature`` option is used (Whisper).
     """
 
     name: str = "model"
@@ -109,6 +120,17 @@ class ModelCapabilities:
     languages: frozenset | None = None
     multilingual: bool = False
     translates: bool = False
+    prompts: bool = False
+    temperature: bool = False
+
+    def ignored(self, options: "TranscribeOptions") -> list[str]:
+        """Options set in ``options`` that this model does not use (accepted, without effect)."""
+        out = []
+        if options.prompt is not None and not self.prompts:
+            out.append("prompt")
+        if options.temperature not in (None, 0.0) and not self.temperature:
+            out.append("temperature")
+        return out
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict (the engine socket's HELLO carries it)."""
@@ -141,6 +163,8 @@ class TranscribeOptions:
     word_timestamps: bool = False
     segmentation: str = "vad"
     max_segment_s: float | None = field(default=None)
+    prompt: str | None = None
+    temperature: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "language", normalize_language(self.language))
@@ -166,6 +190,22 @@ class TranscribeOptions:
                 raise InvalidRequestError(f"max_segment_s must be a number of seconds >= {MIN_SEGMENT_S:g}; "
                                           f"got {_short(self.max_segment_s)}", param="max_segment_s")
             object.__setattr__(self, "max_segment_s", v)
+        if self.prompt is not None:
+            if not isinstance(self.prompt, str):
+                raise InvalidRequestError(f"prompt must be text; got {_short(self.prompt)}", param="prompt")
+            object.__setattr__(self, "prompt", self.prompt.strip() or None)
+            if self.prompt is not None and len(self.prompt) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError(f"prompt is {len(self.prompt)} characters; at most {MAX_PROMPT_CHARS} "
+                                          "(Whisper keeps its last 223 tokens)", param="prompt")
+        if self.temperature is not None:
+            try:
+                t = float(self.temperature)
+            except (TypeError, ValueError, OverflowError):
+                t = float("nan")
+            if isinstance(self.temperature, bool) or not (0.0 <= t <= 1.0):
+                raise InvalidRequestError(f"temperature must be a number in [0, 1]; got {_short(self.temperature)}",
+                                          param="temperature")
+            object.__setattr__(self, "temperature", t)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -197,9 +237,9 @@ class TranscribeOptions:
     # ------------------------------------------------------------------ using
     @property
     def decoding(self) -> tuple:
-        """``(language, task, word_timestamps)``: what the model sees. Pieces with equal values
-        may share a model call whatever their segmentation options."""
-        return (self.language, self.task, self.word_timestamps)
+        """``(language, task, word_timestamps, prompt, temperature)``: what the model sees. Pieces
+        with equal values may share a model call whatever their segmentation options."""
+        return (self.language, self.task, self.word_timestamps, self.prompt, self.temperature)
 
     def resolve(self, caps: ModelCapabilities) -> "TranscribeOptions":
         """Check these options against a model and fill in what depends on it.

@@ -47,9 +47,8 @@ import torch.nn.functional as F
 
 from ..errors import FlashASRError
 from ..models.whisper.decoding import (DecodingResult, LogitRules, compression_ratio, decode_with_fallback,
-                                       detect_language, needs_fallback)
+                                       needs_fallback)
 from ..models.whisper.asr import WhisperASR
-from ..models.whisper.features import N_FRAMES, pad_or_trim
 from ..models.whisper.model import KVCache, WhisperModel
 from ..models.whisper.tokenizer import WhisperTokenizer
 
@@ -487,28 +486,24 @@ class WhisperGPUASR(WhisperASR):
                          alignment_heads=asr.alignment_heads, max_batch=engine.max_batch)
         self.engine = engine
 
-    def _run_round(self, jobs, word_timestamps: bool = False, task: str = "transcribe") -> None:
-        if task != "transcribe":  # the captured decode steps hold the transcribe prompt: reference path
-            return super()._run_round(jobs, word_timestamps, task)
-        sizes = [min(N_FRAMES, j.content_frames - j.seek) for j in jobs]
-        mels = torch.stack([pad_or_trim(j.mel[:, j.seek: j.seek + n], N_FRAMES) for j, n in zip(jobs, sizes)])
-        feats = self.engine.encode(mels)
-        need = [k for k, j in enumerate(jobs) if j.language is None]
-        if need:
-            idx = torch.tensor(need, device=feats.device)
-            codes, probs = detect_language(self.model, self.tokenizer, feats.index_select(0, idx))
-            for k, c, p in zip(need, codes, probs):
-                jobs[k].language, jobs[k].language_probs = c, p
-        langs = [j.language for j in jobs]
-        results = self.engine.decode(feats, langs)
+    def _encode(self, mels: torch.Tensor) -> torch.Tensor:
+        return self.engine.encode(mels)
+
+    def _decode(self, feats, languages, seeds, prefix, settings):
+        """Greedy windows through the CUDA graphs; rows that need temperature fallback again through
+        the reference. A prompt prefix, a first temperature above 0 or translation (the captured steps
+        hold the plain transcribe prompt): the reference decoding."""
+        if settings.task != "transcribe" or prefix or settings.temperatures[0] > 0:
+            return super()._decode(feats, languages, seeds, prefix, settings)
+        results = self.engine.decode(feats, languages)
         redo = [k for k, r in enumerate(results) if needs_fallback(r)]
         if redo:
             idx = torch.tensor(redo, device=feats.device)
             again = decode_with_fallback(self.model, self.tokenizer, feats.index_select(0, idx),
-                                         [langs[k] for k in redo], seeds=[jobs[k].seek for k in redo])
+                                         [languages[k] for k in redo], seeds=[seeds[k] for k in redo],
+                                         temperatures=settings.temperatures)
             for k, r in zip(redo, again):
                 results[k] = r
-        for k, (j, n, r) in enumerate(zip(jobs, sizes, results)):
-            self._advance(j, n, r, feats[k: k + 1] if word_timestamps else None)
+        return results
 
 

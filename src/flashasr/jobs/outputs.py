@@ -17,7 +17,10 @@ from __future__ import annotations
 import json
 import os
 import threading
+from dataclasses import fields
 from pathlib import Path
+
+from ..options import TranscribeOptions
 
 SUMMARY_NAME = "summary.jsonl"
 TMP_MARK = ".flashasr-tmp-"
@@ -124,7 +127,7 @@ class Summary:
         sig = input_signature(path)
         if sig is None or (rec.get("input_size"), rec.get("input_mtime_ns")) != sig:
             return None
-        if rec.get("format") != fmt or rec.get("model") != model or rec.get("options") != options:
+        if rec.get("format") != fmt or rec.get("model") != model or not _same_options(rec.get("options"), options):
             return None
         out = rec.get("output")
         if not isinstance(out, str):
@@ -192,3 +195,12 @@ class Summary:
                     recs.append(r)
             text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
             atomic_write_text(self.path, text)
+
+
+def _same_options(recorded, options: dict) -> bool:
+    """Whether a journal record's options equal ``options``; a field the record lacks (written by
+    a version before that field existed) counts as its default, so an upgrade alone re-runs nothing."""
+    if not isinstance(recorded, dict) or set(recorded) - set(options):
+        return False
+    defaults = {f.name: f.default for f in fields(TranscribeOptions)}
+    return all(recorded.get(k, defaults.get(k)) == v for k, v in options.items())

@@ -73,6 +73,8 @@ class ASRModel(ABC):
     long_form: bool = False
     multilingual: bool = False
     translates: bool = False
+    prompts: bool = False  # the prompt option conditions the decoding
+    uses_temperature: bool = False  # the temperature option is used
     device: str = "cpu"
 
     def languages(self) -> frozenset | None:
@@ -87,7 +89,8 @@ class ASRModel(ABC):
         return ModelCapabilities(name=str(self.name), family=str(self.family), sample_rate=int(self.sample_rate),
                                  window_s=float(self.max_segment_seconds), long_form=bool(self.long_form),
                                  languages=self.languages(), multilingual=bool(self.multilingual),
-                                 translates=bool(self.translates))
+                                 translates=bool(self.translates), prompts=bool(self.prompts),
+                                 temperature=bool(self.uses_temperature))
 
     def transcribe_batch(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions | None = None,
                          **changes) -> list[Transcript]:

@@ -75,7 +75,7 @@ class UploadTranscriber:
         if transcript is None:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         m.audio_seconds.labels("offline").inc(transcript.duration)
-        return respond(transcript, req)
+        return respond(transcript, req, ignored=caps.ignored(opts))
 
     async def transcribe(self, samples, options: TranscribeOptions, caps: ModelCapabilities) -> Transcript:
         """Plan (CPU pool), transcribe the pieces (backend), merge: float32 ``[N]`` at
@@ -127,16 +127,18 @@ class UploadTranscriber:
             raise AudioError(msg, code=e.code) from None
 
 
-def respond(transcript: Transcript, req: UploadRequest) -> Response:
-    """The reply in the requested shape: SSE events with ``stream=true``, else ``response_format``."""
+def respond(transcript: Transcript, req: UploadRequest, ignored: list[str] = ()) -> Response:
+    """The reply in the requested shape: SSE events with ``stream=true``, else ``response_format``.
+    ``ignored``: request options the model does not use, named in an ``X-Flashasr-Ignored`` header."""
+    headers = {"X-Flashasr-Ignored": ", ".join(ignored)} if ignored else {}
     if req.stream:
         return StreamingResponse(sse_events(transcript), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **headers})
     fmt = req.response_format
     body = render(transcript, fmt, words=req.words if fmt == "verbose_json" else None)
     if fmt in ("json", "verbose_json"):
-        return Response(body, media_type="application/json")
-    return PlainTextResponse(body)
+        return Response(body, media_type="application/json", headers=headers)
+    return PlainTextResponse(body, headers=headers)
 
 
 async def drain(request: Request) -> None:

@@ -61,13 +61,6 @@ def _number(value, param: str, lo: float | None = None, hi: float | None = None)
     return v
 
 
-def _number_or(value, default: float) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return default
-
-
 # ----------------------------------------------------------------------------- uploads
 @dataclass(frozen=True)
 class UploadRequest:
@@ -89,8 +82,9 @@ class UploadRequest:
 def parse_upload(form, task: str) -> UploadRequest:
     """Read the form fields of an upload (``form.get(name)`` / ``form.getlist(name)``).
 
-    Fields: ``response_format``, ``timestamp_granularities[]``, ``language``, ``temperature``
-    (validated in [0, 1], ignored: greedy decoding), ``prompt`` and ``model`` (accepted, ignored),
+    Fields: ``response_format``, ``timestamp_granularities[]`` (verbose_json only, as OpenAI),
+    ``language``, ``temperature`` (in [0, 1]) and ``prompt`` (used by Whisper; a model that cannot use
+    them says so in the ``X-Flashasr-Ignored`` response header), ``model`` (accepted, ignored),
     ``stream``; extensions ``segmentation`` (``vad`` | ``fixed`` | ``none``) and ``max_segment_s``.
     ``task`` comes from the route.
 
@@ -105,15 +99,18 @@ def parse_upload(form, task: str) -> UploadRequest:
     gran = form.getlist("timestamp_granularities[]") + form.getlist("timestamp_granularities")
     bad = [g for g in gran if g not in ("word", "segment")]
     if bad:
-        raise APIError(f"timestamp_granularities must be 'segment' and/or 'word'; got {bad[0]!r}",
+        raise APIError(f"timestamp_granularities must be 'segment' and/or 'word'; got {_short(bad[0])}",
                        param="timestamp_granularities[]")
-    temp = form.get("temperature")
-    if temp not in (None, "") and not 0.0 <= _number_or(temp, -1.0) <= 1.0:
-        raise APIError(f"temperature must be a number in [0, 1]; got {temp!r}", param="temperature")
+    if gran and fmt != "verbose_json":  # OpenAI's rule: only verbose_json carries them
+        raise APIError(f"timestamp_granularities needs response_format verbose_json; got {fmt!r}",
+                       param="timestamp_granularities[]")
+    temp = (form.get("temperature") or "").strip()
     max_s = (form.get("max_segment_s") or "").strip()
     options = TranscribeOptions(language=form.get("language"), task=task, word_timestamps="word" in gran,
                                 segmentation=(form.get("segmentation") or "").strip() or "vad",
-                                max_segment_s=_number(max_s, "max_segment_s") if max_s else None)
+                                max_segment_s=_number(max_s, "max_segment_s") if max_s else None,
+                                prompt=form.get("prompt") or None,
+                                temperature=_number(temp, "temperature", 0.0, 1.0) if temp else None)
     return UploadRequest(options, fmt, "word" in gran, (form.get("stream") or "").strip().lower() in TRUE)
 
 
@@ -235,8 +232,9 @@ def parse_session_update(sess, options: TranscribeOptions, caps: ModelCapabiliti
     tr = _object(sess.get("input_audio_transcription") or audio_in.get("transcription"),
                  "input_audio_transcription")
     upd: dict = {}
-    if "language" in tr:
-        upd["options"] = resolve_known(TranscribeOptions.build(options, language=tr.get("language")), caps)
+    changes = {k: tr.get(k) or None for k in ("language", "prompt") if k in tr}
+    if changes:
+        upd["options"] = resolve_known(TranscribeOptions.build(options, **changes), caps)
     if rate is not None:
         upd["rate"] = check_rate(rate)
     pi = sess.get("partial_interval_ms", tr.get("partial_interval_ms"))

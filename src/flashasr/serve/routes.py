@@ -80,8 +80,13 @@ def http_router(ctx: ServeContext) -> APIRouter:
     @router.get("/v1/models")
     async def models(request: Request):
         check_auth(ctx.cfg.api_key, request.headers)
-        return {"object": "list", "data": [{"id": ctx.model_name(), "object": "model", "created": 0,
-                                            "owned_by": "flashasr"}]}
+        model = {"id": ctx.model_name(), "object": "model", "created": 0, "owned_by": "flashasr"}
+        caps = ctx.backend.capabilities
+        if caps is not None:  # what the request options do with this model (an extension of OpenAI's object)
+            model["flashasr"] = {"family": caps.family, "languages": None if caps.languages is None else
+                                 sorted(caps.languages), "translates": caps.translates, "prompt": caps.prompts,
+                                 "temperature": caps.temperature, "window_s": caps.window_s}
+        return {"object": "list", "data": [model]}
 
     @router.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request):

@@ -38,6 +38,17 @@ __all__ = ["WhisperASR", "UnsupportedLanguageError"]
 INPUT_STRIDE = 2  # mel frames per encoder frame / timestamp step (20 ms)
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """How one call decodes: the task, word times, the prompt prefix (tokens before the first window
+    of an input; empty: none) and the fallback temperatures."""
+
+    task: str
+    word_timestamps: bool
+    prefix: tuple[int, ...]
+    temperatures: tuple[float, ...]
+
+
 @dataclass
 class _Job:
     index: int
@@ -67,6 +78,8 @@ class WhisperASR(ASRModel):
     family = "whisper"
     max_segment_seconds = 30.0
     long_form = True  # the reference's seek loop over 30 s windows
+    prompts = True  # initial prompt (<|startofprev|> + its tokens) before the first window of an input
+    uses_temperature = True
 
     def __init__(self, model: WhisperModel, tokenizer: WhisperTokenizer, *, name: str = "whisper",
                  device: str = "cpu", alignment_heads=None, max_batch: int = 16):
@@ -99,13 +112,14 @@ class WhisperASR(ASRModel):
         task, word_timestamps = options.task, options.word_timestamps
         lang = options.language if options.language is not None else (None if self.multilingual else "en")
         jobs = [self._make_job(i, w, lang) for i, w in enumerate(waveforms)]
+        settings = self._settings(options)
         with torch.inference_mode():
             while True:
                 active = [j for j in jobs if not j.done]
                 if not active:
                     break
                 for k in range(0, len(active), self.max_batch):
-                    self._run_round(active[k: k + self.max_batch], word_timestamps, task)
+                    self._run_round(active[k: k + self.max_batch], settings)
         out = []
         for j in jobs:
             segs = self._finish_segments(j)
@@ -128,21 +142,54 @@ class WhisperASR(ASRModel):
         return _Job(index=i, mel=mel, content_frames=a.size // HOP_LENGTH, duration=a.size / SAMPLE_RATE,
                     language=language)
 
-    def _run_round(self, jobs: list[_Job], word_timestamps: bool = False, task: str = "transcribe") -> None:
+    def _settings(self, options: TranscribeOptions) -> "_Settings":
+        """The decoding settings of one call: the initial prompt as ``<|startofprev|>`` + its last 223
+        tokens (the reference's ``initial_prompt``), and the temperatures from ``options.temperature``
+        up in steps of 0.2 (the reference's schedule; 0: greedy first, as by default)."""
+        prefix: tuple[int, ...] = ()
+        if options.prompt:
+            ids = self.tokenizer.encode(" " + options.prompt.strip())
+            prefix = (self.tokenizer.sot_prev, *ids[-(self.model.dims.n_text_ctx // 2 - 1):])
+        t0 = float(options.temperature or 0.0)
+        temps = tuple(float(round(t, 4)) for t in np.arange(t0, 1.0 + 1e-6, 0.2)) or (t0,)
+        return _Settings(options.task, options.word_timestamps, prefix, temps)
+
+    def _run_round(self, jobs: list[_Job], settings: "_Settings") -> None:
+        """One window of each job: encoded together, languages detected, decoded (the windows that
+        begin an input with the prompt before them, the others without), segments and seek moved."""
         sizes = [min(N_FRAMES, j.content_frames - j.seek) for j in jobs]
         mels = torch.stack([pad_or_trim(j.mel[:, j.seek: j.seek + n], N_FRAMES) for j, n in zip(jobs, sizes)])
-        feats = self.model.encode(mels.to(self.device))
+        feats = self._encode(mels)
         need = [k for k, j in enumerate(jobs) if j.language is None]
         if need:
             idx = torch.tensor(need, device=feats.device)
             codes, probs = detect_language(self.model, self.tokenizer, feats.index_select(0, idx))
             for k, c, p in zip(need, codes, probs):
                 jobs[k].language, jobs[k].language_probs = c, p
-        seeds = [j.seek for j in jobs]  # per-window seed: independent of batch composition
-        results = decode_with_fallback(self.model, self.tokenizer, feats, [j.language for j in jobs], seeds=seeds,
-                                       task=task)
+        results: list = [None] * len(jobs)
+        first = [k for k, j in enumerate(jobs) if settings.prefix and j.seek == 0]
+        rest = [k for k in range(len(jobs)) if k not in set(first)]
+        for rows, prefix in ((first, settings.prefix), (rest, ())):
+            if not rows:
+                continue
+            sub = feats if len(rows) == len(jobs) else feats.index_select(0, torch.tensor(rows, device=feats.device))
+            # per-window seed (its seek): independent of batch composition
+            got = self._decode(sub, [jobs[k].language for k in rows], [jobs[k].seek for k in rows], prefix, settings)
+            for k, r in zip(rows, got):
+                results[k] = r
         for k, (j, n, r) in enumerate(zip(jobs, sizes, results)):
-            self._advance(j, n, r, feats[k: k + 1] if word_timestamps else None, task)
+            self._advance(j, n, r, feats[k: k + 1] if settings.word_timestamps else None, settings.task)
+
+    def _encode(self, mels: torch.Tensor) -> torch.Tensor:
+        """log-mel windows ``[B, n_mels, 3000]`` -> encoder output ``[B, 1500, D]``."""
+        return self.model.encode(mels.to(self.device))
+
+    def _decode(self, feats: torch.Tensor, languages: list, seeds: list[int], prefix: tuple[int, ...],
+                settings: "_Settings") -> list[DecodingResult]:
+        """Windows' encoder output -> one :class:`DecodingResult` each (the reference decoding with
+        its temperature fallback)."""
+        return decode_with_fallback(self.model, self.tokenizer, feats, languages, seeds=seeds, task=settings.task,
+                                    temperatures=settings.temperatures, prefix=prefix)
 
     def _advance(self, job: _Job, size: int, r: DecodingResult, feats: torch.Tensor | None = None,
                  task: str = "transcribe") -> None:

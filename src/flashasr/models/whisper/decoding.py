@@ -166,7 +166,8 @@ def _sample(logits: torch.Tensor, temperature: float, generators: Sequence[torch
 def decode_windows(model: WhisperModel, tok: WhisperTokenizer, audio_features: torch.Tensor,
                    languages: Sequence[str | None], *, temperature: float = 0.0,
                    generators: Sequence[torch.Generator] | None = None, without_timestamps: bool = False,
-                   sample_len: int | None = None, task: str = "transcribe") -> list[DecodingResult]:
+                   sample_len: int | None = None, task: str = "transcribe",
+                   prefix: Sequence[int] = ()) -> list[DecodingResult]:
     """Decode a batch of windows from their encoder output.
 
     Args:
@@ -174,6 +175,9 @@ def decode_windows(model: WhisperModel, tok: WhisperTokenizer, audio_features: t
         languages: per row ISO code (ignored by English-only models; must be known here).
         temperature: 0 = greedy; > 0 samples from ``softmax(logits / T)`` with ``generators[row]``.
         generators: per-row CPU ``torch.Generator`` (seeded by the caller for reproducibility).
+        prefix: tokens before every row's start-of-transcript sequence (``<|startofprev|>`` + an
+            initial prompt's tokens, as the reference's ``prompt``); the no-speech probability is
+            read at the start-of-transcript token after it.
     Returns:
         one :class:`DecodingResult` per row (same order).
     """
@@ -181,13 +185,13 @@ def decode_windows(model: WhisperModel, tok: WhisperTokenizer, audio_features: t
     dev = audio_features.device
     n_ctx = model.dims.n_text_ctx
     sample_len = sample_len or n_ctx // 2
-    prompts = [tok.prompt(lang, task, without_timestamps=without_timestamps) for lang in languages]
+    prompts = [list(prefix) + tok.prompt(lang, task, without_timestamps=without_timestamps) for lang in languages]
     p_len = len(prompts[0])
     sample_len = min(sample_len, n_ctx - p_len)
     cache = model.new_cache(audio_features, max_len=p_len + sample_len)
     prompt = torch.tensor(prompts, dtype=torch.long, device=dev)
     logits_all = model.decode_step(prompt, cache, 0)  # [B, P, V]
-    no_speech = torch.softmax(logits_all[:, 0], dim=-1)[:, tok.no_speech].cpu().tolist()
+    no_speech = torch.softmax(logits_all[:, len(prefix)], dim=-1)[:, tok.no_speech].cpu().tolist()
     logits = logits_all[:, -1]
     rules = LogitRules(tok, logits.shape[-1], dev, without_timestamps=without_timestamps)
 
@@ -251,8 +255,8 @@ def needs_fallback(r: DecodingResult) -> bool:
 def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_features: torch.Tensor,
                          languages: Sequence[str | None], *, seeds: Sequence[int] | None = None,
                          temperatures: Sequence[float] = TEMPERATURES, without_timestamps: bool = False,
-                         task: str = "transcribe", initial: Sequence[DecodingResult] | None = None
-                         ) -> list[DecodingResult]:
+                         task: str = "transcribe", initial: Sequence[DecodingResult] | None = None,
+                         prefix: Sequence[int] = ()) -> list[DecodingResult]:
     """Greedy decode, then re-decode only the rows that :func:`needs_fallback` at the next
     temperature (seeded sampling, one candidate), up to 1.0. When every temperature fails, the
     row keeps its most likely try whose compression ratio is acceptable (as faster-whisper
@@ -290,7 +294,7 @@ def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_featu
                 g.manual_seed(int(seeds[r]) if seeds is not None else 0)
                 gens.append(g)
         res = decode_windows(model, tok, feats, [languages[r] for r in todo], temperature=t, generators=gens,
-                             without_timestamps=without_timestamps, task=task)
+                             without_timestamps=without_timestamps, task=task, prefix=prefix)
         nxt = []
         for r, res_r in zip(todo, res):
             tries[r].append(res_r)

@@ -30,12 +30,15 @@ def resolve_whisper_repo(repo_id: str) -> Path:
         raise ModelLoadError(f"model {repo_id!r}: hub ids need huggingface_hub (pip install 'flashasr[hub]'), "
                              "or pass the local folder of the weights", code="model_not_found") from e
     offline = str(os.environ.get("HF_HUB_OFFLINE", "")).strip().lower() in ("1", "true", "yes", "on")
+    # huggingface_hub reads its cache path once, at import; pass the one the environment names now
+    cache = str(hub_cache_dir())
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=_PATTERNS, local_files_only=offline))
+        return Path(snapshot_download(repo_id, allow_patterns=_PATTERNS, local_files_only=offline, cache_dir=cache))
     except Exception as e:  # noqa: BLE001 - huggingface_hub raises many types (offline, 404, auth, network)
         if not offline:
             try:  # no network: the cache may still hold it
-                return Path(snapshot_download(repo_id, allow_patterns=_PATTERNS, local_files_only=True))
+                return Path(snapshot_download(repo_id, allow_patterns=_PATTERNS, local_files_only=True,
+                                              cache_dir=cache))
             except Exception:  # noqa: BLE001
                 pass
         raise ModelLoadError(f"model {repo_id!r}: not in the Hugging Face cache ({hub_cache_dir()}) and not "
