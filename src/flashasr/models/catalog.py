@@ -52,6 +52,12 @@ def hub_cache_dir() -> Path:
     return Path.home() / ".cache" / "huggingface" / "hub"
 
 
+def flashasr_cache_dir() -> Path:
+    """flashasr's own cache (checksum stamps, the assembled base model): ``FLASHASR_CACHE``, else
+    ``~/.cache/flashasr``."""
+    return Path(os.environ.get("FLASHASR_CACHE") or Path.home() / ".cache" / "flashasr")
+
+
 def _cached_repos() -> list[tuple[str, Path]]:
     """``(owner/name, newest snapshot folder)`` of every model repo in the hub cache."""
     out = []
@@ -85,4 +91,5 @@ def local_models() -> list[dict]:
     return out
 
 
-__all__ = ["EMBEDDED", "WHISPER_SIZES", "is_whisper_size", "needs_weights", "hub_cache_dir", "local_models"]
+__all__ = ["EMBEDDED", "WHISPER_SIZES", "is_whisper_size", "needs_weights", "hub_cache_dir", "flashasr_cache_dir",
+           "local_models"]
