@@ -217,9 +217,8 @@ def bench_pool(files, workers, reps=2):
 
 def bench_vad(seconds: float, repeats: int) -> dict:
     import onnxruntime as ort
-    import silero_vad
 
-    from flashasr.audio.vad import StreamingVAD, speech_probabilities
+    from flashasr.audio.vad import StreamingVAD, silero_data_path, speech_probabilities
 
     x = load_audio(AUDIO / "long" / "long-silero-test-60s.wav").samples[: int(seconds * 16000)]
     dur = len(x) / 16000
@@ -258,7 +257,7 @@ def bench_vad(seconds: float, repeats: int) -> dict:
         t = cpu_time(fn, 1)
         out[f"streaming_vad_{streams}_streams_20ms_{name}"] = round(t / (streams * len(xs) / 16000) * 3600, 2)
 
-    data = os.path.join(os.path.dirname(silero_vad.__file__), "data")
+    data = os.path.dirname(silero_data_path("silero_vad.onnx"))
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1

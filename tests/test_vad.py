@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from flashasr.audio import AudioArgumentError, load_audio
 from flashasr.audio.vad import (
     FRAME_S,
     StreamingVAD,
+    silero_data_path,
     speech_probabilities,
     speech_segments,
     split_for_asr,
@@ -41,13 +41,12 @@ def long_speech():
 def test_sequence_model_matches_stock_onnx():
     """Fast path (sequence ONNX, 512 frames per call) == reference (stock model, 1 frame/call)."""
     import onnxruntime as ort
-    import silero_vad
 
     x = _load("en/en-ls-61-70968-0002.wav")
     p = speech_probabilities(x)
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
-    sess = ort.InferenceSession(os.path.join(os.path.dirname(silero_vad.__file__), "data", "silero_vad.onnx"),
+    sess = ort.InferenceSession(silero_data_path("silero_vad.onnx"),
                                 so, providers=["CPUExecutionProvider"])
     state = np.zeros((2, 1, 128), np.float32)
     ctx = np.zeros(64, np.float32)
@@ -343,3 +342,27 @@ def test_batched_torch_silero_equals_the_onnx_model():
         speech_probabilities_batch([np.zeros((2, 100), np.float32)])
     with pytest.raises(AudioArgumentError, match="frames"):
         split_for_asr(waves[0], 16000, probs=got[1])
+
+
+def test_the_vad_leaves_torch_threads_alone():
+    """Importing the silero-vad package sets torch to one thread (its model.py); the VAD, the
+    batched torch VAD and a whole pipeline run must not, or Whisper on the CPU runs on one core
+    (measured: 15.2 s instead of 10.8 s for 185 s of audio, bench/results/whisper_cpu_short_vm.json).
+    A fresh interpreter, so no earlier import hides it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; torch.set_num_threads(2)\n"
+        "import numpy as np, flashasr\n"
+        "from flashasr.audio.vad import split_for_asr\n"
+        "from flashasr.audio.silero_torch import speech_probabilities_batch\n"
+        "x = (np.random.default_rng(0).standard_normal(16000 * 3) * 0.1).astype(np.float32)\n"
+        "split_for_asr(x, 16000, max_segment_s=30)\n"
+        "speech_probabilities_batch([x], device='cpu')\n"
+        f"flashasr.transcribe({str(AUDIO / 'en/en-vctk-p225-001.wav')!r})\n"
+        "print(torch.get_num_threads())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "2"

@@ -27,7 +27,6 @@ probabilities up to float rounding (tested).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Sequence
 
@@ -53,13 +52,13 @@ _NAMES = {"_model.stft.forward_basis_buffer": "stft_conv.weight",
 
 def _load_weights() -> dict:
     """The 16 kHz network's tensors (CPU, float32) from the silero-vad package's TorchScript file."""
-    import silero_vad
+    import warnings
+
     import torch
 
-    path = os.path.join(os.path.dirname(silero_vad.__file__), "data", "silero_vad.jit")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"Silero VAD model not found in the silero-vad package ({path})")
-    import warnings
+    from .vad import silero_data_path
+
+    path = silero_data_path("silero_vad.jit")  # located, not imported (the import sets torch to 1 thread)
 
     with warnings.catch_warnings():  # torch 2.11+ deprecates TorchScript; only its tensors are read here
         warnings.simplefilter("ignore", DeprecationWarning)

@@ -25,6 +25,7 @@ Three entry points:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from dataclasses import dataclass
@@ -44,13 +45,27 @@ _batch_session = None
 _session_lock = threading.Lock()
 
 
-def _model_path(name: str = "silero_vad_16k_sequence.onnx") -> str:
-    import silero_vad
+def silero_data_path(name: str) -> str:
+    """Path of file ``name`` in the silero-vad package's ``data`` folder.
 
-    path = os.path.join(os.path.dirname(silero_vad.__file__), "data", name)
+    The package is located, never imported: importing it runs ``torch.set_num_threads(1)``
+    (silero_vad/model.py, 5.x), which would leave every later torch computation in the process --
+    Whisper on the CPU included -- on one thread.
+
+    Raises:
+        FileNotFoundError: the package or the file is missing.
+    """
+    spec = importlib.util.find_spec("silero_vad")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the silero-vad package is not installed (pip install silero-vad)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "data", name)
     if not os.path.exists(path):
         raise FileNotFoundError(f"Silero VAD model {name} not found in the silero-vad package ({path})")
     return path
+
+
+def _model_path(name: str = "silero_vad_16k_sequence.onnx") -> str:
+    return silero_data_path(name)
 
 
 def _new_session(name: str):
