@@ -445,10 +445,12 @@ def test_stream_errors_keep_the_session(server):
             assert ev["error"]["code"] == "invalid_sample_rate"
             await asyncio.wait_for(ws.wait_closed(), 5)
             assert ws.close_code == 1008
-        # no key: refused
-        with pytest.raises(Exception):
-            async with connect(_ws_url(server, "/v1/stream")) as ws:
-                await ws.recv()
+        # no key: an error event naming it, then close 1008 with the reason
+        async with connect(_ws_url(server, "/v1/stream")) as ws:
+            ev = json.loads(await ws.recv())
+            assert ev["error"]["code"] == "invalid_api_key"
+            await asyncio.wait_for(ws.wait_closed(), 5)
+            assert (ws.close_code, ws.close_reason) == (1008, "invalid API key")
         # client leaves while its final is being computed
         async with connect(_ws_url(server, "/v1/stream?sample_rate=16000"), additional_headers=h) as ws:
             await ws.recv()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import wave
 from pathlib import Path
@@ -27,18 +29,25 @@ def free_port() -> int:
 
 
 class Server:
-    """A `python -m flashasr.serve.app` subprocess on 127.0.0.1 (killed by :meth:`stop`)."""
+    """A `python -m flashasr.serve.app` subprocess on 127.0.0.1 (killed by :meth:`stop`); its stdout
+    and stderr go to ``log_path``. ``port=0``: the server picks the port and its start-up line names it."""
 
-    def __init__(self, tmp: Path, *args: str, ready_timeout: float = 150.0):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"server-{self.port}.log"
-        self._log = open(self.log_path, "wb")
+    def __init__(self, tmp: Path, *args: str, ready_timeout: float = 150.0, port: int | None = None):
+        self.port = free_port() if port is None else port
+        fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=tmp)
+        self.log_path, self._log = Path(name), os.fdopen(fd, "wb")
         env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "flashasr.serve.app", "--port", str(self.port),
                                       "--log-level", "info", *args], stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env)
         t_end = time.monotonic() + ready_timeout
+        while not self.port:
+            assert self.proc.poll() is None, f"server exited early:\n{self.log()}"
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", self.log())
+            self.port = int(m.group(1)) if m else 0
+            assert time.monotonic() < t_end, f"no start-up line after {ready_timeout} s:\n{self.log()}"
+            time.sleep(0.1)
+        self.base = f"http://127.0.0.1:{self.port}"
         while True:
             assert self.proc.poll() is None, f"server exited early:\n{self.log()}"
             try:

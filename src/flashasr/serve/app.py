@@ -3,7 +3,8 @@
 ==================  ==========================================================================
 module              role
 ==================  ==========================================================================
-:mod:`.app`         the app: lifespan (CPU pool, backend), error JSON, request counting, routers
+:mod:`.app`         the app: lifespan (CPU pool, backend), error JSON, request counting and the
+                    access log, routers
 :mod:`.context`     what the doors share: config, metrics, CPU pool, backend, model capabilities
 :mod:`.routes`      HTTP routes (``/health``, ``/ready``, ``/metrics``, ``/v1/models``,
                     ``/v1/audio/transcriptions``, ``/v1/audio/translations``), the API key check
@@ -28,22 +29,28 @@ front-end processes talking to it over persistent Unix sockets (:mod:`.ipc`).
 from __future__ import annotations
 
 import gc
+import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import FlashASRError
-from .config import ServeConfig
+from .config import ACCESS_LOGGER, ServeConfig
 from .context import ServeContext
 from .errors import APIError, error_body
 from .metrics import FrontendMetrics
 from .process import main as _serve_main
 from .routes import http_router
 from .websocket import websocket_router
+
+log = logging.getLogger("flashasr.serve")
+access_log = logging.getLogger(ACCESS_LOGGER)
 
 HTTP_ENDPOINTS = ("/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models", "/health", "/ready",
                   "/metrics")
@@ -93,9 +100,10 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
     app.state.cfg = cfg
     app.add_exception_handler(FlashASRError, _flashasr_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.include_router(http_router(ctx))
     app.include_router(websocket_router(ctx))
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(_RequestLog, metrics=metrics, access_log=cfg.access_log)
     return app
 
 
@@ -115,6 +123,19 @@ async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(APIError(str(exc.detail), status=exc.status_code, code=code))
 
 
+async def _client_gone(request, exc: ClientDisconnect) -> Response:
+    """A client that left before its body ended: one INFO line, no traceback, 499 (nobody reads it)."""
+    received = getattr(exc, "received", None)  # upload.ClientGone knows how much arrived
+    log.info("client %s disconnected during upload (%s bytes received)", _peer(request.scope),
+             "?" if received is None else received)
+    return Response(status_code=499)
+
+
+def _peer(scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "-"
+
+
 def _prestarted_pool(n: int, name: str) -> ThreadPoolExecutor:
     """A fixed pool whose threads exist from the start (the thread count never moves later)."""
     pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix=name)
@@ -124,17 +145,22 @@ def _prestarted_pool(n: int, name: str) -> ThreadPoolExecutor:
     return pool
 
 
-class _CountRequests:
-    """ASGI middleware: ``flashasr_requests_total{endpoint, status}`` for HTTP requests."""
+class _RequestLog:
+    """ASGI middleware, one pass per HTTP request: ``flashasr_requests_total{endpoint, status}`` and,
+    when ``access_log``, one INFO line on ``flashasr.serve.access``:
+    ``127.0.0.1:50412 "POST /v1/audio/transcriptions" 200 812.4 ms`` (client, method, path without
+    the query, status (499: the client left first), time to the end of the response)."""
 
-    def __init__(self, app, metrics: FrontendMetrics):
+    def __init__(self, app, metrics: FrontendMetrics, access_log: bool = True):
         self.app = app
         self.metrics = metrics
+        self.access_log = access_log
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = 0
+        t0 = time.perf_counter()
 
         async def _send(msg):
             nonlocal status
@@ -147,6 +173,9 @@ class _CountRequests:
         finally:
             path = scope.get("path", "")
             self.metrics.requests.labels(path if path in HTTP_ENDPOINTS else "other", str(status or 499)).inc()
+            if self.access_log:
+                access_log.info('%s "%s %s" %d %.1f ms', _peer(scope), scope.get("method", ""), path, status or 499,
+                                (time.perf_counter() - t0) * 1000)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,17 @@
-"""Server configuration (``flashasr serve`` options) and its command-line parser."""
+"""Server configuration (``flashasr serve`` options) and its command-line parser.
+
+Every option has a help text that states its default (``flashasr serve --help``), and every value
+with a range is checked while parsing: a bad one stops the command with exit status 2 and a
+message naming the option (``argument --port: must be an integer in 0..65535, got 70000``), as
+argparse does for a value of the wrong type.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 
 
@@ -47,6 +55,7 @@ class ServeConfig:
     vad_prefix_padding_ms: int = 300
     vad_silence_duration_ms: int = 500
     log_level: str = "warning"
+    access_log: bool = True             # one INFO line per HTTP request on ACCESS_LOGGER, whatever log_level says
     extra: dict = field(default_factory=dict)
 
     @property
@@ -70,47 +79,134 @@ class ServeConfig:
         return cls(**d)
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+ACCESS_LOGGER = "flashasr.serve.access"  # the access log's logger: level INFO in every front end
+UNIX_PATH_MAX = 107  # bytes of a Unix socket path (sun_path holds 108 with the terminating NUL)
+
+
+def _number(kind: type, low: float, *, above: bool = False, high: float | None = None):
+    """An argparse ``type``: ``kind`` (int or float), finite, ``>= low`` (``> low`` when ``above``)
+    and ``<= high``; otherwise argparse reports the option with this message and exits 2."""
+    word = "an integer" if kind is int else "a number"
+    rule = (f"in {low:g}..{high:g}" if high is not None else f"{'>' if above else '>='} {low:g}")
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        if v is None or not math.isfinite(v) or v < low or (above and v == low) or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"must be {word} {rule}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _socket_path(text: str) -> str:
+    if len(os.fsencode(text)) > UNIX_PATH_MAX:
+        raise argparse.ArgumentTypeError(f"a Unix socket path has at most {UNIX_PATH_MAX} bytes, "
+                                         f"got {len(os.fsencode(text))}")
+    return text
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to every help, except where the help says its default in words
+    (options whose default is None or a flag's off)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flashasr serve",
+    """The ``flashasr serve`` option parser (:class:`ServeConfig` has the same names and units)."""
+    p = argparse.ArgumentParser(prog="flashasr serve", formatter_class=_HelpFormatter,
                                 description="OpenAI-compatible speech-to-text server (HTTP + WebSocket streaming).")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None, help="model spec (default: embedded whisper tiny.en)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--engine", choices=("auto", "plain"), default="auto",
-                   help="auto (default): the GPU engine for the model on CUDA; plain: plain PyTorch")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env FLASHASR_API_KEY)")
-    p.add_argument("--max-upload-mb", type=float, default=1024.0)
-    p.add_argument("--max-audio-s", type=float, default=14400.0)
-    p.add_argument("--mode", choices=("single", "multi"), default="single",
-                   help="single: one process; multi: one engine process + front-end worker process(es)")
-    p.add_argument("--workers", type=int, default=1, help="front-end worker processes (multi mode)")
-    p.add_argument("--max-batch", type=int, default=None,
-                   help="waveforms per model call (default: 1 on CPU, where batching Whisper windows measured "
-                        "slower and a short request would wait behind a batch of 30 s windows; 8 on CUDA; "
-                        "use 256 with a Parakeet model on a GPU)")
-    p.add_argument("--batch-wait-ms", type=float, default=2.0)
-    p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--no-gc-freeze", action="store_true", help="skip gc.freeze() after start-up (benchmarks)")
-    p.add_argument("--shm-threshold-kb", type=int, default=1024)
-    p.add_argument("--engine-socket", default=None)
-    p.add_argument("--cpu-threads", type=int, default=2)
-    p.add_argument("--partial-interval-ms", type=float, default=500.0)
-    p.add_argument("--max-utterance-s", type=float, default=30.0)
-    p.add_argument("--ws-idle-timeout-s", type=float, default=300.0)
-    p.add_argument("--body-timeout-s", type=float, default=30.0)
-    p.add_argument("--log-level", default="warning")
+    _model_options(p)
+    _http_options(p)
+    _engine_options(p)
+    _stream_options(p)
     return p
 
 
+def _model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="model spec, as for 'flashasr transcribe --model' "
+                   "(default: the embedded whisper tiny.en)")
+    g.add_argument("--device", type=_device, default="cpu", help="torch device: cpu, cuda or cuda:N")
+    g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="weights' dtype (default: the model's: Whisper float16 on CUDA, else float32)")
+    g.add_argument("--engine", choices=("auto", "plain"), default="auto",
+                   help="auto: the GPU engine for the model on CUDA; plain: plain PyTorch")
+    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up model call at start-up "
+                   "(default: warm up before /ready answers 200)")
+
+
+def _http_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 (or ::) for every interface")
+    g.add_argument("--port", type=_number(int, 0, high=65535), default=8000,
+                   help="TCP port (0: a free port, named in the start-up line on stderr)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+                   "(default: env FLASHASR_API_KEY; neither: no authentication)")
+    g.add_argument("--max-upload-mb", type=_number(float, 0, above=True), default=1024.0,
+                   help="request body limit in MiB, enforced while the body streams in (413 file_too_large)")
+    g.add_argument("--max-audio-s", type=_number(float, 0, above=True), default=14400.0,
+                   help="longest decoded audio of an upload in seconds (400 audio_too_long)")
+    g.add_argument("--body-timeout-s", type=_number(float, 0, above=True), default=30.0,
+                   help="an upload whose body stalls this many seconds gets 408")
+    g.add_argument("--cpu-threads", type=_number(int, 1), default=2,
+                   help="CPU pool of each front end: container decode, resampling, VAD cutting of uploads")
+    g.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="warning",
+                   help="level of the server's log messages on stderr (info adds uvicorn's connection lines "
+                        "and one line per client that leaves mid-upload); the access log has its own switch")
+    g.add_argument("--no-access-log", action="store_true", help="no access log (default: one line per HTTP "
+                   "request on stderr at any --log-level: client, method, path, status, duration)")
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("processes and batching")
+    g.add_argument("--mode", choices=("single", "multi"), default="single",
+                   help="single: one process; multi: one engine process + front-end worker process(es)")
+    g.add_argument("--workers", type=_number(int, 1), default=1,
+                   help="front-end processes sharing the port (more than 1 needs --mode multi)")
+    g.add_argument("--max-batch", type=_number(int, 1), default=None,
+                   help="waveforms per model call (default: 1 on CPU, where batching Whisper windows measured "
+                        "slower and a short request would wait behind a batch of 30 s windows; 8 on CUDA; "
+                        "use 256 with a Parakeet model on a GPU)")
+    g.add_argument("--batch-wait-ms", type=_number(float, 0), default=2.0,
+                   help="how long the scheduler waits to fill a batch of offline work (0: never waits)")
+    g.add_argument("--shm-threshold-kb", type=_number(int, 0), default=1024,
+                   help="multi mode: audio payloads above this many KiB cross to the engine through shared memory")
+    g.add_argument("--engine-socket", type=_socket_path, default=None,
+                   help="multi mode: path of the engine's Unix socket (default: in a private temp dir)")
+    g.add_argument("--no-gc-freeze", action="store_true", help="skip gc.freeze() after start-up "
+                   "(benchmarks; default: freeze in every long-lived process)")
+
+
+def _stream_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("streaming (WebSocket)")
+    g.add_argument("--partial-interval-ms", type=_number(float, 0), default=500.0,
+                   help="new audio between two partial transcripts of a stream (0: no partials)")
+    g.add_argument("--max-utterance-s", type=_number(float, 0, above=True), default=30.0,
+                   help="utterance buffer cap of a stream; a longer utterance is committed early")
+    g.add_argument("--ws-idle-timeout-s", type=_number(float, 0, above=True), default=300.0,
+                   help="a WebSocket without any message for this many seconds is closed")
+
+
 def parse_args(argv: list[str]) -> ServeConfig:
-    """Parse ``flashasr serve`` options into a :class:`ServeConfig`."""
-    a = build_parser().parse_args(argv)
-    if a.workers < 1:
-        raise SystemExit("--workers must be >= 1")
+    """Parse ``flashasr serve`` options into a :class:`ServeConfig` (bad values: exit status 2)."""
+    p = build_parser()
+    a = p.parse_args(argv)
     if a.mode == "single" and a.workers != 1:
-        raise SystemExit("--workers > 1 needs --mode multi (one engine process shared by the workers)")
+        p.error("argument --workers: more than 1 needs --mode multi (one engine process shared by the workers)")
     return ServeConfig(
         host=a.host, port=a.port, model=a.model, device=a.device, dtype=a.dtype, engine=a.engine,
         api_key=a.api_key or os.environ.get("FLASHASR_API_KEY") or None,
@@ -119,5 +215,5 @@ def parse_args(argv: list[str]) -> ServeConfig:
         shm_threshold_bytes=a.shm_threshold_kb * 1024, engine_socket=a.engine_socket,
         cpu_threads=a.cpu_threads, partial_interval_ms=a.partial_interval_ms,
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
-        body_timeout_s=a.body_timeout_s, log_level=a.log_level,
+        body_timeout_s=a.body_timeout_s, log_level=a.log_level, access_log=not a.no_access_log,
     )

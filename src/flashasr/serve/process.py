@@ -10,7 +10,8 @@
   :class:`~.backend.RemoteBackend` over the engine's Unix socket (:mod:`.ipc`).
 
 Each process runs one event loop (uvloop when installed); the soft fd limit is lifted to the hard
-one (thousands of WebSockets). One line on stderr says where the server listens.
+one (thousands of WebSockets). One line on stderr says where the server listens; log records
+follow at ``--log-level``, and each front end's access log at INFO unless ``--no-access-log``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import logging
 import os
 import socket
 import tempfile
+from dataclasses import replace
 
-from .config import ServeConfig, parse_args
+from .config import ACCESS_LOGGER, ServeConfig, parse_args
 
 log = logging.getLogger("flashasr.serve")
 
@@ -85,10 +87,17 @@ def frontend_main(cfg_dict: dict, path: str, make_app) -> None:
 
     die_with_parent()
     cfg = ServeConfig.from_dict(cfg_dict)
-    logging.basicConfig(level=cfg.log_level.upper())
+    _configure_logging(cfg)
     _raise_fd_limit()
     sock = _listen_socket(cfg.host, cfg.port, reuse_port=True)
     _run_loop(_serve(cfg, make_app(cfg, _remote_factory(path)), sock))
+
+
+def _configure_logging(cfg: ServeConfig) -> None:
+    """Log records at ``--log-level`` to stderr; the access log (:data:`~.config.ACCESS_LOGGER`, on
+    unless ``--no-access-log``) at INFO whatever the level of the rest."""
+    logging.basicConfig(level=cfg.log_level.upper())
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if cfg.access_log else logging.CRITICAL + 1)
 
 
 def _raise_fd_limit() -> None:
@@ -119,7 +128,7 @@ def _announce(cfg: ServeConfig, sock) -> None:
 def run(cfg: ServeConfig, make_app) -> int:
     """Serve ``make_app(cfg, backend_factory=None)`` (:func:`~.app.create_app`) until SIGINT/SIGTERM
     in the configured process layout; returns the exit status (0, or :data:`EXIT_MODEL_FAILED`)."""
-    logging.basicConfig(level=cfg.log_level.upper())
+    _configure_logging(cfg)
     _raise_fd_limit()
     if cfg.mode == "single":
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
@@ -182,7 +191,7 @@ def _run_multi(cfg: ServeConfig, make_app) -> int:
         path = os.path.join(tmpdir, "engine.sock")
     sock = _listen_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)
     _announce(cfg, sock)
-    workers = _Workers(cfg, path, make_app)
+    workers = _Workers(replace(cfg, port=sock.getsockname()[1]), path, make_app)  # --port 0: the port bound here
 
     async def main_async() -> int:
         sup = EngineSupervisor(cfg, path)

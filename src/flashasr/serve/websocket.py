@@ -1,11 +1,13 @@
 """The WebSocket doors: ``/v1/realtime`` (OpenAI Realtime transcription, JSON events) and
 ``/v1/stream`` (lean binary mode: raw PCM16 frames in, the same JSON events out).
 
-Both share one connection life (:class:`WebSocketDoor`): open (API key, accept, metrics), one
-receive loop (idle timeout, disconnect, an ``error`` event for a bad client message while the
-session lives on, the session closed at the end) and one emitter (``event_id`` per event, a send
-timeout that drops a client that does not read). A protocol is a small handler that turns one
-client message into calls on its :class:`~.stream.StreamSession`:
+Both share one connection life (:class:`WebSocketDoor`): open (API key, accept, metrics; a missing
+or wrong key: accepted, an ``error`` event ``invalid_api_key``, closed 1008 "invalid API key"; any
+other path: HTTP 404 instead of the handshake), one receive loop (idle timeout, disconnect, an
+``error`` event for a bad client message while the session lives on, the session closed at the
+end) and one emitter (``event_id`` per event, a send timeout that drops a client that does not
+read). A protocol is a small handler that turns one client message into calls on its
+:class:`~.stream.StreamSession`:
 
 ==================  ===================================  =====================================
 handler             text frames                          binary frames
@@ -31,7 +33,8 @@ import itertools
 import json
 import logging
 
-from fastapi import APIRouter, WebSocket
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse
 
 from ..errors import FlashASRError
 from .context import ServeContext
@@ -62,20 +65,31 @@ class WebSocketDoor:
         self._ids = itertools.count(1)
 
     async def open(self, ws: WebSocket):
-        """Check the key and accept; returns the connection's ``emit`` coroutine, or None (refused:
-        closed with 1008)."""
+        """Check the key and accept; returns the connection's ``emit`` coroutine, or None (a missing
+        or wrong key: :meth:`refuse_key`)."""
         protos = list(ws.scope.get("subprotocols") or [])
         m = self.ctx.metrics
         try:
             check_auth(self.ctx.cfg.api_key, ws.headers, protos, ws.query_params)
-        except APIError:
-            await ws.close(code=1008, reason="invalid API key")
+        except APIError as e:
+            await self.refuse_key(ws, protos, e)
             m.requests.labels("ws", "401").inc()
             return None
         await ws.accept(subprotocol="realtime" if "realtime" in protos else None)
         m.requests.labels("ws", "101").inc()
         m.streams.inc()
         return self._emitter(ws)
+
+    async def refuse_key(self, ws: WebSocket, protos: list[str], err: APIError) -> None:
+        """A missing or wrong API key: accept, one ``error`` event (code ``invalid_api_key``), close
+        1008 with reason "invalid API key": what a client can read (a refused handshake reaches
+        clients as a bare 403, whatever the reason)."""
+        await ws.accept(subprotocol="realtime" if "realtime" in protos else None)
+        try:
+            await send_error(self._emitter(ws), err)
+            await ws.close(code=1008, reason="invalid API key")
+        except (asyncio.TimeoutError, RuntimeError, ConnectionError, WebSocketDisconnect):
+            pass  # the client did not wait for the reason
 
     def _emitter(self, ws: WebSocket):
         lock = asyncio.Lock()
@@ -243,7 +257,7 @@ def _b64_audio(audio) -> bytes:
 
 
 def websocket_router(ctx: ServeContext) -> APIRouter:
-    """``/v1/realtime`` and ``/v1/stream``."""
+    """``/v1/realtime``, ``/v1/stream`` and a 404 for a WebSocket at any other path."""
     router = APIRouter()
     door = WebSocketDoor(ctx)
     cfg = ctx.cfg
@@ -281,7 +295,41 @@ def websocket_router(ctx: ServeContext) -> APIRouter:
         s = session(emit, q.rate, q.options, q.turn_detection, q.partial_interval_ms, q.full_partials)
         await door.serve(ws, Binary(ctx, ws, emit, s, q.turn_detection))
 
+    router.add_websocket_route("/{path:path}", NoSuchRoute(ctx.metrics))  # last: any other path
     return router
 
 
-__all__ = ["websocket_router", "WebSocketDoor", "Realtime", "Binary", "send_error"]
+class NoSuchRoute:
+    """A raw ASGI app for a WebSocket at any other path: HTTP 404 with OpenAI's error JSON instead
+    of the handshake (the ASGI denial-response extension, which uvicorn has), so a wrong path is not
+    mistaken for a refused key; a server without the extension answers a bare 403."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        await receive()  # websocket.connect
+        self.metrics.requests.labels("ws", "404").inc()
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            return await send({"type": "websocket.close", "code": 1008})
+        err = APIError(f"no WebSocket route at {str(scope.get('path'))[:200]} (use /v1/realtime or /v1/stream)",
+                       status=404, code="not_found")
+        status, body = error_body(err)
+        await JSONResponse(body, status_code=status)(scope, receive, send)
+        await _connection_lost(receive)
+
+
+async def _connection_lost(receive, timeout: float = 2.0) -> None:
+    """Return once the connection of a denied handshake is gone (its second ``websocket.disconnect``:
+    one when the denial is sent, one when the socket closes), at most ``timeout`` s. uvicorn 0.54's
+    websockets-sansio protocol counts a denied handshake as complete only then; an app that returns
+    earlier gets "ASGI callable returned without completing handshake" logged at ERROR (uvicorn
+    pull request #3138)."""
+    try:
+        for _ in range(2):
+            await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:
+        pass
+
+
+__all__ = ["websocket_router", "WebSocketDoor", "NoSuchRoute", "Realtime", "Binary", "send_error"]
