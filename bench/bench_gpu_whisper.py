@@ -145,6 +145,8 @@ def random_asr(name: str, *, device="cuda", dtype=torch.float16, pack: Path = PA
     torch.manual_seed(seed)
     with torch.device(device):
         model = WhisperModel(dims)
+        torch.nn.init.normal_(model.decoder.embed.weight, std=0.02)  # built as zeros
+        torch.nn.init.normal_(model.decoder.positions, std=0.02)
     model = model.to(dtype).eval().requires_grad_(False)
     tok = WhisperTokenizer(_tok_path(pack, TOKENIZER_OF[name]), n_vocab=dims.n_vocab)
     return WhisperASR(model, tok, name=f"whisper-{name}-random", device=device)

@@ -227,3 +227,34 @@ def test_prompt_and_temperature_steer_whisper():
     # the first window's decodes (with its fallback retries) carry the prompt, every later window none
     later = prefixes.index(0)
     assert later > 0 and all(p == prefixes[0] > 0 for p in prefixes[:later]) and not any(prefixes[later:])
+
+
+def test_shared_cross_attention_keys_change_nothing(monkeypatch):
+    """The round's cross-attention K/V, computed once and shared by language detection, decoding and
+    word alignment, give the same transcript and word times as each step computing its own; and
+    the alignment heads' scores equal the full decoder step's scores for those heads."""
+    import torch
+
+    from flashasr.models.whisper.alignment import default_alignment_heads
+    from flashasr.models.whisper.asr import WhisperASR
+
+    m = model("base")  # multilingual: language detection shares them too
+    waves = [audio("en-ls-61-70968-0002"), audio("de-picovoice-werbung")]
+    shared = m.transcribe_batch(waves, word_timestamps=True)
+    monkeypatch.setattr(WhisperASR, "_cross_kv", lambda self, feats, settings: None)
+    alone = m.transcribe_batch(waves, word_timestamps=True)
+    for a, b in zip(shared, alone):
+        assert a.text == b.text and a.language == b.language and a.text
+        assert [(w.word, w.start, w.end) for w in a.words] == [(w.word, w.start, w.end) for w in b.words]
+
+    mm, g = m.model, torch.Generator().manual_seed(7)
+    feats = torch.randn(2, 1500, mm.dims.n_audio_state, generator=g)
+    tokens = torch.randint(0, 50000, (2, 9), generator=g)
+    heads = default_alignment_heads(mm) + [(0, 1)]
+    _, full = mm.decode_step(tokens, mm.new_cache(feats, 9), 0, return_cross_attn=True)
+    got = mm.alignment_scores(tokens, mm.new_cache(feats, 9, cross=mm.cross_kv(feats)), heads)
+    assert got.shape == (2, len(heads), 9, 1500)
+    for n, (layer, head) in enumerate(heads):
+        torch.testing.assert_close(got[:, n], full[layer][:, head], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cross K/V of 2 windows"):
+        mm.new_cache(feats[:1], 9, cross=mm.cross_kv(feats))

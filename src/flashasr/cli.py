@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="translate: English text from speech in another language (multilingual Whisper "
                         "models, e.g. --model base)")
     t.add_argument("--batch-size", type=_positive_int, default=None,
-                   help="pieces per model call, across files (default: 1 on CPU, 512 on CUDA)")
+                   help="pieces per model call, across files (default: 8 on CPU, 512 on CUDA)")
     t.add_argument("--segmentation", choices=("vad", "fixed", "none"), default="vad",
                    help="cut long audio at pauses (vad, default), in fixed windows, or not at all")
     t.add_argument("--max-segment-s", type=_positive_float, default=None,

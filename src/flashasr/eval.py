@@ -493,7 +493,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", choices=("faster-whisper",), default=None, help="also run a peer on the same weights")
     p.add_argument("--peer-compute-type", default="float32", help="CTranslate2 compute type of the peer")
     p.add_argument("--threads", type=int, default=2, help="CPU threads of the peer (and torch; default 2)")
-    p.add_argument("--batch-size", type=int, default=None, help="default: 1 on CPU, 16 on CUDA")
+    p.add_argument("--batch-size", type=int, default=None, help="pieces per model call (default: the job runner's, 8 on CPU, 512 on CUDA)")
     p.add_argument("--segmentation", choices=("none", "vad", "fixed"), default="none",
                    help="how our engine cuts clips (default none: whole clip, like the peer)")
     p.add_argument("--json-out", default=None, help="write the full result as JSON here")

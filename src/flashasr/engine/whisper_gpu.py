@@ -489,19 +489,24 @@ class WhisperGPUASR(WhisperASR):
     def _encode(self, mels: torch.Tensor) -> torch.Tensor:
         return self.engine.encode(mels)
 
-    def _decode(self, feats, languages, seeds, prefix, settings):
+    def _cross_kv(self, feats, settings):
+        """The engine's captured decoder holds its own cross K/V: a shared copy only for word alignment."""
+        return self.model.cross_kv(feats) if settings.word_timestamps else None
+
+    def _decode(self, feats, languages, seeds, prefix, settings, cross=None):
         """Greedy windows through the CUDA graphs; rows that need temperature fallback again through
         the reference. A prompt prefix, a first temperature above 0 or translation (the captured steps
         hold the plain transcribe prompt): the reference decoding."""
         if settings.task != "transcribe" or prefix or settings.temperatures[0] > 0:
-            return super()._decode(feats, languages, seeds, prefix, settings)
+            return super()._decode(feats, languages, seeds, prefix, settings, cross=cross)
         results = self.engine.decode(feats, languages)
         redo = [k for k, r in enumerate(results) if needs_fallback(r)]
         if redo:
             idx = torch.tensor(redo, device=feats.device)
             again = decode_with_fallback(self.model, self.tokenizer, feats.index_select(0, idx),
                                          [languages[k] for k in redo], seeds=[seeds[k] for k in redo],
-                                         temperatures=settings.temperatures)
+                                         temperatures=settings.temperatures,
+                                         cross=None if cross is None else cross.rows(idx))
             for k, r in zip(redo, again):
                 results[k] = r
         return results

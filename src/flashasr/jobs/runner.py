@@ -67,11 +67,12 @@ def default_workers(device: str = "cpu") -> int:
 
 
 def default_batch_size(device: str = "cpu") -> int:
-    """Pieces per model call: 1 on CPU (measured: batching 8 Whisper windows on 2 CPU threads
-    was slower than one by one, 13.0x vs 15.4x, bench/results/whisper_cpu_vm.json), 512 on CUDA
-    (the Parakeet GPU engine in memory: 8,232x at 128 pieces per call, 9,550x at 512; the job
-    from disk 2,233x and 2,453x; H200, bench/results/offline_e2e_h200_shm.json)."""
-    return 512 if str(device).startswith("cuda") else 1
+    """Pieces per model call: 8 on CPU (tiny.en on 2 threads, medians of 3 passes: the job over 25
+    short clips 9.27 s at 8 against 11.04 s at 1 and 9.09 s at 16; over 3 long recordings 7.75 s
+    against 10.42 s and 7.76 s; same text; ``bench/results/whisper_cpu_{short,long}_vm.json``), 512
+    on CUDA (the Parakeet GPU engine in memory: 8,232x at 128 pieces per call, 9,550x at 512; the
+    job from disk 2,233x and 2,453x; H200, bench/results/offline_e2e_h200_shm.json)."""
+    return 512 if str(device).startswith("cuda") else 8
 
 
 def default_max_buffered_s(batch_size: int) -> float:

@@ -60,9 +60,10 @@ class ServeConfig:
 
     @property
     def batch_limit(self) -> int:
-        """``max_batch``, or its default for the device: 1 on CPU (on 2 cores 8 batched Whisper windows
-        ran slower than one by one, ``bench/results/whisper_cpu_vm.json``, and an upload's short
-        neighbour waited 10-18 s behind a batch of eight), 8 on CUDA."""
+        """``max_batch``, or its default for the device: 1 on CPU (latency first: an upload's short
+        neighbour waited 10-18 s behind a batch of eight 30 s windows; batches of 8 raise tiny.en's
+        throughput on 2 cores by 1.2-1.3x, ``bench/results/whisper_cpu_{short,long}_vm.json``, so
+        a server that only runs batch work can pass ``--max-batch 8``), 8 on CUDA."""
         if self.max_batch is not None:
             return int(self.max_batch)
         return 8 if str(self.device).startswith("cuda") else 1
@@ -178,8 +179,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=_number(int, 1), default=1,
                    help="front-end processes sharing the port (more than 1 needs --mode multi)")
     g.add_argument("--max-batch", type=_number(int, 1), default=None,
-                   help="waveforms per model call (default: 1 on CPU, where batching Whisper windows measured "
-                        "slower and a short request would wait behind a batch of 30 s windows; 8 on CUDA; "
+                   help="waveforms per model call (default: 1 on CPU, so a short request waits behind one 30 s window, "
+                        "not eight (8 gives 1.2-1.3x the throughput of batch work); 8 on CUDA; "
                         "use 256 with a Parakeet model on a GPU)")
     g.add_argument("--batch-wait-ms", type=_number(float, 0), default=2.0,
                    help="how long the scheduler waits to fill a batch of offline work (0: never waits)")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .model import WhisperModel
+from .model import CrossKV, WhisperModel
 from .tokenizer import WhisperTokenizer
 
 __all__ = ["dtw", "median_filter", "align_words", "default_alignment_heads"]
@@ -87,7 +87,7 @@ def _split_words(tok: WhisperTokenizer, text_tokens: Sequence[int], language: st
 @torch.inference_mode()
 def align_words(model: WhisperModel, tok: WhisperTokenizer, audio_features: torch.Tensor, prompt: Sequence[int],
                 text_tokens: Sequence[int], num_frames: int, heads: Sequence[tuple[int, int]],
-                language: str | None = None, medfilt_width: int = 7):
+                language: str | None = None, medfilt_width: int = 7, cross: CrossKV | None = None):
     """Align the text tokens of one window to time.
 
     Args:
@@ -96,6 +96,8 @@ def align_words(model: WhisperModel, tok: WhisperTokenizer, audio_features: torc
         text_tokens: the window's text token ids (< eot), in order.
         num_frames: mel frames of real audio in the window (<= 3000).
         heads: ``[(layer, head), ...]`` alignment heads.
+        cross: the window's cross-attention K/V when the decoding already computed them
+            (:meth:`WhisperModel.cross_kv`, batch 1); None computes them.
     Returns:
         list of ``(word, token_ids, start_s, end_s)`` with times relative to the window start.
     """
@@ -104,10 +106,9 @@ def align_words(model: WhisperModel, tok: WhisperTokenizer, audio_features: torc
         return []
     seq = list(prompt) + [tok.no_timestamps] + text_tokens + [tok.eot]
     tokens = torch.tensor([seq], dtype=torch.long, device=audio_features.device)
-    cache = model.new_cache(audio_features, max_len=len(seq))
-    _, scores = model.decode_step(tokens, cache, 0, return_cross_attn=True)
+    cache = model.new_cache(audio_features, max_len=len(seq), cross=cross)
     n_audio = max(1, min(num_frames // 2, audio_features.shape[1]))
-    w = torch.stack([scores[layer][0, head] for layer, head in heads])[:, :, :n_audio].float()  # [h, T, F]
+    w = model.alignment_scores(tokens, cache, heads)[0, :, :, :n_audio]  # [h, T, F] float32
     w = w.softmax(dim=-1)
     std, mean = torch.std_mean(w, dim=-2, keepdim=True, unbiased=False)
     w = (w - mean) / (std + 1e-8)

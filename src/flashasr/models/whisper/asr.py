@@ -30,7 +30,7 @@ from ..base import SAMPLE_RATE, ASRModel
 from .alignment import align_words, default_alignment_heads
 from .decoding import DecodingResult, decode_with_fallback, detect_language, is_no_speech
 from .features import HOP_LENGTH, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
-from .model import WhisperModel
+from .model import CrossKV, WhisperModel
 from .tokenizer import WhisperTokenizer
 
 __all__ = ["WhisperASR", "UnsupportedLanguageError"]
@@ -160,10 +160,12 @@ class WhisperASR(ASRModel):
         sizes = [min(N_FRAMES, j.content_frames - j.seek) for j in jobs]
         mels = torch.stack([pad_or_trim(j.mel[:, j.seek: j.seek + n], N_FRAMES) for j, n in zip(jobs, sizes)])
         feats = self._encode(mels)
+        cross = self._cross_kv(feats, settings)
         need = [k for k, j in enumerate(jobs) if j.language is None]
         if need:
             idx = torch.tensor(need, device=feats.device)
-            codes, probs = detect_language(self.model, self.tokenizer, feats.index_select(0, idx))
+            codes, probs = detect_language(self.model, self.tokenizer, feats.index_select(0, idx),
+                                           cross=_rows(cross, idx, len(jobs)))
             for k, c, p in zip(need, codes, probs):
                 jobs[k].language, jobs[k].language_probs = c, p
         results: list = [None] * len(jobs)
@@ -172,29 +174,40 @@ class WhisperASR(ASRModel):
         for rows, prefix in ((first, settings.prefix), (rest, ())):
             if not rows:
                 continue
-            sub = feats if len(rows) == len(jobs) else feats.index_select(0, torch.tensor(rows, device=feats.device))
+            idx = torch.tensor(rows, device=feats.device)
+            sub = feats if len(rows) == len(jobs) else feats.index_select(0, idx)
             # per-window seed (its seek): independent of batch composition
-            got = self._decode(sub, [jobs[k].language for k in rows], [jobs[k].seek for k in rows], prefix, settings)
+            got = self._decode(sub, [jobs[k].language for k in rows], [jobs[k].seek for k in rows], prefix, settings,
+                               cross=_rows(cross, idx, len(jobs)))
             for k, r in zip(rows, got):
                 results[k] = r
         for k, (j, n, r) in enumerate(zip(jobs, sizes, results)):
-            self._advance(j, n, r, feats[k: k + 1] if settings.word_timestamps else None, settings.task)
+            window = None
+            if settings.word_timestamps:
+                window = (feats[k: k + 1], _rows(cross, torch.tensor([k], device=feats.device), len(jobs)))
+            self._advance(j, n, r, window, settings.task)
+
+    def _cross_kv(self, feats: torch.Tensor, settings: "_Settings") -> CrossKV | None:
+        """The round's cross-attention K/V, computed once and shared by language detection, every
+        decoding try and word alignment (None: each computes its own)."""
+        return self.model.cross_kv(feats)
 
     def _encode(self, mels: torch.Tensor) -> torch.Tensor:
         """log-mel windows ``[B, n_mels, 3000]`` -> encoder output ``[B, 1500, D]``."""
         return self.model.encode(mels.to(self.device))
 
     def _decode(self, feats: torch.Tensor, languages: list, seeds: list[int], prefix: tuple[int, ...],
-                settings: "_Settings") -> list[DecodingResult]:
+                settings: "_Settings", cross: CrossKV | None = None) -> list[DecodingResult]:
         """Windows' encoder output -> one :class:`DecodingResult` each (the reference decoding with
-        its temperature fallback)."""
+        its temperature fallback); ``cross``: their cross-attention K/V, when computed."""
         return decode_with_fallback(self.model, self.tokenizer, feats, languages, seeds=seeds, task=settings.task,
-                                    temperatures=settings.temperatures, prefix=prefix)
+                                    temperatures=settings.temperatures, prefix=prefix, cross=cross)
 
-    def _advance(self, job: _Job, size: int, r: DecodingResult, feats: torch.Tensor | None = None,
+    def _advance(self, job: _Job, size: int, r: DecodingResult, window: tuple | None = None,
                  task: str = "transcribe") -> None:
         """Turn one window's tokens into segments and move ``job.seek`` (reference procedure);
-        with ``feats`` (the window's encoder output) also align words."""
+        with ``window`` (the window's encoder output ``[1, 1500, D]`` and its cross-attention K/V or
+        None) also align words."""
         tok = self.tokenizer
         job.windows += 1
         window_seek = job.seek
@@ -233,10 +246,10 @@ class WhisperASR(ASRModel):
             pieces.append((offset, offset + dur, 0, len(toks)))
             job.seek += size
         aligned = []
-        if feats is not None:
+        if window is not None:
             heads = self.alignment_heads or default_alignment_heads(self.model)
-            aligned = align_words(self.model, tok, feats, tok.sot_sequence(job.language, task), toks, size, heads,
-                                  language=job.language)
+            aligned = align_words(self.model, tok, window[0], tok.sot_sequence(job.language, task), toks, size, heads,
+                                  language=job.language, cross=window[1])
         probs = [float(np.exp(lp)) for t, lp in zip(toks, lps) if t < tok.eot]
         n_text_before = 0
         word_i = 0
@@ -278,3 +291,10 @@ class WhisperASR(ASRModel):
             prev_end = end
             out.append(s)
         return out
+
+
+def _rows(cross: CrossKV | None, idx: torch.Tensor, n: int) -> CrossKV | None:
+    """``cross`` restricted to batch rows ``idx`` (itself when they are all ``n`` rows, or None)."""
+    if cross is None or len(idx) == n:
+        return cross
+    return cross.rows(idx)

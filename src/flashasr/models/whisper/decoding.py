@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from .model import WhisperModel
+from .model import CrossKV, WhisperModel
 from .tokenizer import TIME_PRECISION, WhisperTokenizer
 
 __all__ = ["DecodingResult", "LogitRules", "decode_windows", "detect_language", "compression_ratio",
@@ -130,17 +130,18 @@ class LogitRules:
 
 
 @torch.inference_mode()
-def detect_language(model: WhisperModel, tok: WhisperTokenizer, audio_features: torch.Tensor
-                    ) -> tuple[list[str], list[dict[str, float]]]:
+def detect_language(model: WhisperModel, tok: WhisperTokenizer, audio_features: torch.Tensor,
+                    cross: CrossKV | None = None) -> tuple[list[str], list[dict[str, float]]]:
     """Language of each row from the logits at the sot position restricted to language tokens.
 
     Args:
         audio_features: encoder output ``[B, 1500, D]``.
+        cross: their cross-attention K/V when already computed (:meth:`WhisperModel.cross_kv`).
     Returns:
         (codes, per-row {code: probability}).
     """
     b = audio_features.shape[0]
-    cache = model.new_cache(audio_features, max_len=1)
+    cache = model.new_cache(audio_features, max_len=1, cross=cross)
     sot = torch.full((b, 1), tok.sot, dtype=torch.long, device=audio_features.device)
     logits = model.decode_step(sot, cache, 0)[:, 0]
     codes = list(tok.language_tokens)
@@ -167,7 +168,7 @@ def decode_windows(model: WhisperModel, tok: WhisperTokenizer, audio_features: t
                    languages: Sequence[str | None], *, temperature: float = 0.0,
                    generators: Sequence[torch.Generator] | None = None, without_timestamps: bool = False,
                    sample_len: int | None = None, task: str = "transcribe",
-                   prefix: Sequence[int] = ()) -> list[DecodingResult]:
+                   prefix: Sequence[int] = (), cross: CrossKV | None = None) -> list[DecodingResult]:
     """Decode a batch of windows from their encoder output.
 
     Args:
@@ -178,6 +179,7 @@ def decode_windows(model: WhisperModel, tok: WhisperTokenizer, audio_features: t
         prefix: tokens before every row's start-of-transcript sequence (``<|startofprev|>`` + an
             initial prompt's tokens, as the reference's ``prompt``); the no-speech probability is
             read at the start-of-transcript token after it.
+        cross: the rows' cross-attention K/V when already computed (:meth:`WhisperModel.cross_kv`).
     Returns:
         one :class:`DecodingResult` per row (same order).
     """
@@ -188,7 +190,7 @@ def decode_windows(model: WhisperModel, tok: WhisperTokenizer, audio_features: t
     prompts = [list(prefix) + tok.prompt(lang, task, without_timestamps=without_timestamps) for lang in languages]
     p_len = len(prompts[0])
     sample_len = min(sample_len, n_ctx - p_len)
-    cache = model.new_cache(audio_features, max_len=p_len + sample_len)
+    cache = model.new_cache(audio_features, max_len=p_len + sample_len, cross=cross)
     prompt = torch.tensor(prompts, dtype=torch.long, device=dev)
     logits_all = model.decode_step(prompt, cache, 0)  # [B, P, V]
     no_speech = torch.softmax(logits_all[:, len(prefix)], dim=-1)[:, tok.no_speech].cpu().tolist()
@@ -256,7 +258,7 @@ def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_featu
                          languages: Sequence[str | None], *, seeds: Sequence[int] | None = None,
                          temperatures: Sequence[float] = TEMPERATURES, without_timestamps: bool = False,
                          task: str = "transcribe", initial: Sequence[DecodingResult] | None = None,
-                         prefix: Sequence[int] = ()) -> list[DecodingResult]:
+                         prefix: Sequence[int] = (), cross: CrossKV | None = None) -> list[DecodingResult]:
     """Greedy decode, then re-decode only the rows that :func:`needs_fallback` at the next
     temperature (seeded sampling, one candidate), up to 1.0. When every temperature fails, the
     row keeps its most likely try whose compression ratio is acceptable (as faster-whisper
@@ -265,6 +267,7 @@ def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_featu
     ``seeds[row]`` seeds that row's generator at every temperature, so a row's result does not
     depend on which other rows share the batch. ``initial``: per-row results already decoded at
     ``temperatures[0]`` (e.g. by a GPU engine's greedy pass); they are not decoded again.
+    ``cross``: the rows' cross-attention K/V when already computed (every try reuses them).
     """
     b = audio_features.shape[0]
     results: list[DecodingResult | None] = [None] * b
@@ -286,6 +289,7 @@ def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_featu
             continue
         idx = torch.tensor(todo, dtype=torch.long, device=audio_features.device)
         feats = audio_features if len(todo) == b else audio_features.index_select(0, idx)
+        rows_cross = cross if cross is None or len(todo) == b else cross.rows(idx)
         gens = None
         if t > 0:
             gens = []
@@ -294,7 +298,7 @@ def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_featu
                 g.manual_seed(int(seeds[r]) if seeds is not None else 0)
                 gens.append(g)
         res = decode_windows(model, tok, feats, [languages[r] for r in todo], temperature=t, generators=gens,
-                             without_timestamps=without_timestamps, task=task, prefix=prefix)
+                             without_timestamps=without_timestamps, task=task, prefix=prefix, cross=rows_cross)
         nxt = []
         for r, res_r in zip(todo, res):
             tries[r].append(res_r)

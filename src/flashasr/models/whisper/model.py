@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WhisperDims", "WhisperModel", "KVCache", "sinusoids"]
+__all__ = ["WhisperDims", "WhisperModel", "KVCache", "CrossKV", "sinusoids"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,20 @@ class KVCache:
         return KVCache(sel(self.self_k), sel(self.self_v), sel(self.cross_k), sel(self.cross_v))
 
 
+@dataclass
+class CrossKV:
+    """Cross-attention keys and values of a batch of audio windows, one tensor per decoder layer,
+    each ``[B, H, T_audio, Dh]`` in the model's dtype (:meth:`WhisperModel.cross_kv`). They depend on
+    the window only, so one copy serves language detection, every decoding try and word alignment."""
+
+    k: list
+    v: list
+
+    def rows(self, idx: torch.Tensor) -> "CrossKV":
+        """Only batch rows ``idx`` (int64 ``[B']``)."""
+        return CrossKV([t.index_select(0, idx) for t in self.k], [t.index_select(0, idx) for t in self.v])
+
+
 class WhisperModel(nn.Module):
     """Whisper encoder-decoder; see the module docstring for the data flow.
 
@@ -168,8 +182,9 @@ class WhisperModel(nn.Module):
         enc.norm = nn.LayerNorm(d_a)
         self.encoder = enc
         dec = nn.Module()
-        # the weight given: no random init (a normal_ on the meta device imports TorchDynamo, 1 s of start-up)
-        dec.embed = nn.Embedding(dims.n_vocab, d_t, _weight=torch.empty(dims.n_vocab, d_t))
+        # the weight given: no random init (a normal_ on the meta device imports TorchDynamo, 1 s of
+        # start-up); zeros, not empty, so a model built without a checkpoint never holds stale memory
+        dec.embed = nn.Embedding(dims.n_vocab, d_t, _weight=torch.zeros(dims.n_vocab, d_t))
         dec.positions = nn.Parameter(torch.zeros(dims.n_text_ctx, d_t))
         dec.layers = nn.ModuleList([_DecoderLayer(d_t, dims.n_text_head) for _ in range(dims.n_text_layer)])
         dec.norm = nn.LayerNorm(d_t)
@@ -200,26 +215,37 @@ class WhisperModel(nn.Module):
         return e.norm(x)
 
     # ---- decoder -------------------------------------------------------------------------
-    def new_cache(self, audio_features: torch.Tensor, max_len: int | None = None) -> KVCache:
-        """Allocate a static KV cache and compute the cross-attention K/V once per audio.
+    def cross_kv(self, audio_features: torch.Tensor) -> CrossKV:
+        """The decoder's cross-attention keys and values for encoder output ``[B, T_audio, D]``."""
+        ck, cv = [], []
+        for layer in self.decoder.layers:
+            k, v = layer.cross_attn.project_kv(audio_features)
+            ck.append(k.contiguous())
+            cv.append(v.contiguous())
+        return CrossKV(ck, cv)
+
+    def new_cache(self, audio_features: torch.Tensor, max_len: int | None = None,
+                  cross: CrossKV | None = None) -> KVCache:
+        """Allocate a static KV cache with the cross-attention K/V of the audio.
 
         Args:
             audio_features: encoder output ``[B, T_audio, D]``.
             max_len: decoder positions to reserve (default ``n_text_ctx``).
+            cross: :meth:`cross_kv` of ``audio_features`` when already computed (shared, not
+                copied: decoding never writes them); None computes them here.
         """
         b = audio_features.shape[0]
         h = self.dims.n_text_head
         dh = self.dims.n_text_state // h
         n = max_len or self.dims.n_text_ctx
         dev, dt = audio_features.device, audio_features.dtype
-        sk, sv, ck, cv = [], [], [], []
-        for layer in self.decoder.layers:
-            sk.append(torch.zeros(b, h, n, dh, device=dev, dtype=dt))
-            sv.append(torch.zeros(b, h, n, dh, device=dev, dtype=dt))
-            k, v = layer.cross_attn.project_kv(audio_features)
-            ck.append(k.contiguous())
-            cv.append(v.contiguous())
-        return KVCache(sk, sv, ck, cv)
+        if cross is None:
+            cross = self.cross_kv(audio_features)
+        elif cross.k[0].shape[0] != b:
+            raise ValueError(f"cross K/V of {cross.k[0].shape[0]} windows for {b} windows of audio features")
+        sk = [torch.zeros(b, h, n, dh, device=dev, dtype=dt) for _ in self.decoder.layers]
+        sv = [torch.zeros(b, h, n, dh, device=dev, dtype=dt) for _ in self.decoder.layers]
+        return KVCache(sk, sv, list(cross.k), list(cross.v))
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, offset: int,
                     return_cross_attn: bool = False):
@@ -231,13 +257,13 @@ class WhisperModel(nn.Module):
             cache: from :meth:`new_cache` (same B).
             offset: number of positions already in the cache.
             return_cross_attn: also return per-layer pre-softmax cross-attention scores
-                ``q k^T / sqrt(Dh)``, float32 ``[B, H, T, T_audio]`` (for word alignment; a
-                slower path without SDPA).
+                ``q k^T / sqrt(Dh)``, float32 ``[B, H, T, T_audio]`` (word alignment wants only a
+                few heads of them: :meth:`alignment_scores`).
         Returns:
             logits float32 ``[B, T, n_vocab]`` (and the list of attention weights if asked).
         """
         dec = self.decoder
-        b, t = tokens.shape
+        t = tokens.shape[1]
         end = offset + t
         if end > cache.self_k[0].shape[2]:
             raise ValueError(f"decoder context overflow: {end} > {cache.self_k[0].shape[2]}")
@@ -248,29 +274,64 @@ class WhisperModel(nn.Module):
             k_pos = torch.arange(end, device=tokens.device)[None, :]
             mask = k_pos <= q_pos  # [T, end] True = attend
         weights = []
-        for i, layer in enumerate(dec.layers):
-            q, k, v = layer.self_attn.project(layer.self_attn_norm(x))
-            cache.self_k[i][:, :, offset:end] = k
-            cache.self_v[i][:, :, offset:end] = v
-            a = F.scaled_dot_product_attention(q, cache.self_k[i][:, :, :end], cache.self_v[i][:, :, :end],
-                                               attn_mask=mask)
-            x = x + layer.self_attn.out(_merge(a))
-            h = layer.cross_attn_norm(x)
-            qc = layer.cross_attn.q(h)
-            qc = qc.view(b, t, layer.cross_attn.heads, -1).transpose(1, 2)
-            if return_cross_attn:
-                scores = (qc.float() @ cache.cross_k[i].float().transpose(-1, -2)) * qc.shape[-1] ** -0.5
-                weights.append(scores)
-                a = torch.softmax(scores, dim=-1).to(qc.dtype) @ cache.cross_v[i]
-            else:
-                a = F.scaled_dot_product_attention(qc, cache.cross_k[i], cache.cross_v[i])
-            x = x + layer.cross_attn.out(_merge(a))
-            x = x + layer.fc2(F.gelu(layer.fc1(layer.ffn_norm(x))))
+        for i in range(len(dec.layers)):
+            x, scores = self._layer_step(i, x, cache, offset, mask, heads=slice(None) if return_cross_attn else None)
+            weights.append(scores)
         x = dec.norm(x)
         logits = (x @ dec.embed.weight.to(x.dtype).T).float()
         if return_cross_attn:
             return logits, weights
         return logits
+
+    def alignment_scores(self, tokens: torch.Tensor, cache: KVCache, heads) -> torch.Tensor:
+        """Pre-softmax cross-attention scores ``q k^T / sqrt(Dh)`` of the alignment heads for a whole
+        token sequence fed at position 0: what :meth:`decode_step` with ``return_cross_attn`` gives
+        for those heads, without the layers after the last head's layer, the other heads' scores
+        or the logits (word alignment needs none of them).
+
+        Args:
+            tokens: int64 ``[B, T]``; written into ``cache`` at positions ``0 .. T-1``.
+            cache: from :meth:`new_cache` (same B, ``max_len >= T``).
+            heads: ``[(layer, head), ...]``.
+        Returns:
+            float32 ``[B, len(heads), T, T_audio]``, in the order of ``heads``.
+        """
+        dec = self.decoder
+        t = tokens.shape[1]
+        by_layer: dict[int, list[int]] = {}
+        for layer, head in heads:
+            by_layer.setdefault(int(layer), []).append(int(head))
+        x = dec.embed(tokens) + dec.positions[:t]
+        mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril() if t > 1 else None
+        got = {}
+        for i in range(max(by_layer) + 1):
+            x, scores = self._layer_step(i, x, cache, 0, mask, heads=by_layer.get(i))
+            if scores is not None:
+                got.update({(i, h): scores[:, n] for n, h in enumerate(by_layer[i])})
+        return torch.stack([got[(int(layer), int(head))] for layer, head in heads], dim=1)
+
+    def _layer_step(self, i: int, x: torch.Tensor, cache: KVCache, offset: int, mask, heads=None):
+        """Decoder layer ``i`` on ``x`` ``[B, T, D]`` at positions ``offset ..`` (writes its self-attention
+        K/V into ``cache``); returns (x, float32 cross-attention scores ``[B, len(heads), T, T_audio]``
+        of ``heads`` (a list of head indices or a slice), or None when ``heads`` is None)."""
+        layer = self.decoder.layers[i]
+        b, t = x.shape[:2]
+        end = offset + t
+        q, k, v = layer.self_attn.project(layer.self_attn_norm(x))
+        cache.self_k[i][:, :, offset:end] = k
+        cache.self_v[i][:, :, offset:end] = v
+        a = F.scaled_dot_product_attention(q, cache.self_k[i][:, :, :end], cache.self_v[i][:, :, :end],
+                                           attn_mask=mask)
+        x = x + layer.self_attn.out(_merge(a))
+        qc = layer.cross_attn.q(layer.cross_attn_norm(x))
+        qc = qc.view(b, t, layer.cross_attn.heads, -1).transpose(1, 2)
+        scores = None
+        if heads is not None:
+            scores = (qc[:, heads].float() @ cache.cross_k[i][:, heads].float().transpose(-1, -2)) * qc.shape[-1] ** -0.5
+        a = F.scaled_dot_product_attention(qc, cache.cross_k[i], cache.cross_v[i])
+        x = x + layer.cross_attn.out(_merge(a))
+        x = x + layer.fc2(F.gelu(layer.fc1(layer.ffn_norm(x))))
+        return x, scores
 
     def decode_step_static(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
         """One-token decoder step with only fixed shapes and no host synchronisation, for CUDA
