@@ -30,8 +30,10 @@ def transcribe(audio, *, model=None, options: TranscribeOptions | None = None, s
     """Transcribe one input through the pipeline every door uses (cut at pauses, batched, merged).
 
     Args:
-        audio: a path (any container FFmpeg reads), raw ``bytes`` of a file, or a numpy
-            float32 array of samples (shape [N] or [N, channels]; ``sample_rate`` required).
+        audio: a path (any container FFmpeg reads; one of 60 s or more is decoded by several
+            threads, ``$FLASHASR_DECODE_WORKERS`` or the CPU count (at most 16), joined
+            sample-exactly: :func:`flashasr.audio.load_audio_parallel`), raw ``bytes`` of a file,
+            or a numpy float32 array of samples (shape [N] or [N, channels]; ``sample_rate`` required).
         model: a loaded :class:`~flashasr.models.base.ASRModel`, a model spec for
             :func:`load_model`, or None for the embedded whisper tiny.en.
         options: :class:`~flashasr.options.TranscribeOptions`; ``**changes`` are its fields as
@@ -46,7 +48,7 @@ def transcribe(audio, *, model=None, options: TranscribeOptions | None = None, s
         flashasr.errors.ModelLoadError for a bad model spec; InvalidRequestError,
         UnsupportedLanguageError or UnsupportedTaskError for options the model cannot honour.
     """
-    from .audio import load_audio
+    from .audio import load_audio_parallel
     from .models.base import ASRModel
     from .pipeline import cached_model, transcribe_samples
 
@@ -58,7 +60,7 @@ def transcribe(audio, *, model=None, options: TranscribeOptions | None = None, s
         import warnings
 
         warnings.warn(f"model {m.capabilities.name} does not use {', '.join(ignored)}; ignored", stacklevel=2)
-    wav = load_audio(audio, sample_rate=sample_rate, target_rate=m.sample_rate)
+    wav = load_audio_parallel(audio, sample_rate=sample_rate, target_rate=m.sample_rate)
     return transcribe_samples(m, wav.samples, opts)
 
 

@@ -5,6 +5,7 @@ streaming blocks for long audio; Silero VAD (offline segments, ASR splitting, st
 Public API::
 
     from flashasr.audio import load_audio, iter_audio, probe, DecodedAudio
+    from flashasr.audio import load_audio_parallel  # one long file on several cores, same result
     from flashasr.audio import speech_segments, split_for_asr, StreamingVAD   # VAD (lazy)
     from flashasr.audio import iter_asr_chunks   # long inputs: decode + VAD split, bounded memory
     from flashasr.audio import encode_audio                                   # tests/bench
@@ -17,6 +18,8 @@ from __future__ import annotations
 from .decode import RAW_FORMATS, DecodedAudio, iter_audio, load_audio, probe
 from .downmix import Downmixer
 from .encode import encode_audio
+from .parallel import default_workers as default_decode_workers
+from .parallel import load_audio_parallel
 from .errors import (
     AudioArgumentError,
     AudioError,
@@ -42,6 +45,8 @@ def __getattr__(name):  # lazy: importing the VAD loads onnxruntime
 
 __all__ = [
     "load_audio",
+    "load_audio_parallel",
+    "default_decode_workers",
     "iter_audio",
     "probe",
     "DecodedAudio",

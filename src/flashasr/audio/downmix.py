@@ -36,7 +36,9 @@ class Downmixer:
     """Stateful energy-keeping downmix of float32 blocks of shape [C, n] to [n].
 
     One instance per stream (not thread-safe). ``fallback_samples`` counts input samples
-    emitted in strongest-channel mode (for a warning in :class:`DecodedAudio`).
+    emitted in strongest-channel mode (for a warning in :class:`DecodedAudio`); ``min_ratio`` is
+    the smallest cancellation ratio ``r`` seen (inf before any non-silent multichannel block; the
+    parallel decoder trusts a range's mean-only downmix when it stays >= ``leave``).
     """
 
     def __init__(self, *, tau_s: float = 0.2, enter: float = 0.25, leave: float = 0.5,
@@ -52,6 +54,7 @@ class Downmixer:
         self._e_mean = 0.0
         self.fallback_samples = 0
         self.total_samples = 0
+        self.min_ratio = math.inf
 
     def reset(self) -> None:
         self.mode = "mean"
@@ -95,6 +98,7 @@ class Downmixer:
         tot = float(self._e_ch.sum())
         if tot / c > self.floor:
             r = c * c * self._e_mean / tot
+            self.min_ratio = min(self.min_ratio, r)
             if self.mode == "mean" and r < self.enter:
                 self.mode = "strongest"
                 self.channel = int(np.argmax(self._e_ch))

@@ -30,7 +30,8 @@ _DEFAULT_CODEC = {
 
 def encode_audio(samples: np.ndarray, sample_rate: int, dest: Any = None, *, format: str = "wav",
                  codec: str | None = None, sample_fmt: str | None = None,
-                 bit_rate: int | None = None, layout: str | None = None) -> bytes | None:
+                 bit_rate: int | None = None, layout: str | None = None, quality: float | None = None,
+                 container_options: dict | None = None) -> bytes | None:
     """Write ``samples`` (float [N] or [N, C], nominally in [-1, 1]) as an audio file.
 
     Args:
@@ -45,6 +46,10 @@ def encode_audio(samples: np.ndarray, sample_rate: int, dest: Any = None, *, for
         sample_fmt: encoder input sample format (default: the encoder's first one).
         bit_rate: bits per second for lossy codecs.
         layout: FFmpeg channel layout name (``"5.1"``, ``"7.1"``); default mono/stereo/``"Nc"``.
+        quality: variable-bit-rate quality in the encoder's own scale (``ffmpeg -q:a``; libmp3lame:
+            0 best .. 9 smallest), instead of ``bit_rate``.
+        container_options: muxer options, e.g. ``{"write_xing": "0"}`` (an mp3 without its
+            Xing/LAME header: no frame count, no seek table).
     Returns:
         The encoded bytes when ``dest`` is None, else None.
     """
@@ -57,7 +62,7 @@ def encode_audio(samples: np.ndarray, sample_rate: int, dest: Any = None, *, for
     codec = codec or _DEFAULT_CODEC.get(format, "pcm_s16le")
     target = io.BytesIO() if dest is None else (os.fspath(dest) if isinstance(dest, (str, os.PathLike)) else dest)
     layout = layout or {1: "mono", 2: "stereo"}.get(c, f"{c}c")
-    with av.open(target, mode="w", format=format) as out:
+    with av.open(target, mode="w", format=format, container_options=container_options or {}) as out:
         # "strict": FFmpeg's native vorbis encoder is marked experimental
         st = out.add_stream(codec, rate=sample_rate, options={"strict": "experimental"})
         st.layout = layout
@@ -66,6 +71,9 @@ def encode_audio(samples: np.ndarray, sample_rate: int, dest: Any = None, *, for
         st.format = fmt
         if bit_rate:
             st.bit_rate = bit_rate
+        if quality is not None:
+            st.codec_context.qscale = True  # AV_CODEC_FLAG_QSCALE: VBR at global_quality
+            st.codec_context.global_quality = int(round(quality * 118))  # FF_QP2LAMBDA
         planar = fmt.endswith("p")
         base = fmt[:-1] if planar else fmt
         xc = np.clip(x, -1.0, 1.0)

@@ -89,16 +89,20 @@ def error_of(e: BaseException, path: Path) -> tuple[str, str]:
     return "internal_error", f"{type(e).__name__}: {e}"
 
 
-def default_decode(path: str, target_rate: int):
-    """:func:`flashasr.audio.load_audio` (container decode, downmix, resample to ``target_rate``)."""
-    from ..audio import load_audio
+def default_decode(path: str, target_rate: int, workers: int = 1):
+    """:func:`flashasr.audio.load_audio` (container decode, downmix, resample to ``target_rate``);
+    with ``workers`` > 1, :func:`flashasr.audio.load_audio_parallel` (one long file's time ranges
+    on that many threads, the same samples)."""
+    from ..audio import load_audio, load_audio_parallel
 
+    if workers > 1:
+        return load_audio_parallel(path, target_rate=target_rate, workers=workers)
     return load_audio(path, target_rate=target_rate)
 
 
 def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
                  decode: Callable | None = None, split: Callable | None = None,
-                 plan: bool = True, shared: bool = False) -> Prepared | DecodeFailure:
+                 plan: bool = True, shared: bool = False, decode_workers: int = 1) -> Prepared | DecodeFailure:
     """The CPU stage for one file: decode + resample (+ downmix), then :func:`plan_pieces`.
 
     Runs in a decode thread or in a forked worker process (then ``decode``/``split`` are None and
@@ -108,12 +112,16 @@ def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
     (``Prepared.pieces`` None; the main process plans many files at once, the VAD on the GPU).
     ``shared=True`` (worker processes): the samples go back in a shared-memory segment
     (``Prepared.samples`` is then its :func:`flashasr.shm.put_array` handle, turned back into an
-    array by the feeder), not pickled through the pool's pipe.
+    array by the feeder), not pickled through the pool's pipe. ``decode_workers`` > 1: the default
+    decode splits the file over that many threads (:func:`default_decode`).
     """
     t0 = time.perf_counter()
     try:
         c0 = time.thread_time()
-        wav = (decode or default_decode)(path, caps.sample_rate)
+        if decode is None and decode_workers > 1:
+            wav = default_decode(path, caps.sample_rate, decode_workers)
+        else:
+            wav = (decode or default_decode)(path, caps.sample_rate)
         samples = np.ascontiguousarray(np.asarray(wav.samples, dtype=np.float32).reshape(-1))
         if samples.size == 0:
             raise EmptyAudioError(f"{path}: the file holds no audio samples")
@@ -172,6 +180,8 @@ class DecodeFeeder:
         max_buffered: decoded-but-unfinished audio (samples) above which no new decode starts.
         decode, split: :func:`prepare_file`'s hooks (threads only).
         plan: whether the workers plan the pieces (False: decode only, see :func:`prepare_file`).
+        decode_workers: threads that decode one file (> 1 only when the job has fewer files than
+            cores: many files already fill them), see :func:`prepare_file`.
 
     The main thread calls :meth:`start` (inside its ``try``: a Ctrl-C held back while forking is
     raised there), then loops over :meth:`maintain`, :meth:`take_ready`, :meth:`release` (a file
@@ -182,11 +192,13 @@ class DecodeFeeder:
 
     def __init__(self, paths: list[str], todo: Iterable[int], *, options: TranscribeOptions,
                  caps: ModelCapabilities, workers: int, cpu_pool: str, max_buffered: int,
-                 decode: Callable | None = None, split: Callable | None = None, plan: bool = True):
+                 decode: Callable | None = None, split: Callable | None = None, plan: bool = True,
+                 decode_workers: int = 1):
         self.paths = paths
         self.todo: deque[int] = deque(todo)
         self.options, self.caps = options, caps
         self.decode, self.split, self.plan = decode, split, plan
+        self.decode_workers = max(1, int(decode_workers))
         self.workers = workers
         self.cpu_pool = cpu_pool
         self.prefetch = max(2, 2 * workers)
@@ -282,7 +294,7 @@ class DecodeFeeder:
         i = queue.popleft()
         try:
             f = self.pool.submit(prepare_file, self.paths[i], self.options, self.caps, self.decode, self.split,
-                                 self.plan, self.cpu_pool == "process")
+                                 self.plan, self.cpu_pool == "process", self.decode_workers)
         except BrokenProcessPool:  # replaced by the main thread (maintain)
             queue.appendleft(i)
             self.broken = True

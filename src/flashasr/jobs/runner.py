@@ -40,6 +40,7 @@ from typing import Callable, Iterable
 from ..errors import FlashASRError, InvalidRequestError
 from ..formats import FORMATS
 from ..options import ModelCapabilities, TranscribeOptions
+from ..pipeline.plan import default_vad_device
 from .batcher import Batcher, FileState
 from .feeder import DecodeFailure, DecodeFeeder, unblock_sigint
 from .finish import Finisher
@@ -371,9 +372,11 @@ def run_job(
                         on_result=on_result, keep_transcripts=keep_transcripts)
     batcher = Batcher(batch_size)
     # forks the worker processes now, before this job starts any thread of its own
+    # fewer files than workers: the spare workers decode each file's time ranges (load_audio_parallel)
+    decode_workers = n_workers // len(todo) if 0 < len(todo) < n_workers else 1
     feeder = DecodeFeeder([str(it.path) for it in items], todo, options=opts, caps=caps, workers=report.workers,
                           cpu_pool=report.cpu_pool, max_buffered=int(max_buffered_audio_s * caps.sample_rate),
-                          decode=decode_fn, split=split_fn, plan=vad_device == "cpu")
+                          decode=decode_fn, split=split_fn, plan=vad_device == "cpu", decode_workers=decode_workers)
     model_worker = sampler = conductor = None
     try:
         finisher.open_progress(progress)
@@ -417,7 +420,7 @@ def _vad_device(vad_device: str | None, device: str, split_fn) -> str:
     if split_fn is not None:
         return "cpu"
     if vad_device is None:
-        return device if device.startswith("cuda") and _cuda_available() else "cpu"
+        return default_vad_device(device)
     if vad_device != "cpu" and not str(vad_device).startswith("cuda"):
         raise InvalidRequestError(f"vad_device must be 'cpu' or a CUDA device, got {vad_device!r}", param="vad_device")
     return str(vad_device)

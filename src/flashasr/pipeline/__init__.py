@@ -26,12 +26,13 @@ from ..options import TranscribeOptions
 from ..types import Transcript
 from .engines import accelerate, cached_model, gpu_engine_enabled, load_model
 from .merge import merge_pieces
-from .plan import Splitter, needs_vad, piece_limit_s, plan_many, plan_pieces, quiet_split, vad_split
+from .plan import (Splitter, default_vad_device, needs_vad, piece_limit_s, plan_many, plan_pieces, quiet_split,
+                   vad_split)
 from .run import transcribe_pieces
 
 
 def transcribe_samples(model, samples: np.ndarray, options: TranscribeOptions | None = None, *,
-                       split: Splitter | None = None) -> Transcript:
+                       split: Splitter | None = None, vad_device: str | None = None) -> Transcript:
     """One recording through the whole pipeline in this process.
 
     Args:
@@ -39,6 +40,8 @@ def transcribe_samples(model, samples: np.ndarray, options: TranscribeOptions | 
         samples: float32 ``[N]`` at ``model.sample_rate``.
         options: :class:`~flashasr.options.TranscribeOptions` (checked against the model here).
         split: replaces the VAD splitter (see :func:`.plan.plan_pieces`).
+        vad_device: where the VAD runs (None: :func:`.plan.default_vad_device` of the model's
+            device, the rule of every door).
     Returns:
         the merged :class:`~flashasr.types.Transcript`; ``duration = N / sample_rate``.
     Raises:
@@ -50,11 +53,13 @@ def transcribe_samples(model, samples: np.ndarray, options: TranscribeOptions | 
     caps = model.capabilities
     opts = (options or TranscribeOptions()).resolve(caps)
     x = as_waveform(samples)
-    pieces = plan_pieces(x, opts, caps, split=split)
+    if vad_device is None:
+        vad_device = default_vad_device(getattr(model, "device", "cpu"))
+    pieces = plan_many([x], opts, caps, vad_device=vad_device, split=split)[0]
     outs = model.transcribe_batch([x[a:b] for a, b in pieces], opts) if pieces else []
     sr = caps.sample_rate
     return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, outs)], x.size / sr, options=opts, caps=caps)
 
 
-__all__ = ["transcribe_samples", "plan_pieces", "plan_many", "needs_vad", "piece_limit_s", "vad_split", "quiet_split", "Splitter",
+__all__ = ["transcribe_samples", "plan_pieces", "plan_many", "default_vad_device", "needs_vad", "piece_limit_s", "vad_split", "quiet_split", "Splitter",
            "transcribe_pieces", "merge_pieces", "accelerate", "gpu_engine_enabled", "load_model", "cached_model"]

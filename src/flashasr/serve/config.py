@@ -43,6 +43,7 @@ class ServeConfig:
     engine_socket: str | None = None    # Unix socket path of the engine (multi mode); None: private temp dir
     # CPU pool for container decode / resampling (threads that release the GIL)
     cpu_threads: int = 2
+    decode_workers: int | None = None   # threads decoding one long upload (None: CPU count, max 16)
     # timeouts
     body_timeout_s: float = 30.0        # longest gap between two body chunks of an upload
     request_timeout_s: float = 900.0    # longest an engine request may take before 504
@@ -165,6 +166,9 @@ def _http_options(p: argparse.ArgumentParser) -> None:
                    help="an upload whose body stalls this many seconds gets 408")
     g.add_argument("--cpu-threads", type=_number(int, 1), default=2,
                    help="CPU pool of each front end: container decode, resampling, VAD cutting of uploads")
+    g.add_argument("--decode-workers", type=_number(int, 1), default=None,
+                   help="threads that decode one long upload (>= 60 s) in time ranges, joined sample-exactly "
+                        "(default: env FLASHASR_DECODE_WORKERS, else the CPU count, at most 16; 1: sequential)")
     g.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="warning",
                    help="level of the server's log messages on stderr (info adds uvicorn's connection lines "
                         "and one line per client that leaves mid-upload); the access log has its own switch")
@@ -214,7 +218,7 @@ def parse_args(argv: list[str]) -> ServeConfig:
         max_upload_mb=a.max_upload_mb, max_audio_s=a.max_audio_s, mode=a.mode, workers=a.workers,
         max_batch=a.max_batch, batch_wait_ms=a.batch_wait_ms, warmup=not a.no_warmup, gc_freeze=not a.no_gc_freeze,
         shm_threshold_bytes=a.shm_threshold_kb * 1024, engine_socket=a.engine_socket,
-        cpu_threads=a.cpu_threads, partial_interval_ms=a.partial_interval_ms,
+        cpu_threads=a.cpu_threads, decode_workers=a.decode_workers, partial_interval_ms=a.partial_interval_ms,
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
         body_timeout_s=a.body_timeout_s, log_level=a.log_level, access_log=not a.no_access_log,
     )

@@ -6,7 +6,8 @@
          (event loop, streamed)                         options.resolve(model capabilities)
                                                                     │
     file ──load_audio──► float32 [N] 16 kHz ──plan_pieces──► [(start, end)] sample ranges
-         (CPU pool)                           (CPU pool: Silero VAD; never the model thread)
+         (CPU pool;                           (CPU pool: Silero VAD; never the model thread)
+          a long upload: load_audio_parallel, its time ranges on the decode threads)
                                                                     │
     backend.transcribe_pieces ──► Transcript per piece ──merge_pieces──► Transcript ──► reply
          (scheduler: pieces of many uploads batched, uploads take turns piece by piece)
@@ -24,6 +25,7 @@ transcribes what it is given).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 from fastapi import Request
@@ -32,7 +34,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from ..errors import AudioError, EmptyAudioError, FlashASRError
 from ..formats import render
 from ..options import ModelCapabilities, TranscribeOptions
-from ..pipeline import merge_pieces, plan_pieces
+from ..pipeline import default_vad_device, merge_pieces, plan_many, plan_pieces
 from ..types import Transcript
 from .context import ServeContext
 from .errors import APIError
@@ -83,7 +85,7 @@ class UploadTranscriber:
         (``duration = N / sample_rate``)."""
         ctx, m = self.ctx, self.ctx.metrics
         t0 = time.perf_counter()
-        pieces = await asyncio.get_running_loop().run_in_executor(ctx.pool, plan_pieces, samples, options, caps)
+        pieces = await asyncio.get_running_loop().run_in_executor(ctx.pool, self._plan, samples, options, caps)
         t1 = time.perf_counter()
         m.stage.labels("plan").observe(t1 - t0)
         parts = []
@@ -93,6 +95,19 @@ class UploadTranscriber:
         sr = caps.sample_rate
         return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, parts)], samples.size / sr, options=options,
                             caps=caps)
+
+    def _plan(self, samples, options: TranscribeOptions, caps: ModelCapabilities) -> list[tuple[int, int]]:
+        """:func:`~flashasr.pipeline.plan_pieces` in the CPU pool; a recording longer than
+        ``GPU_VAD_MIN_S`` in single mode with the model on CUDA has its VAD run there
+        (:func:`~flashasr.pipeline.plan_many`, the job runner's rule: a 1-hour upload's VAD takes
+        a fraction of a second instead of ~8 CPU-seconds; below 131 s both give the same pieces,
+        so short uploads keep the CPU VAD and leave the GPU to the model)."""
+        vad = "cpu"
+        if samples.size > GPU_VAD_MIN_S * caps.sample_rate and getattr(self.ctx.backend, "mode", "") != "multi":
+            vad = default_vad_device(self.ctx.cfg.device)
+        if vad == "cpu":
+            return plan_pieces(samples, options, caps)
+        return plan_many([samples], options, caps, vad_device=vad)[0]
 
     async def _refuse_task_early(self, request: Request, task: str) -> None:
         """A task the (known) model cannot do is refused before the body is read: no upload, no decode."""
@@ -115,16 +130,45 @@ class UploadTranscriber:
             raise
 
     def _decode(self, up, rate: int):
-        """Container decode + resample to ``rate`` (runs in the CPU pool; PyAV and soxr release the GIL)."""
-        from ..audio import load_audio
+        """Container decode + resample to ``rate`` (runs in the CPU pool; PyAV and soxr release the GIL).
+        An upload on disk is decoded by :func:`~flashasr.audio.load_audio_parallel` through its
+        ``/proc/self/fd`` path (one long file on several threads, same samples)."""
+        from ..audio import load_audio, load_audio_parallel
 
+        workers = self.ctx.cfg.decode_workers
+        path = _upload_path(up.file, up.file_size) if workers != 1 else None
         try:
+            if path is not None:
+                return load_audio_parallel(path, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s,
+                                           workers=workers)
             return load_audio(up.file, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s)
         except AudioError as e:
             msg = str(e)
-            if msg.startswith("<") and ">" in msg:  # name the upload, not our temp file object
+            label = repr(path) if path is not None else None
+            if label is not None and msg.startswith(label):  # name the upload, not our temp file
+                msg = f"uploaded file {up.filename!r}" + msg[len(label):]
+            elif msg.startswith("<") and ">" in msg:  # name the upload, not our temp file object
                 msg = f"uploaded file {up.filename!r}" + msg[msg.index(">") + 1:]
             raise AudioError(msg, code=e.code) from None
+
+
+GPU_VAD_MIN_S = 120.0  # longer uploads in single mode on CUDA: the batched VAD on the GPU
+PARALLEL_MIN_BYTES = 256 << 10  # smaller uploads hold < 60 s at any usual bit rate: decoded from memory
+
+
+def _upload_path(f, size: int) -> str | None:
+    """A path that reopens the spooled upload ``f`` (Linux ``/proc/self/fd/N``: the unlinked temp
+    file, each open with its own offset), rolling a large in-memory upload over to its temp file
+    first; None for small uploads or where no such path exists (the decode then reads ``f``)."""
+    if size < PARALLEL_MIN_BYTES or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        if hasattr(f, "rollover"):
+            f.rollover()  # SpooledTemporaryFile: an in-memory upload goes to its (unlinked) temp file
+        path = f"/proc/self/fd/{f.fileno()}"
+    except (AttributeError, OSError, ValueError):
+        return None
+    return path if os.path.isfile(path) else None
 
 
 def respond(transcript: Transcript, req: UploadRequest, ignored: list[str] = ()) -> Response:

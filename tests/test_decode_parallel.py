@@ -1,0 +1,234 @@
+"""One long file decoded by several workers (``flashasr.audio.parallel``) equals the sequential
+``load_audio``: same length, max |difference| within the bound the module docstring states, no
+lost or doubled sample at any join; damaged, short, bytes and other inputs take (or fall back
+to) the sequential path and give its result or its error class.
+
+Test files: ~100 s of real speech (../shared/audio, read in place) re-encoded with PyAV once per
+session: mp3 44.1 kHz stereo CBR 128 kb/s, mp3 16 kHz mono VBR with and without its Xing header,
+ogg/opus 48 kHz, m4a/aac 44.1 kHz, flac 44.1 kHz stereo, wav 16 kHz, webm/opus.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashasr.audio.parallel as par
+from flashasr.audio import encode_audio, load_audio, load_audio_parallel
+from flashasr.errors import AudioError, AudioTooLongError
+
+from conftest import AUDIO
+
+SECONDS = 100.0
+BOUND = 1e-5  # stated in flashasr/audio/parallel.py: measured <= 2e-7 (opus <= 1e-6)
+# AAC's perceptual noise substitution draws from a decoder-side random generator whose state
+# depends on where decoding started: those bands differ (measured <= 2.3e-4, 419 of 1.6 M samples)
+AAC_BOUND, AAC_SHARE = 1e-3, 1e-3
+
+# name: (container, codec, rate, channels, encode_audio keywords)
+FILES = {
+    "mp3_cbr_44k_stereo": ("mp3", "libmp3lame", 44100, 2, {"bit_rate": 128000}),
+    "mp3_vbr_16k": ("mp3", "libmp3lame", 16000, 1, {"quality": 4}),
+    "mp3_vbr_16k_no_xing": ("mp3", "libmp3lame", 16000, 1, {"quality": 4, "container_options": {"write_xing": "0"}}),
+    "opus_48k": ("ogg", "libopus", 48000, 1, {"bit_rate": 32000}),
+    "aac_44k": ("ipod", "aac", 44100, 1, {"bit_rate": 96000}),
+    "flac_44k_stereo": ("flac", "flac", 44100, 2, {}),
+    "wav_16k": ("wav", "pcm_s16le", 16000, 1, {}),
+}
+EXT = {"ipod": "m4a", "ogg": "opus"}
+
+
+def _speech(rate: int, channels: int) -> np.ndarray:
+    parts = [load_audio(AUDIO / p, target_rate=rate).samples
+             for p in ("long/long-en-voxpopuli-000.ogg", "long/long-en-ted-60s.m4a")]
+    x = np.concatenate(parts)[: int(SECONDS * rate)]
+    if channels == 1:
+        return x
+    # half the same speech, half speech 7 s away (uncorrelated): never anti-correlated, so the
+    # energy-keeping downmix stays the plain mean (a 1 ms lag was not: it inverts ~500 Hz)
+    right = 0.5 * x + 0.5 * np.roll(x, 7 * rate)
+    return np.stack([x, right], axis=1)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("parallel")
+    cache: dict = {}
+    out = {}
+    for name, (fmt, codec, rate, ch, kw) in FILES.items():
+        key = (rate, ch)
+        if key not in cache:
+            cache[key] = _speech(rate, ch)
+        p = d / f"{name}.{EXT.get(fmt, fmt)}"
+        encode_audio(cache[key], rate, p, format=fmt, codec=codec, **kw)
+        out[name] = p
+    return out
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records each parallel attempt: its plan and whether it fell back."""
+    calls = []
+    real = par._run
+
+    def run(plan, src, pool):
+        rec = {"plan": plan, "fallback": None}
+        calls.append(rec)
+        try:
+            return real(plan, src, pool)
+        except par._Fallback as e:
+            rec["fallback"] = str(e)
+            raise
+
+    monkeypatch.setattr(par, "_run", run)
+    return calls
+
+
+def _join_lags(a: np.ndarray, b: np.ndarray, at: int, rate: int, max_lag: int = 8) -> int:
+    """Lag (samples) of best cross-correlation of ``a`` against ``b`` in a 1 s window at ``at``."""
+    w = rate
+    lo, hi = max(max_lag, at - w // 2), min(len(a) - max_lag, at + w // 2)
+    seg = a[lo:hi].astype(np.float64)
+    scores = [float(np.dot(seg, b[lo + lag:hi + lag])) for lag in range(-max_lag, max_lag + 1)]
+    return int(np.argmax(scores)) - max_lag
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_parallel_equals_sequential(files, spy, name):
+    path = files[name]
+    ref = load_audio(path)
+    for workers in (1, 2, 3, 7):
+        spy.clear()
+        got = load_audio_parallel(path, workers=workers)
+        assert got.samples.dtype == np.float32
+        assert len(got) == len(ref), (workers, len(got), len(ref))
+        err = np.abs(got.samples - ref.samples)
+        diff = float(err.max())
+        if name.startswith("aac"):
+            assert diff <= AAC_BOUND and np.count_nonzero(err > BOUND) <= AAC_SHARE * err.size, (workers, diff)
+        else:
+            assert diff <= BOUND, (workers, diff)
+        assert (got.sample_rate, got.source_sample_rate, got.source_channels, got.source_format, got.warnings) == \
+               (ref.sample_rate, ref.source_sample_rate, ref.source_channels, ref.source_format, ref.warnings)
+        if workers == 1:
+            assert spy == []  # one worker: the sequential path itself
+            continue
+        assert len(spy) == 1 and spy[0]["fallback"] is None, spy  # really joined in parallel
+        plan = spy[0]["plan"]
+        assert len(plan.bounds) == workers
+        for s in plan.bounds[1:]:
+            at = plan.out_index(s)
+            j = slice(max(0, at - 800), at + 800)
+            assert float(np.abs(got.samples[j] - ref.samples[j]).max()) <= (AAC_BOUND if name.startswith("aac") else BOUND)
+            if float(np.abs(ref.samples[j]).max()) > 0.01:  # speech here: no lost or doubled sample
+                assert _join_lags(got.samples, ref.samples, at, 16000) == 0
+
+
+def test_webm_equals_sequential(tmp_path, spy):
+    """WebM timestamps are milliseconds: joined in parallel only where every frame position is
+    a whole sample (20 ms opus frames are), else decoded sequentially; equal either way."""
+    p = tmp_path / "x.webm"
+    encode_audio(_speech(48000, 1)[: 48000 * 70], 48000, p, format="webm", codec="libopus", bit_rate=32000)
+    ref = load_audio(p)
+    got = load_audio_parallel(p, workers=3)
+    assert len(got) == len(ref) and float(np.abs(got.samples - ref.samples).max()) <= BOUND
+
+
+def test_target_rate_none_and_other_rates(files):
+    ref = load_audio(files["aac_44k"], target_rate=None)
+    got = load_audio_parallel(files["aac_44k"], target_rate=None, workers=3)
+    assert got.sample_rate == 44100 and len(got) == len(ref)
+    assert float(np.abs(got.samples - ref.samples).max()) <= AAC_BOUND  # no resampler; AAC's noise bands
+    ref = load_audio(files["flac_44k_stereo"], target_rate=None)
+    got = load_audio_parallel(files["flac_44k_stereo"], target_rate=None, workers=3)
+    assert np.array_equal(got.samples, ref.samples)  # lossless, no resampler: bit-exact
+    ref = load_audio(files["opus_48k"], target_rate=8000)
+    got = load_audio_parallel(files["opus_48k"], target_rate=8000, workers=3)
+    assert len(got) == len(ref) and float(np.abs(got.samples - ref.samples).max()) <= BOUND
+
+
+def test_short_files_bytes_and_streams_are_sequential(files, spy, tmp_path):
+    short = tmp_path / "short.mp3"
+    encode_audio(_speech(16000, 1)[: 16000 * 30], 16000, short, format="mp3", codec="libmp3lame", bit_rate=64000)
+    ref = load_audio(short)
+    assert np.array_equal(load_audio_parallel(short, workers=4).samples, ref.samples)
+    path = files["mp3_vbr_16k"]
+    ref = load_audio(path)
+    assert np.array_equal(load_audio_parallel(path.read_bytes(), workers=4).samples, ref.samples)
+    with open(path, "rb") as f:
+        assert np.array_equal(load_audio_parallel(f, workers=4).samples, ref.samples)
+    assert spy == []
+    x = np.zeros(16000 * 120, np.float32)
+    assert len(load_audio_parallel(x, sample_rate=16000, workers=4)) == 16000 * 120
+    assert spy == []
+
+
+def test_cancelling_stereo_falls_back(tmp_path, spy):
+    """Right channel inverted from 50 s on: the energy-keeping downmix switches to one channel
+    (stateful): the parallel path must not guess, the result is the sequential one."""
+    x = _speech(16000, 1)[: 16000 * 80]
+    r = x.copy()
+    r[16000 * 50:] *= -1
+    p = tmp_path / "inv.flac"
+    encode_audio(np.stack([x, r], axis=1), 16000, p, format="flac")
+    ref = load_audio(p)
+    got = load_audio_parallel(p, workers=4)
+    assert any("strongest channel" in w for w in ref.warnings)
+    assert spy and spy[0]["fallback"]
+    assert np.array_equal(got.samples, ref.samples) and got.warnings == ref.warnings
+
+
+def test_damaged_files_match_sequential(files, spy, tmp_path):
+    data = files["mp3_cbr_44k_stereo"].read_bytes()
+    # truncated: the decodable prefix, with the header's warning
+    cut = tmp_path / "cut.mp3"
+    cut.write_bytes(data[: int(len(data) * 0.6)])
+    ref, got = load_audio(cut), load_audio_parallel(cut, workers=3)
+    assert len(got) == len(ref) and float(np.abs(got.samples - ref.samples).max()) <= BOUND
+    assert got.warnings == ref.warnings
+    # garbage in the middle: packets skipped (sample positions shift), so sequential
+    bad = bytearray(data)
+    mid = len(bad) // 2
+    bad[mid:mid + 20000] = np.random.default_rng(0).integers(0, 256, 20000, dtype=np.uint8).tobytes()
+    p = tmp_path / "bad.mp3"
+    p.write_bytes(bytes(bad))
+    ref, got = load_audio(p), load_audio_parallel(p, workers=3)
+    assert np.array_equal(got.samples, ref.samples) and got.warnings == ref.warnings
+    # m4a with its index at the end, truncated: no index, the same error class
+    m4a = files["aac_44k"].read_bytes()
+    p = tmp_path / "cut.m4a"
+    p.write_bytes(m4a[: len(m4a) // 2])
+    with pytest.raises(AudioError) as e_seq:
+        load_audio(p)
+    with pytest.raises(AudioError) as e_par:
+        load_audio_parallel(p, workers=3)
+    assert type(e_par.value) is type(e_seq.value) and e_par.value.code == e_seq.value.code
+
+
+def test_max_duration(files):
+    with pytest.raises(AudioTooLongError):
+        load_audio_parallel(files["opus_48k"], workers=3, max_duration=50)
+    got = load_audio_parallel(files["opus_48k"], workers=3, max_duration=SECONDS + 5)
+    assert abs(got.duration - SECONDS) < 0.1
+    # a header that declares less than the file holds (VBR mp3 without Xing): the last range stops
+    no_xing = files["mp3_vbr_16k_no_xing"]
+    declared = par._ContainerSource(str(no_xing), "x").declared
+    if declared < SECONDS - 2:
+        with pytest.raises(AudioTooLongError):
+            load_audio_parallel(no_xing, workers=3, max_duration=declared + 1)
+
+
+def test_worker_pool_argument(files):
+    import concurrent.futures as cf
+
+    ref = load_audio(files["wav_16k"])
+    with cf.ThreadPoolExecutor(2) as ex:
+        got = load_audio_parallel(files["wav_16k"], workers=4, pool=ex)
+    assert np.array_equal(got.samples, ref.samples)
+
+
+def test_default_workers(monkeypatch):
+    monkeypatch.setenv("FLASHASR_DECODE_WORKERS", "3")
+    assert par.default_workers() == 3
+    monkeypatch.delenv("FLASHASR_DECODE_WORKERS")
+    assert 1 <= par.default_workers() <= 16
