@@ -61,6 +61,29 @@ def test_plan_policy_table():
     assert plan_pieces(np.zeros(0, np.float32), TranscribeOptions(), WHISPERISH) == []
 
 
+def test_a_model_without_a_speech_gate_runs_the_vad_only_to_cut():
+    """caps.speech_gate=False (Parakeet): a recording that fits the window goes in whole with no
+    VAD call, even without speech; a longer one is cut by the VAD as before; needs_vad agrees
+    with what plan_pieces does (plan_many computes the probabilities of exactly those)."""
+    from dataclasses import replace
+
+    from flashasr.pipeline import needs_vad
+
+    ungated = replace(PARAKEETISH, speech_gate=False)
+    assert _plan(50, ungated, speech=False) == ([(0, 50 * SR)], [])
+    pieces, calls = _plan(70, ungated)
+    assert len(pieces) == 7 and calls == [(70 * SR, SR, 60.0, "vad")]
+    assert _plan(70, ungated, speech=False)[0] == []  # cutting still leaves non-speech out
+    assert _plan(50, PARAKEETISH, speech=False) == ([], [(50 * SR, SR, 60.0, "vad")])  # gated: as before
+    o = TranscribeOptions().resolve(ungated)
+    assert not needs_vad(50 * SR, o, ungated) and needs_vad(70 * SR, o, ungated)
+    assert needs_vad(50 * SR, TranscribeOptions().resolve(PARAKEETISH), PARAKEETISH)
+    from flashasr.models.parakeet.model import ParakeetASR
+    from flashasr.models.whisper.asr import WhisperASR
+
+    assert ParakeetASR.speech_gate is False and WhisperASR.speech_gate is True
+
+
 def test_plan_with_the_real_vad():
     """clip, 30 s of silence, clip: two pieces around the speech; 5 s of silence: none."""
     from flashasr.audio import load_audio

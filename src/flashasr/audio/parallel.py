@@ -66,6 +66,7 @@ import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -268,17 +269,19 @@ class _RangeOut:
         self.pos = hi
 
 
-def _decode_range(plan: _Plan, k: int, out: np.ndarray, abort: threading.Event) -> tuple[int, list[np.ndarray]]:
+def _decode_range(plan: _Plan, k: int, out: np.ndarray, abort: threading.Event):
     """Decode range ``k`` of ``plan`` into ``out``; returns (its output end index, excess
-    samples of the last range). Raises _Fallback when the join cannot be proven (or ``abort``
+    samples of the last range, this thread's CPU seconds for it, of which in soxr). Raises _Fallback when the join cannot be proven (or ``abort``
     is set: another range failed), AudioTooLongError past ``max_duration``."""
     import av
 
+    c0 = time.thread_time()
     try:
-        return _decode_range_tries(plan, k, out, abort, av)
+        end, tail, resample_s = _decode_range_tries(plan, k, out, abort, av)
     except BaseException:
         abort.set()
         raise
+    return end, tail, time.thread_time() - c0, resample_s
 
 
 def _decode_range_tries(plan: _Plan, k: int, out: np.ndarray, abort: threading.Event, av):
@@ -296,15 +299,15 @@ def _decode_range_tries(plan: _Plan, k: int, out: np.ndarray, abort: threading.E
         finally:
             src.close()
         if got is not None:
-            return got, sink.tail
+            return got[0], sink.tail, got[1]
         back *= 4  # the seek landed after p0: start earlier
     raise _Fallback(f"range {k}: seek did not land before its start")
 
 
 def _decode_span(plan: _Plan, src: _ContainerSource, av, k: int, p0: int, feed_end: int | None, back: int,
                  sink: _RangeOut, last: bool, abort: threading.Event) -> int | None:
-    """One attempt at range ``k``: None when the seek landed too close to ``p0`` (less than
-    half the pre-roll before it) or after it."""
+    """One attempt at range ``k``: (the output end index, soxr CPU seconds), or None when the
+    seek landed too close to ``p0`` (less than half the pre-roll before it) or after it."""
     rate, tb = plan.in_rate, plan.tb
     tb_num, tb_den, first = tb.numerator * rate, tb.denominator, plan.first  # integer math per frame
     if k > 0:
@@ -405,7 +408,7 @@ def _decode_span(plan: _Plan, src: _ContainerSource, av, k: int, p0: int, feed_e
         raise _Fallback(f"range {k}: channels partly cancel; the downmix depends on history")
     if sink.stop is not None and sink.pos != sink.stop:
         raise _Fallback(f"range {k}: wrote {sink.pos - sink.start} of {sink.stop - sink.start} samples")
-    return sink.pos
+    return sink.pos, pipe.resample_cpu_s
 
 
 def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_duration: float | None = None,
@@ -464,7 +467,7 @@ def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_dur
             src.close()
 
 
-def _decode_range_shm(plan: _Plan, k: int, name: str, size: int) -> tuple[int, list[np.ndarray]]:
+def _decode_range_shm(plan: _Plan, k: int, name: str, size: int):
     """:func:`_decode_range` in a worker process: the output array is the shared-memory segment
     ``name`` of ``size`` float32 samples, made by the caller (no abort across processes)."""
     import mmap
@@ -529,6 +532,7 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None) -> 
     fallback = False
     error: BaseException | None = None
     end, tail = 0, []
+    cpu_s = resample_s = 0.0
     try:
         for i, f in enumerate(futures):
             try:
@@ -551,8 +555,10 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None) -> 
                             exc_info=True)
                 fallback = True
                 continue
+            cpu_s += got[2]
+            resample_s += got[3]
             if i == k - 1:
-                end, tail = got
+                end, tail = got[0], got[1]
     except BaseException:  # interrupted while waiting: stop the other ranges
         if abort is not None:
             abort.set()
@@ -578,7 +584,8 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None) -> 
     dur = samples.shape[0] / plan.out_rate
     return DecodedAudio(samples=samples, sample_rate=plan.out_rate, duration=dur,
                         source_sample_rate=plan.in_rate, source_channels=plan.channels,
-                        source_format=src.format, warnings=src.warnings(dur))
+                        source_format=src.format, warnings=src.warnings(dur), resample_cpu_s=resample_s,
+                        other_threads_cpu_s=cpu_s)
 
 
 __all__ = ["load_audio_parallel", "default_workers", "default_pool_kind", "MIN_PARALLEL_S"]

@@ -78,6 +78,7 @@ class ParakeetGPUASR(ParakeetASR):
         """All pieces in one engine call (it sorts and packs them into profiles itself)."""
         out = self.engine.transcribe_arrays(pieces, checked=True)  # serialised by the engine's lock; checked by
         # ASRModel.transcribe_batch
+        self._count("features_upload", float(out.timings.get("host_prep", 0.0)))  # one thread: wall ~ CPU
         return [Hypothesis(list(it.token_ids), list(it.token_frames), list(it.token_durations)) for it in out.items]
 
     def memory_report(self) -> list[dict]:

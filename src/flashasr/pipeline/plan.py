@@ -12,8 +12,11 @@ segmentation    pieces
 ``vad``         Silero VAD (:func:`flashasr.audio.vad.split_for_asr`): speech spans padded,
                 grouped and cut at the longest pause that keeps a piece <= ``W``; stretches
                 without speech are left out, so a recording without speech has no piece
-                (an empty transcript, no model call). A recording no longer than ``W`` that
-                holds speech goes in whole: VAD only decides whether it holds speech.
+                (an empty transcript, no model call). A recording no longer than ``W`` goes
+                in whole: for a model that needs a speech gate (``caps.speech_gate``:
+                Whisper, which invents text on non-speech) the VAD only decides whether it
+                holds speech; a model without one (Parakeet-TDT, whose decoder emits blanks
+                there: NeMo gates nothing) gets it without running the VAD at all.
 ``fixed``       consecutive windows of ``W`` covering ``[0, N)``.
 ``none``        ``[(0, N)]``: the model's own long-form procedure (Whisper's 30 s seek). A
                 model without one (Parakeet-TDT) gets ``[(0, N)]`` up to ``W`` and ``vad``
@@ -79,9 +82,10 @@ def needs_vad(n_samples: int, options: TranscribeOptions, caps: ModelCapabilitie
     compute the speech probabilities beforehand, many recordings at once)."""
     if n_samples == 0 or options.segmentation == "fixed":
         return False
+    fits = n_samples <= int(piece_limit_s(options, caps) * caps.sample_rate)
     if options.segmentation == "none":
-        return not caps.long_form and n_samples > int(piece_limit_s(options, caps) * caps.sample_rate)
-    return True
+        return not caps.long_form and not fits
+    return not fits or caps.speech_gate
 
 
 def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapabilities, *,
@@ -111,6 +115,8 @@ def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapa
         if caps.long_form or fits:
             return [(0, n)]
         method = "vad"
+    if method == "vad" and fits and not caps.speech_gate:
+        return [(0, n)]  # no cut needed and no speech gate wanted: the VAD has nothing to decide
     if split is not None:
         got = split(samples, sr, limit, method)
     else:

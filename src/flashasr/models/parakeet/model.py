@@ -14,6 +14,7 @@ which also merges the pieces' transcripts. See docs/PARAKEET.md.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -128,6 +129,7 @@ class ParakeetASR(ASRModel):
     """
 
     family = "parakeet"
+    speech_gate = False  # the TDT decoder emits blanks on non-speech: no VAD for pieces that fit (NeMo gates nothing)
 
     def __init__(self, cfg: ParakeetConfig, net: ParakeetModule, tokenizer, *, device: str = "cpu",
                  dtype=None, name: str = "parakeet-tdt"):
@@ -293,8 +295,17 @@ class ParakeetASR(ASRModel):
             pieces.append(w)
             shifts.append(left)
         hyps = self._decode_pieces(pieces)
-        return [self.transcript_of(h, len(w) / sr, offset=-left / sr, options=options)
-                for h, w, left in zip(hyps, waveforms, shifts)]
+        c0 = time.thread_time()
+        out = [self.transcript_of(h, len(w) / sr, offset=-left / sr, options=options)
+               for h, w, left in zip(hyps, waveforms, shifts)]
+        self._count("detokenize", time.thread_time() - c0)
+        return out
+
+    def _count(self, stage: str, cpu_s: float) -> None:
+        """Add to :attr:`stage_cpu_s` (this model's own host stages, read by the job report)."""
+        if self.stage_cpu_s is None:
+            self.stage_cpu_s = {}
+        self.stage_cpu_s[stage] = self.stage_cpu_s.get(stage, 0.0) + cpu_s
 
     def transcript_of(self, hyp: Hypothesis, duration: float, *, offset: float = 0.0,
                       options: TranscribeOptions | None = None) -> Transcript:
