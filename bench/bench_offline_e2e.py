@@ -797,6 +797,21 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
     if intervals[0] is not None:
         sys.setswitchinterval(intervals[0])
 
+    # (a') the same from disk with other run_job settings (--a-variants "min_batch=128;min_batch=512")
+    for spec in [v.strip() for v in (args.a_variants or "").split(";") if v.strip()]:
+        kw = {}
+        for kv in spec.split(","):
+            k, _, v = kv.partition("=")
+            kw[k.strip()] = float(v) if "." in v else int(v)
+        if left() < 5:
+            log(f"variant {spec}: skipped, out of time")
+            continue
+        try:
+            job(f"a: from disk, batch {batch_sizes[0]}, {spec}", [inputs_root], len(inputs),
+                tmp_root / f"out_var_{len(d['phases'])}", batch_sizes[0], min(40.0, 0.25 * left()), **kw)
+        except Exception as e:
+            res.error(f"variant {spec}", e)
+
     # (d) one format alone (e.g. mp3-44k): the stage costs per audio hour of that format through the
     # whole path (issue #12: their sum for 44.1 kHz mp3)
     for fmt_name in [f.strip() for f in (args.format_phases or "").split(",") if f.strip()]:
@@ -1065,6 +1080,9 @@ def main(argv=None) -> int:
                         "model phase uses the same)")
     r.add_argument("--null-phase", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the inputs from disk with a model that costs nothing (the CPU path's ceiling)")
+    r.add_argument("--a-variants", default=None,
+                   help="more from-disk runs with other run_job keywords, ';'-separated, e.g. "
+                        "'min_batch=128;min_batch=512'")
     r.add_argument("--format-phases", default=None,
                    help="comma list of corpus formats (e.g. mp3-44k) each run alone from disk with the model, "
                         "for its stage costs per audio hour")

@@ -165,7 +165,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     # decode workers forked while this process is small (forking them from one holding a CUDA context
     # and the model took 0.9 s on the H200 machine); None when the job decodes in threads
-    pool = start_decode_pool(args.device, args.workers, args.cpu_pool) if len(items) > 1 else None
+    pool = start_decode_pool(args.device, args.workers, args.cpu_pool, n_inputs=len(items))
     try:
         return _transcribe(args, items, missing, options, pool)
     finally:

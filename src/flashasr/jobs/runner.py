@@ -93,16 +93,19 @@ def default_max_buffered_s(batch_size: int) -> float:
 JOB_SWITCH_INTERVAL_S = 0.0005
 
 
-def start_decode_pool(device: str = "cpu", workers: int | None = None, cpu_pool: str | None = None):
+def start_decode_pool(device: str = "cpu", workers: int | None = None, cpu_pool: str | None = None,
+                      n_inputs: int | None = None):
     """Fork the decode worker processes of :func:`run_job` now, to pass as its ``worker_pool`` (to
-    any number of jobs; ``close()`` it at the end), or None when the job would use threads anyway.
+    any number of jobs; ``close()`` it at the end), or None when the job would use threads anyway
+    (a CPU job; or ``n_inputs`` fewer than the workers: then each file's time ranges are decoded
+    by :func:`flashasr.audio.load_audio_parallel`'s processes).
 
     Call it before loading the model: forking 15 workers from a process that holds a CUDA context
     and a loaded model took 0.9 s on the H200 machine (``bench/results/profile_jobs_h200_lean.json``),
     a few milliseconds from a small process. ``flashasr transcribe`` does so.
     """
     n = int(workers) if workers else default_workers(device)
-    if _pool_kind(cpu_pool, device, n, False) != "process":
+    if _pool_kind(cpu_pool, device, n, False) != "process" or (n_inputs is not None and n_inputs < n):
         return None
     from .feeder import worker_init
     from .procpool import ForkedWorkers
@@ -213,11 +216,13 @@ class _Conductor:
 
     def __init__(self, items: list[InputItem], file_opts: list, feeder: DecodeFeeder, batcher: Batcher,
                  model: ModelWorker, finisher: Finisher, report: JobReport, batch_wait_s: float, *,
-                 options: TranscribeOptions, caps: ModelCapabilities, vad_device: str, split: Callable | None):
+                 options: TranscribeOptions, caps: ModelCapabilities, vad_device: str, split: Callable | None,
+                 min_batch: int | None = None):
         self.items, self.file_opts = items, file_opts
         self.feeder, self.batcher, self.model, self.finisher = feeder, batcher, model, finisher
         self.report = report
         self.batch_wait_s = batch_wait_s
+        self.min_batch = max(1, min(batcher.batch_size, min_batch if min_batch else max(32, batcher.batch_size // 4)))
         self.options, self.caps, self.vad_device, self.split = options, caps, vad_device, split
         self.planner = None if vad_device == "cpu" else Planner(options, caps, vad_device=vad_device, wake=feeder.wake,
                                                                  split=split)
@@ -255,17 +260,16 @@ class _Conductor:
 
     def _time_for_a_batch(self, timed_out: bool) -> bool:
         """A full batch; or, with the model idle: nothing more coming soon (no decode in flight or
-        ready and none may start, nothing being planned), a wait that timed out, or -- for the very
-        first batch of a large batch size only -- a quarter batch, at least 32 pieces (the GPU
-        starts early; later batches fill up while the
-        previous one runs: batches of 128 ran the engine at 8,232x, of 512 at 9,550x, H200,
+        ready and none may start, nothing being planned), a wait that timed out, or ``min_batch``
+        pieces pending (default a quarter batch, at least 32: the GPU starts early and never idles
+        while a batch fills; batches of 128 ran the engine at 8,232x, of 512 at 9,550x, H200,
         ``bench/results/offline_e2e_h200_shm.json``). A second batch only queues when full."""
         if self.batcher.full():
             return True
         if not self.model.idle:
             return False
         return ((self.feeder.nothing_coming() and not self._planning()) or timed_out
-                or (self.model.batches_done == 0 and len(self.batcher.pending) >= max(32, self.batcher.batch_size // 4)))
+                or len(self.batcher.pending) >= self.min_batch)
 
     def _submit(self) -> None:
         batch, options, waves = self.batcher.take_batch()
@@ -333,6 +337,7 @@ def run_job(
     gpu_monitor: bool | None = None,
     vad_device: str | None = None,
     worker_pool=None,
+    min_batch: int | None = None,
     **changes,
 ) -> JobReport:
     """Transcribe many inputs with one model; the Python API behind ``flashasr transcribe``.
@@ -374,6 +379,8 @@ def run_job(
             the main process; the workers only decode); None: the model's device when it is CUDA,
             else ``"cpu"``. The same pieces either way for recordings up to 131 s
             (:func:`flashasr.pipeline.plan_many`).
+        min_batch: pieces pending at which an idle model gets a batch before it is full (default a
+            quarter of ``batch_size``, at least 32).
         worker_pool: decode worker processes from :func:`start_decode_pool` (forked before the
             model was loaded; kept after the job); None forks ``workers`` processes for this job
             when it uses processes. With a pool, ``workers`` is its size.
@@ -402,6 +409,12 @@ def run_job(
 
     n_workers = int(workers) if workers else default_workers(device)
     kind = _pool_kind(cpu_pool, device, n_workers, decode_fn is not None or split_fn is not None)
+    # fewer files than workers: the spare workers decode each file's time ranges (load_audio_parallel,
+    # in processes of its own), the files themselves in threads of this process (a worker process
+    # may not start processes)
+    decode_workers = n_workers // len(todo) if 0 < len(todo) < n_workers else 1
+    if decode_workers > 1:
+        kind = "thread"
     if kind == "process" and worker_pool is not None and not worker_pool.closed:
         n_workers = worker_pool.size
     else:
@@ -413,8 +426,6 @@ def run_job(
                         on_result=on_result, keep_transcripts=keep_transcripts)
     batcher = Batcher(batch_size)
     # forks the worker processes now, before this job starts any thread of its own
-    # fewer files than workers: the spare workers decode each file's time ranges (load_audio_parallel)
-    decode_workers = n_workers // len(todo) if 0 < len(todo) < n_workers else 1
     feeder = DecodeFeeder([str(it.path) for it in items], todo, options=opts, caps=caps, workers=report.workers,
                           cpu_pool=report.cpu_pool, max_buffered=int(max_buffered_audio_s * caps.sample_rate),
                           decode=decode_fn, split=split_fn, plan=vad_device == "cpu", decode_workers=decode_workers,
@@ -434,7 +445,7 @@ def run_job(
         model_worker = ModelWorker(model, wake=feeder.wake, synchronize_cuda=device.startswith("cuda"))
         feeder.start()  # a Ctrl-C held back while forking is raised here, inside the try
         conductor = _Conductor(items, file_opts, feeder, batcher, model_worker, finisher, report, batch_wait_s,
-                               options=opts, caps=caps, vad_device=vad_device, split=split_fn)
+                               options=opts, caps=caps, vad_device=vad_device, split=split_fn, min_batch=min_batch)
         conductor.run()
     except KeyboardInterrupt:
         report.interrupted = True
