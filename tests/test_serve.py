@@ -11,15 +11,19 @@ import asyncio
 import base64
 import io
 import json
+import re
 import resource
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
 from websockets.asyncio.client import connect
+
+import flashasr.serve.web
 
 from conftest import AUDIO
 from test_serve_util import CLIP, CLIP_WORDS, Server, pcm16, silence, wav_bytes, words
@@ -144,6 +148,32 @@ def test_status_counts_streams_and_uploads_in_flight(server):
     while status()["streams_live"] != before["streams_live"]:
         assert time.monotonic() < t_end
         time.sleep(0.05)
+
+
+def test_web_page_and_its_files(server):
+    """GET / is the page (no key needed: it asks for one); its files under /ui/ only by name."""
+    r = httpx.get(server.base + "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert r.headers["cache-control"] == "no-cache" and httpx.head(server.base + "/").status_code == 200
+    static = Path(flashasr.serve.web.STATIC)
+    refs = set(re.findall(r'(?:src|href)="(/ui/[^"]+)"', r.text))
+    for p in static.glob("*.js"):
+        text = p.read_text(encoding="utf-8")
+        refs |= {"/ui/" + m for m in re.findall(r'from "\./([\w.-]+)"', text)}
+        refs |= set(re.findall(r'"(/ui/[\w.-]+)"', text))
+    assert {"/ui/app.js", "/ui/app.css", "/ui/pcm-worklet.js", "/ui/live.js"} <= refs
+    for ref in sorted(refs):
+        got = httpx.get(server.base + ref)
+        assert got.status_code == 200, ref
+        if ref.endswith(".js"):
+            assert got.headers["content-type"].startswith("text/javascript"), ref
+    for bad in ("/ui/nope.js", "/ui/..%2Fweb.py", "/ui/%2e%2e%2fapp.py"):
+        got = httpx.get(server.base + bad)
+        assert got.status_code == 404 and got.json()["error"]["code"] == "not_found", bad
+    # works offline: nothing from another host (CDN, fonts, scripts)
+    external = re.compile(r"""(src|href)\s*=\s*["']?(https?:)?//|@import|url\(\s*["']?(https?:)?//|from\s+["']https?:""")
+    for p in static.iterdir():
+        assert not external.search(p.read_text(encoding="utf-8")), p.name
 
 
 def test_latency_window_percentiles():

@@ -9,6 +9,7 @@ module              role
 :mod:`.routes`      HTTP routes (``/health``, ``/ready``, ``/metrics``, ``/status``, ``/v1/models``,
                     ``/v1/audio/transcriptions``, ``/v1/audio/translations``), the API key check
 :mod:`.status`      ``/status``: the front end's and engine's figures as one JSON object
+:mod:`.web`         the web page for people: ``GET /`` and its files under ``/ui/`` (``static/``)
 :mod:`.offline`     the serving layer of uploads: options, decode, plan (VAD), pieces through
                     the backend, merge, reply
 :mod:`.protocol`    requests into objects: the upload form, Realtime session updates, the
@@ -48,13 +49,14 @@ from .errors import APIError, error_body
 from .metrics import FrontendMetrics
 from .process import main as _serve_main
 from .routes import http_router
+from .web import web_router
 from .websocket import websocket_router
 
 log = logging.getLogger("flashasr.serve")
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 HTTP_ENDPOINTS = ("/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models", "/health", "/ready",
-                  "/metrics", "/status")
+                  "/metrics", "/status", "/")
 
 
 def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
@@ -103,6 +105,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     app.include_router(http_router(ctx))
+    app.include_router(web_router())
     app.include_router(websocket_router(ctx))
     app.add_middleware(_RequestLog, metrics=metrics, access_log=cfg.access_log)
     return app
