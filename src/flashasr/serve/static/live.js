@@ -168,6 +168,7 @@ export class LiveSession {
 
   handle(ev, now) {
     const toSamples = (v) => Math.round((v * this.rate) / 1000);
+    let lat = null; // [kind, ms] of this event, reported after the event itself
     if (ev.type === "input_audio_buffer.committed") {
       const end = toSamples(ev.audio_end_ms);
       this.commitEnd.set(ev.item_id, end);
@@ -176,11 +177,11 @@ export class LiveSession {
       this.commitAnswered = true;
     } else if (ev.type === "conversation.item.input_audio_transcription.delta" && ev.audio_end_ms !== undefined) {
       const t = this.sentAt(toSamples(ev.audio_end_ms));
-      if (t !== null) this.on.latency("partial", now - t, ev.item_id);
+      if (t !== null) lat = ["partial", now - t];
     } else if (ev.type === "conversation.item.input_audio_transcription.completed") {
       const end = this.commitEnd.get(ev.item_id);
       const t = end === undefined ? null : this.sentAt(end);
-      if (t !== null) this.on.latency("final", now - t, ev.item_id);
+      if (t !== null) lat = ["final", now - t];
       this.pending.delete(ev.item_id);
     } else if (ev.type === "conversation.item.input_audio_transcription.failed") {
       this.pending.delete(ev.item_id);
@@ -189,6 +190,7 @@ export class LiveSession {
       if (this.stopping && ev.error.code === EMPTY_COMMIT) return;
     }
     this.on.event(ev, now);
+    if (lat) this.on.latency(lat[0], lat[1], ev.item_id);
   }
 
   send(obj) {
@@ -340,7 +342,7 @@ export class LiveTab {
       const text = el("span", { class: "text" });
       const meta = el("div", { class: "meta" });
       const li = el("li", { class: "partial", dataset: { itemId: id } }, text, meta);
-      it = { li, text, meta, partial: "", final: null, start: null, end: null, finalMs: null };
+      it = { li, text, meta, partial: "", final: null, start: null, end: null, partialMs: null, finalMs: null };
       this.items.set(id, it);
       this.ui.items.append(li);
     }
@@ -368,15 +370,19 @@ export class LiveTab {
     it.li.className = it.failed ? "failed" : it.final !== null ? "final" : "partial";
     it.text.textContent = it.failed ? `(failed: ${it.failed})` : it.final !== null ? (it.final || "(no words)") : (it.partial || "…");
     const span = it.start === null ? "" : `${clock(it.start / 1000)}${it.end === null ? " …" : " → " + clock(it.end / 1000)}`;
-    it.meta.textContent = [span, it.finalMs === null ? (it.final === null ? "partial" : "") : `final in ${ms(it.finalMs)}`]
-      .filter(Boolean).join(" · ");
+    const state = it.final !== null ? (it.finalMs === null ? "" : `final in ${ms(it.finalMs)}`)
+      : it.partialMs === null ? "partial" : `partial in ${ms(it.partialMs)}`;
+    it.meta.textContent = [span, state].filter(Boolean).join(" · ");
   }
 
   latency(kind, v, itemId) {
     this.latencies.push({ kind, ms: v, item: itemId, t: performance.now() });
     this.chart.add(kind, v);
     const it = this.items.get(itemId);
-    if (kind === "final" && it) { it.finalMs = v; this.render(it); }
+    if (it) {
+      it[kind === "final" ? "finalMs" : "partialMs"] = v;
+      this.render(it);
+    }
     this.summary();
   }
 

@@ -26,7 +26,7 @@ export function statusRows(s) {
     ["device", m ? `${m.device} · ${s.mode} mode` : s.mode, "srv-device"],
     ["streams live", String(s.streams_live), "srv-streams"],
     ["uploads in flight", String(s.uploads_in_flight), "srv-uploads"],
-    ["engine", `${s.engine.requests_active} requests in flight, ${queued} waiting`, "srv-engine"],
+    ["engine", `${s.engine.requests_active} in flight, ${queued} waiting`, "srv-engine"],
     ["file p50 / p95", lat(L.request), "srv-lat-request"],
     ["partial p50 / p95", lat(L.partial), "srv-lat-partial"],
     ["final p50 / p95", lat(L.final), "srv-lat-final"],
