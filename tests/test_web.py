@@ -14,7 +14,8 @@
   the streams' option) of exactly the committed samples: ``committed.audio_start_ms/end_ms`` are whole
   samples here (server VAD decides on 32 ms frames, with 300 ms of prefix padding; the page sends 20 ms
   frames). Both the server VAD path and a manual commit after the clip's end are run; their finals also
-  carry the clip's words;
+  carry the clip's words, and what the page sent is the device's file shifted by whole samples at an SNR
+  of at least 40 dB (Chromium's conversion to the capture rate, then the page's resampler back);
 * a denied microphone permission shows a message.
 
 ``FLASHASR_WEB_SCREENSHOTS=DIR`` saves the File and Live screenshots there (``docs/web-*.png``).
@@ -270,6 +271,20 @@ def clip_words(api) -> list[str]:
     return words(text_of(api, MIC_CLIP.read_bytes()))
 
 
+def _snr_against(sent: np.ndarray, played: np.ndarray) -> tuple[int, float]:
+    """Where the fake device's file starts in what the page sent (``sent[i] == played[i + shift]``), found
+    by cross-correlation, and the SNR in dB of ``sent`` against ``played`` over the first pass."""
+    n = 1 << int(np.ceil(np.log2(len(sent) + len(played))))
+    corr = np.fft.irfft(np.fft.rfft(sent, n) * np.conj(np.fft.rfft(played, n)), n)
+    lag = int(np.argmax(corr))
+    shift = n - lag if lag > n // 2 else -lag  # sent[i] ~ played[i + shift]
+    a = sent[max(0, -shift):]
+    b = played[max(0, shift):]
+    m = min(len(a), len(b))
+    a, b = a[:m], b[:m]
+    return shift, float(10 * np.log10((b @ b) / max(((a - b) @ (a - b)), 1e-9)))
+
+
 def _stop(page) -> None:
     page.click("#mic")
     page.wait_for_function("document.getElementById('mic').textContent.includes('Start')", timeout=60000)
@@ -278,7 +293,7 @@ def _stop(page) -> None:
 PERIOD_MS = int((LEAD_S + 7.1 + TAIL_S) * 1000)  # the fake device's loop
 
 
-def test_microphone_with_server_vad_shows_partials_then_the_offline_final(watched, server, api, clip_words):
+def test_microphone_with_server_vad_shows_partials_then_the_offline_final(watched, server, api, clip_words, fake_mic):
     """The first utterance that got a partial before its final (the first one, unless partials lag on
     a loaded machine: the device loops the clip, so the next pass is another utterance)."""
     page = watched.open(server, "live")
@@ -305,6 +320,13 @@ def test_microphone_with_server_vad_shows_partials_then_the_offline_final(watche
     assert text == _offline(api, pcm, a, b)
     assert words(text) == clip_words
     assert watched.errors == []
+    # the audio path is transparent: Chromium converts the file to the capture rate (44.1 or 48 kHz), the
+    # page's AudioWorklet resamples it back to 16 kHz; what it sent is the file, shifted by whole samples
+    with wave.open(str(fake_mic)) as w:
+        played = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float64)
+    sent = np.frombuffer(pcm, "<i2").astype(np.float64)[:len(played)]
+    shift, snr = _snr_against(sent, played)
+    assert abs(shift) < 16000 and snr >= 40, (shift, snr)
 
 
 def test_microphone_manual_commit_after_the_clip(watched, server, api, clip_words):
