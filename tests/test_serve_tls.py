@@ -67,8 +67,8 @@ def test_the_web_page_over_https_streams_over_wss(server):
     if not os.path.exists(chromium):
         pytest.skip(f"no Chromium at {chromium}")
     with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                                                              "--disable-background-networking", "--no-first-run"])
+        b = pw.chromium.launch(executable_path=chromium, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking", "--no-first-run"])
         try:
             page = b.new_context(ignore_https_errors=True).new_page()
             page.goto(server.base + "/")

@@ -151,7 +151,8 @@ def _prestarted_pool(n: int, name: str) -> ThreadPoolExecutor:
 
 class _RequestLog:
     """ASGI middleware, one pass per HTTP request: ``flashasr_requests_total{endpoint, status}``,
-    ``flashasr_http_requests_inflight{endpoint}`` while it runs and, when ``access_log``, one INFO line on ``flashasr.serve.access``:
+    ``flashasr_http_requests_inflight{endpoint}`` while it runs and, when ``access_log``, one INFO
+    line on ``flashasr.serve.access``:
     ``127.0.0.1:50412 "POST /v1/audio/transcriptions" 200 812.4 ms`` (client, method, path without
     the query, status (499: the client left first), time to the end of the response)."""
 

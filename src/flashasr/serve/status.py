@@ -97,8 +97,8 @@ class StatusReporter:
         caps = b.capabilities
         if caps is None:
             return None
-        return {"name": self.ctx.model_name(), "family": caps.family, "device": b.info.get("device", self.ctx.cfg.device),
-                "sample_rate": caps.sample_rate,
+        return {"name": self.ctx.model_name(), "family": caps.family,
+                "device": b.info.get("device", self.ctx.cfg.device), "sample_rate": caps.sample_rate,
                 "languages": None if caps.languages is None else sorted(caps.languages),
                 "multilingual": caps.multilingual, "translates": caps.translates, "window_s": caps.window_s}
 
