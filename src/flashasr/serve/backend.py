@@ -94,13 +94,26 @@ class LocalBackend:
     async def transcribe(self, samples: np.ndarray, options: TranscribeOptions, *, priority: int = OFFLINE,
                          coalesce_key: str | None = None, timeout: float | None = None):
         """One waveform; None when a partial was superseded (see BatchScheduler.submit)."""
-        coro = self._scheduler().submit(samples, options, priority=priority, coalesce_key=coalesce_key)
-        return await _within(coro, timeout)
+        sched = self._scheduler()
+        return await self._counted(sched, sched.submit(samples, options, priority=priority, coalesce_key=coalesce_key),
+                                   timeout)
 
     async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
                                 timeout: float | None = None) -> list:
         """The pieces of one upload (see BatchScheduler.submit_pieces)."""
-        return await _within(self._scheduler().submit_pieces(samples, pieces, options), timeout)
+        sched = self._scheduler()
+        return await self._counted(sched, sched.submit_pieces(samples, pieces, options), timeout)
+
+    @staticmethod
+    async def _counted(sched: BatchScheduler, coro, timeout: float | None):
+        """``coro`` counted in ``flashasr_engine_requests_active`` while it runs (as the engine
+        process counts its requests in multi mode)."""
+        active = sched.metrics.active
+        active.inc()
+        try:
+            return await _within(coro, timeout)
+        finally:
+            active.dec()
 
     async def metrics_text(self) -> bytes:
         return self.scheduler.metrics.text() if self.scheduler else b""

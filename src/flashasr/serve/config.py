@@ -57,6 +57,9 @@ class ServeConfig:
     vad_silence_duration_ms: int = 500
     log_level: str = "warning"
     access_log: bool = True             # one INFO line per HTTP request on ACCESS_LOGGER, whatever log_level says
+    # TLS (https:// and wss://; browsers give a page on another host the microphone only over https)
+    ssl_certfile: str | None = None     # PEM certificate (chain); None: plain HTTP
+    ssl_keyfile: str | None = None      # PEM private key (None: in ssl_certfile)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -107,6 +110,12 @@ def _number(kind: type, low: float, *, above: bool = False, high: float | None =
 def _device(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _pem_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
     return text
 
 
@@ -174,6 +183,11 @@ def _http_options(p: argparse.ArgumentParser) -> None:
                         "and one line per client that leaves mid-upload); the access log has its own switch")
     g.add_argument("--no-access-log", action="store_true", help="no access log (default: one line per HTTP "
                    "request on stderr at any --log-level: client, method, path, status, duration)")
+    g.add_argument("--ssl-certfile", type=_pem_file, default=None, help="PEM certificate (chain): serve https:// "
+                   "and wss:// (default: plain http; browsers allow the web page's microphone only over https "
+                   "or on localhost)")
+    g.add_argument("--ssl-keyfile", type=_pem_file, default=None, help="PEM private key of --ssl-certfile "
+                   "(default: the key is in the certificate file)")
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
@@ -212,6 +226,10 @@ def parse_args(argv: list[str]) -> ServeConfig:
     a = p.parse_args(argv)
     if a.mode == "single" and a.workers != 1:
         p.error("argument --workers: more than 1 needs --mode multi (one engine process shared by the workers)")
+    if a.ssl_keyfile and not a.ssl_certfile:
+        p.error("argument --ssl-keyfile: needs --ssl-certfile (the certificate it belongs to)")
+    if a.ssl_certfile:
+        _check_tls(p, a.ssl_certfile, a.ssl_keyfile)
     return ServeConfig(
         host=a.host, port=a.port, model=a.model, device=a.device, dtype=a.dtype, engine=a.engine,
         api_key=a.api_key or os.environ.get("FLASHASR_API_KEY") or None,
@@ -221,4 +239,17 @@ def parse_args(argv: list[str]) -> ServeConfig:
         cpu_threads=a.cpu_threads, decode_workers=a.decode_workers, partial_interval_ms=a.partial_interval_ms,
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
         body_timeout_s=a.body_timeout_s, log_level=a.log_level, access_log=not a.no_access_log,
+        ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile,
     )
+
+
+def _check_tls(p: argparse.ArgumentParser, certfile: str, keyfile: str | None) -> None:
+    """Load the certificate and key once while parsing, so a wrong pair or a bad file stops the
+    command with exit 2 naming the option, not a traceback after start-up."""
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, OSError, ValueError) as e:
+        p.error(f"argument --ssl-certfile: cannot use {certfile!r}{f' with {keyfile!r}' if keyfile else ''} "
+                f"as a TLS certificate and key: {e}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
@@ -62,7 +63,8 @@ class UploadTranscriber:
         await self._refuse_task_early(request, task)
         t0 = time.perf_counter()
         with await self._read(request) as up:
-            m.stage.labels("upload").observe(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            m.observe("upload", t1 - t0)
             if up.file is None:
                 raise APIError("missing 'file' part (multipart field 'file' with a filename)", param="file")
             if up.file_size == 0:
@@ -70,28 +72,33 @@ class UploadTranscriber:
             req = parse_upload(up, task)
             caps = ctx.capabilities()
             opts = req.options.resolve(caps)
-            t1 = time.perf_counter()
             wav = await asyncio.get_running_loop().run_in_executor(ctx.pool, self._decode, up, caps.sample_rate)
-        m.stage.labels("decode").observe(time.perf_counter() - t1)
-        transcript = await _unless_client_leaves(request, self.transcribe(wav.samples, opts, caps))
+        timing = StageTimes(upload=t1 - t0, decode=time.perf_counter() - t1)
+        m.observe("decode", timing.decode)
+        transcript = await _unless_client_leaves(request, self.transcribe(wav.samples, opts, caps, timing))
         if transcript is None:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        m.observe("request", time.perf_counter() - t1)
         m.audio_seconds.labels("offline").inc(transcript.duration)
-        return respond(transcript, req, ignored=caps.ignored(opts))
+        return respond(transcript, req, ignored=caps.ignored(opts), timing=timing)
 
-    async def transcribe(self, samples, options: TranscribeOptions, caps: ModelCapabilities) -> Transcript:
+    async def transcribe(self, samples, options: TranscribeOptions, caps: ModelCapabilities,
+                         timing: "StageTimes | None" = None) -> Transcript:
         """Plan (CPU pool), transcribe the pieces (backend), merge: float32 ``[N]`` at
         ``caps.sample_rate`` and resolved ``options`` -> the recording's Transcript
-        (``duration = N / sample_rate``)."""
+        (``duration = N / sample_rate``). ``timing``, when given, gets the plan and transcribe times."""
         ctx, m = self.ctx, self.ctx.metrics
         t0 = time.perf_counter()
         pieces = await asyncio.get_running_loop().run_in_executor(ctx.pool, self._plan, samples, options, caps)
         t1 = time.perf_counter()
-        m.stage.labels("plan").observe(t1 - t0)
+        m.observe("plan", t1 - t0)
         parts = []
         if pieces:
             parts = await ctx.backend.transcribe_pieces(samples, pieces, options, timeout=ctx.cfg.request_timeout_s)
-        m.stage.labels("transcribe").observe(time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        m.observe("transcribe", t2 - t1)
+        if timing is not None:
+            timing.plan, timing.transcribe = t1 - t0, t2 - t1
         sr = caps.sample_rate
         return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, parts)], samples.size / sr, options=options,
                             caps=caps)
@@ -171,10 +178,35 @@ def _upload_path(f, size: int) -> str | None:
     return path if os.path.isfile(path) else None
 
 
-def respond(transcript: Transcript, req: UploadRequest, ignored: list[str] = ()) -> Response:
+@dataclass
+class StageTimes:
+    """Seconds an upload spent in each stage: receiving the body, container decode, planning (VAD
+    cutting) and transcription (the pieces through the backend)."""
+
+    upload: float = 0.0
+    decode: float = 0.0
+    plan: float = 0.0
+    transcribe: float = 0.0
+
+    def server_timing(self) -> str:
+        """The W3C ``Server-Timing`` header value: each stage's ``dur`` in milliseconds, and
+        ``total``: decode + plan + transcribe (the server's work after the body arrived)."""
+        total = self.decode + self.plan + self.transcribe
+        parts = [f"{k};dur={v * 1000:.1f}" for k, v in
+                 (("upload", self.upload), ("decode", self.decode), ("plan", self.plan),
+                  ("transcribe", self.transcribe), ("total", total))]
+        return ", ".join(parts)
+
+
+def respond(transcript: Transcript, req: UploadRequest, ignored: list[str] = (),
+            timing: StageTimes | None = None) -> Response:
     """The reply in the requested shape: SSE events with ``stream=true``, else ``response_format``.
-    ``ignored``: request options the model does not use, named in an ``X-Flashasr-Ignored`` header."""
+    ``ignored``: request options the model does not use, named in an ``X-Flashasr-Ignored`` header;
+    ``timing``: the stages' times in a ``Server-Timing`` header (read by browsers' developer tools and
+    the web page: the request's speed factor)."""
     headers = {"X-Flashasr-Ignored": ", ".join(ignored)} if ignored else {}
+    if timing is not None:
+        headers["Server-Timing"] = timing.server_timing()
     if req.stream:
         return StreamingResponse(sse_events(transcript), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **headers})
@@ -223,4 +255,4 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-__all__ = ["UploadTranscriber", "respond", "drain"]
+__all__ = ["UploadTranscriber", "StageTimes", "respond", "drain"]

@@ -10,7 +10,8 @@
   :class:`~.backend.RemoteBackend` over the engine's Unix socket (:mod:`.ipc`).
 
 Each process runs one event loop (uvloop when installed); the soft fd limit is lifted to the hard
-one (thousands of WebSockets). One line on stderr says where the server listens; log records
+one (thousands of WebSockets). With ``--ssl-certfile`` uvicorn serves https:// and wss:// on the same
+socket. One line on stderr says where the server listens; log records
 follow at ``--log-level``, and each front end's access log at INFO unless ``--no-access-log``.
 """
 
@@ -50,7 +51,7 @@ async def _serve(cfg: ServeConfig, app, sock: socket.socket) -> int:
 
     ucfg = uvicorn.Config(app, loop="none", lifespan="on", log_level=cfg.log_level, access_log=False,
                           ws_max_size=16 << 20, timeout_keep_alive=30, backlog=4096,
-                          timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=5, ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile)
     server = uvicorn.Server(ucfg)
     status = {"code": 0}
 
@@ -120,7 +121,8 @@ def _announce(cfg: ServeConfig, sock) -> None:
 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"flashasr serve: listening on http://{shown}:{port} (model {cfg.model or 'tiny.en'}, "
+    scheme = "https" if cfg.ssl_certfile else "http"
+    print(f"flashasr serve: listening on {scheme}://{shown}:{port} (model {cfg.model or 'tiny.en'}, "
           f"{cfg.mode} mode); /ready answers 200 once the model is loaded and warmed; Ctrl-C stops",
           file=sys.stderr, flush=True)
 

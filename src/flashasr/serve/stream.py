@@ -346,7 +346,7 @@ class StreamSession:
             t0 = time.perf_counter()
             t = await self.backend.transcribe(audio, self.options, priority=PARTIAL, coalesce_key=self.id)
             if self.metrics is not None:
-                self.metrics.stage.labels("partial").observe(time.perf_counter() - t0)
+                self.metrics.observe("partial", time.perf_counter() - t0)
             if t is None or item != self.item_id or self.closed:
                 return
             if self.full_partials:
@@ -393,7 +393,7 @@ class StreamSession:
             except BaseException:  # noqa: BLE001
                 pass
         if self.metrics is not None:
-            self.metrics.stage.labels("final").observe(time.perf_counter() - t0)
+            self.metrics.observe("final", time.perf_counter() - t0)
             self.metrics.audio_seconds.labels("stream").inc(audio.size / SR)
         if err is not None:
             from .errors import error_body
