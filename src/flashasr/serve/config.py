@@ -43,7 +43,7 @@ class ServeConfig:
     engine_socket: str | None = None    # Unix socket path of the engine (multi mode); None: private temp dir
     # CPU pool for container decode / resampling (threads that release the GIL)
     cpu_threads: int = 2
-    decode_workers: int | None = None   # threads decoding one long upload (None: CPU count, max 16)
+    decode_workers: int | None = None   # processes decoding one long upload's time ranges (None: CPU count, max 16)
     # timeouts
     body_timeout_s: float = 30.0        # longest gap between two body chunks of an upload
     request_timeout_s: float = 900.0    # longest an engine request may take before 504
@@ -176,8 +176,9 @@ def _http_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=_number(int, 1), default=2,
                    help="CPU pool of each front end: container decode, resampling, VAD cutting of uploads")
     g.add_argument("--decode-workers", type=_number(int, 1), default=None,
-                   help="threads that decode one long upload (>= 60 s) in time ranges, joined sample-exactly "
-                        "(default: env FLASHASR_DECODE_WORKERS, else the CPU count, at most 16; 1: sequential)")
+                   help="processes that decode one long upload (>= 60 s) in time ranges, joined sample-exactly, "
+                        "in single mode (a front end of --mode multi decodes sequentially; default: env "
+                        "FLASHASR_DECODE_WORKERS, else the CPU count, at most 16; 1: sequential)")
     g.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="warning",
                    help="level of the server's log messages on stderr (info adds uvicorn's connection lines "
                         "and one line per client that leaves mid-upload); the access log has its own switch")

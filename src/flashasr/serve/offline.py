@@ -7,7 +7,8 @@
                                                                     │
     file ──load_audio──► float32 [N] 16 kHz ──plan_pieces──► [(start, end)] sample ranges
          (CPU pool;                           (CPU pool: Silero VAD; never the model thread)
-          a long upload: load_audio_parallel, its time ranges on the decode threads)
+          a long upload: load_audio_parallel, its time ranges in decode processes;
+          sequential in a multi-mode front end, which may not start processes)
                                                                     │
     backend.transcribe_pieces ──► Transcript per piece ──merge_pieces──► Transcript ──► reply
          (scheduler: pieces of many uploads batched, uploads take turns piece by piece)
