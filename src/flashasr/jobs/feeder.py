@@ -384,7 +384,8 @@ class DecodeFeeder:
                 else:
                     self.died_once.add(held[0])
             self.todo.extendleft(reversed(held))
-            if not closing and self.cpu_pool == "process" and self.deaths - 2 * self.culprits > 3:
+            no_workers = getattr(self.pool, "room", lambda: 1)() <= 0 and getattr(self.pool, "spawn_failures", 0)
+            if not closing and self.cpu_pool == "process" and (self.deaths - 2 * self.culprits > 3 or no_workers):
                 self.cpu_pool = "thread"
                 old, self.pool = self.pool, _ThreadWorkers(self.workers, self._job, on_result=self._completed)
                 old.detach()  # what the old workers still hold comes back as stale answers

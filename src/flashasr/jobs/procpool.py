@@ -34,6 +34,7 @@ model's 4,875x). And when one of its workers dies, it fails every file in flight
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -43,6 +44,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Callable
 
+log = logging.getLogger(__name__)
 _TASK = struct.Struct("<qi")  # job number, file number; then the path (UTF-8, surrogates escaped)
 _jobs = itertools.count(1)
 
@@ -109,13 +111,15 @@ class ForkedWorkers:
     thread; the callbacks run in the pool's reader thread.
 
     Attributes:
-        deaths: worker processes that ended without being asked to, over the pool's life.
+        deaths: worker processes that ended without being asked to, over the pool's life;
+        spawn_failures: replacements that could not be forked (the pool is that much smaller).
     """
 
     def __init__(self, n: int, *, init: Callable[[], None] | None = None, depth: int = 2):
         self.init = init
         self.depth = max(1, int(depth))
         self.deaths = 0
+        self.spawn_failures = 0
         self._ctx = mp.get_context("fork")
         self._lock = threading.Lock()
         self._closing = False
@@ -232,9 +236,9 @@ class ForkedWorkers:
                             pass
                     job = self._job
                 if job is not None and job.number == number:
-                    job.on_result(i, result)
+                    self._call(job.on_result, i, result)
                 elif self._stale is not None:
-                    self._stale(result)
+                    self._call(self._stale, result)
 
     def _died(self, w: _Worker) -> None:
         """Worker ``w`` ended: reap it, replace it (unless closing), report the current job's files it held."""
@@ -248,9 +252,22 @@ class ForkedWorkers:
             self._workers[w.k] = None
             if not closing:
                 self.deaths += 1
-                self._workers[w.k] = self._spawn(w.k)
+                try:
+                    self._workers[w.k] = self._spawn(w.k)
+                except OSError as e:  # no more processes (limits, memory): the pool shrinks
+                    self.spawn_failures += 1
+                    log.warning("decode worker %d could not be replaced: %s", w.k, e)
         if job is not None and (held or not closing):
-            job.on_death(held, closing)
+            self._call(job.on_death, held, closing)
+
+    @staticmethod
+    def _call(fn, *args) -> None:
+        """A callback's error is logged, never the end of the reader thread (the other files' results
+        must still arrive)."""
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("decode pool callback %s failed", getattr(fn, "__name__", fn))
 
     # ------------------------------------------------------------------ ending
     def close(self, *, kill: bool = False, timeout: float = 5.0) -> None:

@@ -407,20 +407,9 @@ def run_job(
     summary = _open_summary(out_dir, resume)
     todo, file_opts, early = _triage(items, opts, caps, summary if resume else None, fmt)
 
-    n_workers = int(workers) if workers else default_workers(device)
-    kind = _pool_kind(cpu_pool, device, n_workers, decode_fn is not None or split_fn is not None)
-    # fewer files than workers: the spare workers decode each file's time ranges (load_audio_parallel,
-    # in processes of its own), the files themselves in threads of this process (a worker process
-    # may not start processes)
-    decode_workers = n_workers // len(todo) if 0 < len(todo) < n_workers else 1
-    if decode_workers > 1:
-        kind = "thread"
-    if kind == "process" and worker_pool is not None and not worker_pool.closed:
-        n_workers = worker_pool.size
-    else:
-        worker_pool = None
-    report = JobReport(device=device, model=caps.name, batch_size=batch_size,
-                       workers=n_workers if worker_pool is not None else max(1, min(n_workers, len(todo))), cpu_pool=kind)
+    n_workers, kind, decode_workers, worker_pool = _workers_plan(
+        workers, cpu_pool, device, len(todo), decode_fn is not None or split_fn is not None, worker_pool)
+    report = JobReport(device=device, model=caps.name, batch_size=batch_size, workers=n_workers, cpu_pool=kind)
     vad_device = _vad_device(vad_device, device, split_fn)
     finisher = Finisher(items, report=report, out_dir=out_dir, fmt=fmt, summary=summary, caps=caps, options=opts,
                         on_result=on_result, keep_transcripts=keep_transcripts)
@@ -470,6 +459,21 @@ def run_job(
                 except OSError:
                     pass
     return report
+
+
+def _workers_plan(workers, cpu_pool, device: str, n_files: int, custom_hooks: bool, pool):
+    """(workers, pool kind, decode workers per file, the caller's pool to use or None) for a job of
+    ``n_files`` files. Fewer files than workers: the spare workers decode each file's time ranges
+    (:func:`flashasr.audio.load_audio_parallel`, in processes of its own), the files themselves in
+    threads of this process (a worker process may not start processes)."""
+    n = int(workers) if workers else default_workers(device)
+    kind = _pool_kind(cpu_pool, device, n, custom_hooks)
+    decode_workers = n // n_files if 0 < n_files < n else 1
+    if decode_workers > 1:
+        kind = "thread"
+    if kind == "process" and pool is not None and not pool.closed:
+        return pool.size, kind, decode_workers, pool
+    return max(1, min(n, n_files)), kind, decode_workers, None
 
 
 def _vad_device(vad_device: str | None, device: str, split_fn) -> str:
