@@ -31,7 +31,8 @@ class ServeConfig:
     api_key: str | None = None          # Bearer key; None: no authentication
     max_upload_mb: float = 1024.0       # request body limit, enforced while the body streams in
     max_audio_s: float = 14400.0        # longest decoded audio accepted (4 h)
-    mode: str = "single"                # "single": one process; "multi": engine process + front-end worker(s)
+    mode: str = "single"                # "single": one process; "multi": engine process + front-end worker(s);
+    #                                     "ray": ingress + model replicas on Ray Serve (--ray)
     workers: int = 1                    # front-end worker processes (multi mode)
     # engine / batching
     max_batch: int | None = None        # waveforms per model call; None: 1 on CPU, 8 on CUDA (see batch_limit)
@@ -60,6 +61,13 @@ class ServeConfig:
     # TLS (https:// and wss://; browsers give a page on another host the microphone only over https)
     ssl_certfile: str | None = None     # PEM certificate (chain); None: plain HTTP
     ssl_keyfile: str | None = None      # PEM private key (None: in ssl_certfile)
+    # Ray Serve (``--ray``; mode "ray"): the cluster address ("default": ray.init's own choice), model
+    # replicas between min and max (None: one per GPU of the cluster on CUDA, else min), the requests a
+    # replica holds before the autoscaler adds one (None: 4 x batch_limit)
+    ray: str | None = None
+    ray_min_replicas: int = 1
+    ray_max_replicas: int | None = None
+    ray_target_ongoing: float | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -144,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     _http_options(p)
     _engine_options(p)
     _stream_options(p)
+    _ray_options(p)
     return p
 
 
@@ -221,11 +230,36 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                    help="a WebSocket without any message for this many seconds is closed")
 
 
+def _ray_address(text: str) -> str:
+    from ..ray_cluster import check_address
+    from ..errors import FlashASRError
+
+    try:
+        return check_address(text)
+    except FlashASRError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _ray_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Ray Serve (a cluster; docs/RAY.md)")
+    g.add_argument("--ray", nargs="?", const="default", default=None, type=_ray_address, metavar="ADDRESS",
+                   help="serve on a Ray cluster: --workers ingress replicas (HTTP, WebSocket, decode, VAD) in front "
+                        "of autoscaled model replicas (one GPU each); ADDRESS: auto, local, HOST:PORT or "
+                        "ray://HOST:10001 (without one: RAY_ADDRESS, a cluster started here, else a local instance)")
+    g.add_argument("--ray-min-replicas", type=_number(int, 1), default=1, help="model replicas at least")
+    g.add_argument("--ray-max-replicas", type=_number(int, 1), default=None,
+                   help="model replicas at most (default: one per GPU of the cluster with --device cuda, else "
+                        "--ray-min-replicas)")
+    g.add_argument("--ray-target-ongoing", type=_number(float, 0, above=True), default=None,
+                   help="requests a model replica holds (queued or running) before the autoscaler adds one "
+                        "(default: 4 x --max-batch)")
+
+
 def parse_args(argv: list[str]) -> ServeConfig:
     """Parse ``flashasr serve`` options into a :class:`ServeConfig` (bad values: exit status 2)."""
     p = build_parser()
     a = p.parse_args(argv)
-    if a.mode == "single" and a.workers != 1:
+    if a.ray is None and a.mode == "single" and a.workers != 1:
         p.error("argument --workers: more than 1 needs --mode multi (one engine process shared by the workers)")
     if a.ssl_keyfile and not a.ssl_certfile:
         p.error("argument --ssl-keyfile: needs --ssl-certfile (the certificate it belongs to)")
@@ -234,13 +268,15 @@ def parse_args(argv: list[str]) -> ServeConfig:
     return ServeConfig(
         host=a.host, port=a.port, model=a.model, device=a.device, dtype=a.dtype, engine=a.engine,
         api_key=a.api_key or os.environ.get("FLASHASR_API_KEY") or None,
-        max_upload_mb=a.max_upload_mb, max_audio_s=a.max_audio_s, mode=a.mode, workers=a.workers,
+        max_upload_mb=a.max_upload_mb, max_audio_s=a.max_audio_s, mode="ray" if a.ray else a.mode,
+        workers=a.workers,
         max_batch=a.max_batch, batch_wait_ms=a.batch_wait_ms, warmup=not a.no_warmup, gc_freeze=not a.no_gc_freeze,
         shm_threshold_bytes=a.shm_threshold_kb * 1024, engine_socket=a.engine_socket,
         cpu_threads=a.cpu_threads, decode_workers=a.decode_workers, partial_interval_ms=a.partial_interval_ms,
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
         body_timeout_s=a.body_timeout_s, log_level=a.log_level, access_log=not a.no_access_log,
-        ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile,
+        ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile, ray=a.ray, ray_min_replicas=a.ray_min_replicas,
+        ray_max_replicas=a.ray_max_replicas, ray_target_ongoing=a.ray_target_ongoing,
     )
 
 

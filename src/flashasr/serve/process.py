@@ -132,6 +132,10 @@ def run(cfg: ServeConfig, make_app) -> int:
     in the configured process layout; returns the exit status (0, or :data:`EXIT_MODEL_FAILED`)."""
     _configure_logging(cfg)
     _raise_fd_limit()
+    if cfg.mode == "ray":  # ingress + model replicas on Ray Serve (flashasr.serve.ray_serve)
+        from .ray_serve import run_ray
+
+        return run_ray(cfg, make_app)
     if cfg.mode == "single":
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
         _announce(cfg, sock)
