@@ -316,7 +316,7 @@ class _Collector:
 
 def _dataset(items: list[InputItem], todo: list[int], file_opts: list, caps: ModelCapabilities, *, model, device,
              dtype, engine, batch_size: int, actors: int, actor_cpus: float, decode_cpus: float,
-             decode_tasks: int | None, max_buffered_audio_s: float | None):
+             decode_tasks: int | None, max_buffered_audio_s: float | None, files_per_task: int | None = None):
     """The job's Ray Data pipeline over the files ``todo`` (see the module docstring)."""
     import ray
     import ray.data
@@ -324,7 +324,7 @@ def _dataset(items: list[InputItem], todo: list[int], file_opts: list, caps: Mod
     from ..ray_cluster import quiet_ray_data
 
     quiet_ray_data()
-    per_block = max(1, math.ceil(len(todo) / MAX_INPUT_BLOCKS))
+    per_block = int(files_per_task or max(1, math.ceil(len(todo) / MAX_INPUT_BLOCKS)))
     rows = [{"idx": i, "path": str(items[i].path), "options": json.dumps(file_opts[i].to_dict())} for i in todo]
     ds = ray.data.from_items(rows, override_num_blocks=max(1, math.ceil(len(rows) / per_block)))
     extra = {"concurrency": int(decode_tasks)} if decode_tasks else {}
@@ -376,6 +376,7 @@ def run_ray_job(
     decode_cpus: float = DEFAULT_DECODE_CPUS,
     decode_tasks: int | None = None,
     max_buffered_audio_s: float | None = None,
+    files_per_task: int | None = None,
     resume: bool = True,
     progress: bool | None = None,
     on_result: Callable[[FileResult], None] | None = None,
@@ -401,6 +402,8 @@ def run_ray_job(
             ``decode_tasks``: at most this many at once (None: as many as the CPUs allow).
         max_buffered_audio_s: bounds the pipeline's object-store use to about twice this much
             float32 audio (None: Ray Data's default budget, a share of the object store).
+        files_per_task: files one decode task takes in turn (None: 1, more beyond
+            :data:`MAX_INPUT_BLOCKS` files); more for many short clips (fewer tasks to schedule).
     Returns:
         :class:`~flashasr.jobs.JobReport` (``cpu_pool`` ``"ray"``; ``model_busy_s`` per actor,
         averaged); ``exit_code`` as the local job's.
@@ -415,7 +418,7 @@ def run_ray_job(
     opts = TranscribeOptions.build(options, **changes)
     batch_size = _check_arguments(fmt, batch_size or default_batch_size(device), None, None,
                                   max_buffered_audio_s or 1.0, device)
-    _check_ray_arguments(actors, actor_cpus, decode_cpus, decode_tasks)
+    _check_ray_arguments(actors, actor_cpus, decode_cpus, decode_tasks, files_per_task)
     resources = connect(address)
     caps = capabilities or probe_capabilities(model, device=device, dtype=dtype, engine=engine)
     opts = opts.resolve(caps)
@@ -438,7 +441,8 @@ def run_ray_job(
         if todo:
             ds = _dataset(items, todo, file_opts, caps, model=model, device=device, dtype=dtype, engine=engine,
                           batch_size=batch_size, actors=n_actors, actor_cpus=actor_cpus, decode_cpus=decode_cpus,
-                          decode_tasks=decode_tasks, max_buffered_audio_s=max_buffered_audio_s)
+                          decode_tasks=decode_tasks, max_buffered_audio_s=max_buffered_audio_s,
+                          files_per_task=files_per_task)
             _drain(ds, collector, todo)
     except KeyboardInterrupt:
         report.interrupted = True
@@ -471,8 +475,8 @@ def _drain(ds, collector: _Collector, todo: list[int]) -> None:
                            "(worker process killed or crashed on every retry)")
 
 
-def _check_ray_arguments(actors, actor_cpus, decode_cpus, decode_tasks) -> None:
-    for name, v, low in (("actors", actors, 1), ("decode_tasks", decode_tasks, 1)):
+def _check_ray_arguments(actors, actor_cpus, decode_cpus, decode_tasks, files_per_task) -> None:
+    for name, v, low in (("actors", actors, 1), ("decode_tasks", decode_tasks, 1), ("files_per_task", files_per_task, 1)):
         if v is not None and int(v) < low:
             raise InvalidRequestError(f"{name} must be >= {low}, got {v}", param=name)
     for name, v in (("actor_cpus", actor_cpus), ("decode_cpus", decode_cpus)):

@@ -227,7 +227,7 @@ class JobReport:
                                                      if sc[k] >= 0.005 or k in ("decode", "model"))
                          + f"  (sum {sc['sum']:.2f})")
         if self.workers and self.wall_s > 0:
-            lines.append(f"stages     {self.workers} decode {'processes' if self.cpu_pool == 'process' else 'threads'} {100 * self.cpu_pool_busy_fraction:.0f} % busy "
+            lines.append(f"stages     {self.workers} decode {_POOL_NAMES.get(self.cpu_pool, 'threads')} {100 * self.cpu_pool_busy_fraction:.0f} % busy "
                          f"({100 * self.cpu_stage_utilisation:.0f} % on CPU), "
                          f"model calls {100 * self.model_busy_fraction:.0f} % of wall, "
                          f"outputs {100 * self.finish_s / self.wall_s:.0f} %; bound by {self.bound_by()}")
@@ -242,5 +242,8 @@ class JobReport:
             lines.append(line)
         return "\n".join(lines)
 
+
+#: How the final table names the decode workers of each ``cpu_pool``.
+_POOL_NAMES = {"process": "processes", "thread": "threads", "ray": "Ray task slots"}
 
 __all__ = ["FileResult", "JobReport"]

@@ -190,7 +190,14 @@ class _RequestLog:
 def main(argv: list[str] | None = None) -> int:
     """``flashasr serve`` (the CLI dispatches here): :func:`.process.main` serving :func:`create_app`.
     Returns the exit status."""
-    return _serve_main(argv, create_app)
+    return _serve_main(argv, create_app, _run_ray)
+
+
+def _run_ray(cfg: ServeConfig, make_app) -> int:
+    """``--ray``: :func:`.ray_serve.run_ray` (imported only then: Ray is an optional extra)."""
+    from .ray_serve import run_ray
+
+    return run_ray(cfg, make_app)
 
 
 __all__ = ["create_app", "error_response", "main"]

@@ -127,14 +127,15 @@ def _announce(cfg: ServeConfig, sock) -> None:
           file=sys.stderr, flush=True)
 
 
-def run(cfg: ServeConfig, make_app) -> int:
+def run(cfg: ServeConfig, make_app, run_ray=None) -> int:
     """Serve ``make_app(cfg, backend_factory=None)`` (:func:`~.app.create_app`) until SIGINT/SIGTERM
-    in the configured process layout; returns the exit status (0, or :data:`EXIT_MODEL_FAILED`)."""
+    in the configured process layout (mode ``ray``: ``run_ray(cfg, make_app)``); returns the exit
+    status (0, or :data:`EXIT_MODEL_FAILED`)."""
     _configure_logging(cfg)
     _raise_fd_limit()
-    if cfg.mode == "ray":  # ingress + model replicas on Ray Serve (flashasr.serve.ray_serve)
-        from .ray_serve import run_ray
-
+    if cfg.mode == "ray":  # ingress + model replicas on Ray Serve (run_ray: flashasr.serve.ray_serve.run_ray)
+        if run_ray is None:
+            raise ValueError("mode 'ray' needs run_ray (flashasr.serve.app.main passes it)")
         return run_ray(cfg, make_app)
     if cfg.mode == "single":
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
@@ -226,13 +227,13 @@ def _run_multi(cfg: ServeConfig, make_app) -> int:
             os.rmdir(tmpdir)
 
 
-def main(argv: list[str] | None, make_app) -> int:
-    """``flashasr serve`` with these arguments (None: ``sys.argv[1:]``), serving ``make_app``.
-    Returns the exit status."""
+def main(argv: list[str] | None, make_app, run_ray=None) -> int:
+    """``flashasr serve`` with these arguments (None: ``sys.argv[1:]``), serving ``make_app``
+    (``run_ray``: the runner of ``--ray``). Returns the exit status."""
     import sys
 
     cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        return run(cfg, make_app)
+        return run(cfg, make_app, run_ray)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         return 130

@@ -317,18 +317,17 @@ async def _result(resp):
 
 
 class Ingress:
-    """A Serve deployment class: the app of :func:`~.app.create_app` with a :class:`RayBackend`,
+    """A Serve deployment class: the app ``make_app`` builds (:func:`~.app.create_app`) with a :class:`RayBackend`,
     served by our uvicorn on ``cfg.host:cfg.port`` (``SO_REUSEPORT``: the ingress replicas of one
     node share the port) in a thread of its own."""
 
-    def __init__(self, cfg: dict, model, hub: str):
-        from .app import create_app
+    def __init__(self, cfg: dict, model, hub: str, make_app):
         from .process import _configure_logging, _raise_fd_limit
 
         self.cfg = ServeConfig.from_dict(cfg)
         _configure_logging(self.cfg)
         _raise_fd_limit()
-        app = create_app(self.cfg, backend_factory=lambda c, pool, metrics: RayBackend(c, model, hub, metrics))
+        app = make_app(self.cfg, backend_factory=lambda c, pool, metrics: RayBackend(c, model, hub, metrics))
         app.add_middleware(_SessionKey)
         self.sock = _listen(self.cfg.host, self.cfg.port)
         self.error: BaseException | None = None
@@ -367,7 +366,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 # ----------------------------------------------------------------------------- the driver
-def build_application(cfg: ServeConfig, hub: str, resources: dict):
+def build_application(cfg: ServeConfig, hub: str, resources: dict, make_app):
     """The Serve application: ``Ingress`` (``cfg.workers`` replicas) bound to ``ModelReplica``
     (autoscaled; one GPU each on CUDA)."""
     from ray import serve
@@ -392,10 +391,10 @@ def build_application(cfg: ServeConfig, hub: str, resources: dict):
         num_replicas=int(cfg.workers), ray_actor_options={"num_cpus": 1}, max_ongoing_requests=10,
         health_check_period_s=2, graceful_shutdown_timeout_s=5)
     cfg_d = cfg.to_dict()
-    return ingress.bind(cfg_d, model.bind(cfg_d, hub), hub)
+    return ingress.bind(cfg_d, model.bind(cfg_d, hub), hub, make_app)
 
 
-def run_ray(cfg: ServeConfig, make_app=None) -> int:
+def run_ray(cfg: ServeConfig, make_app) -> int:
     """Serve on Ray until SIGINT/SIGTERM (see the module docstring); returns the exit status (0,
     or 2 when the application cannot be deployed, e.g. the model does not load)."""
     import signal
@@ -419,7 +418,7 @@ def run_ray(cfg: ServeConfig, make_app=None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(proxy_location="Disabled")
-        handle = serve.run(build_application(cfg, hub_name, resources), name=APP_NAME, route_prefix=None)
+        handle = serve.run(build_application(cfg, hub_name, resources, make_app), name=APP_NAME, route_prefix=None)
         host, port = handle.address.remote().result(timeout_s=60)
     except Exception as e:  # noqa: BLE001 - a model that does not load, a port in use, ...
         log.error("the Ray Serve application could not be deployed: %s", e)
