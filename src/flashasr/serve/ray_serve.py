@@ -28,8 +28,9 @@
   requests at once with 503 ``engine_unavailable`` (as the engine process does in multi mode) and
   Serve starts another. ``/metrics`` = the ingress's front-end metrics + the replicas' engine
   metrics summed (:func:`merge_metrics`: counters, gauges and histograms add up across replicas).
-  Each replica publishes its info and metrics once a second to a small named actor
-  (:class:`MetricsHub`) that the ingress reads; ``/ready`` lists the live replicas.
+  Each replica publishes its info and metrics to a small named actor (:class:`MetricsHub`) that
+  the ingress reads (0.1 s after a request ends, else once a second); ``/ready`` lists the live
+  replicas.
 
 The driver (this command) starts Serve, deploys the application, prints where it listens and
 waits; Ctrl-C / SIGTERM deletes the application (exit 0). A model that cannot load: exit 2.
@@ -57,7 +58,8 @@ log = logging.getLogger("flashasr.serve")
 
 APP_NAME = "flashasr"
 HUB_NAMESPACE = "flashasr"
-PUSH_INTERVAL_S = 1.0  # how often a replica publishes its info and metrics
+PUSH_INTERVAL_S = 1.0  # how often an idle replica publishes its info and metrics
+PUSH_AFTER_S = 0.1  # a busy one: this long after a request ends (at most ten times a second)
 STALE_S = 5.0  # a replica silent this long is not counted (died, or its node is gone)
 
 #: The WebSocket session of the current task (None outside one): the routing key of its requests.
@@ -162,6 +164,7 @@ class ModelReplica:
                                         batch_wait_s=self.cfg.batch_wait_ms / 1000, metrics=self.metrics)
         self.scheduler.start()
         self.hub = ray.get_actor(hub, namespace=HUB_NAMESPACE)
+        self._changed = asyncio.Event()
         await self._publish()
         self._task = asyncio.get_running_loop().create_task(self._push())
 
@@ -170,7 +173,12 @@ class ModelReplica:
 
     async def _push(self) -> None:
         while True:
-            await asyncio.sleep(PUSH_INTERVAL_S)
+            try:
+                await asyncio.wait_for(self._changed.wait(), PUSH_INTERVAL_S)
+                await asyncio.sleep(PUSH_AFTER_S)  # what ends meanwhile goes in the same publish
+            except asyncio.TimeoutError:
+                pass
+            self._changed.clear()
             try:
                 await self._publish()
             except Exception:  # noqa: BLE001 - the driver (and its hub) went away; the replica goes on
@@ -211,6 +219,7 @@ class ModelReplica:
             return {"error": {"code": "internal_error", "message": f"engine error ({type(e).__name__})", "status": 500}}
         finally:
             self.metrics.active.dec()
+            self._changed.set()
         if single and got is None:
             return {"superseded": True}
         return {"transcripts": [got] if single else list(got)}
@@ -309,6 +318,12 @@ class RayBackend:
         return got
 
     async def metrics_text(self) -> bytes:
+        """The replicas' engine metrics summed (:func:`merge_metrics`), as the hub has them now
+        (each replica publishes within :data:`PUSH_AFTER_S` of a request's end)."""
+        try:
+            self.replicas = await asyncio.wait_for(self._hub.snapshot.remote(), 5)
+        except Exception as e:  # noqa: BLE001 - the hub is gone (stopping): the last copy
+            log.debug("metrics hub unreachable: %s", e)
         return merge_metrics([m for _i, m in self.replicas])
 
 
