@@ -176,3 +176,19 @@ def test_a_killed_model_actor_is_restarted_and_its_files_retried(cluster, inputs
     assert rep.exit_code == 1 and [r.item.key for r in rep.failed] == ["b/corrupt"]
     _same_outputs(local, out)
     assert threading.active_count() < 50
+
+
+def test_a_file_taken_for_the_address_is_refused(capsys, tmp_path):
+    """``--ray clip.wav`` (the address swallowed an input): exit 2 naming the fix, before Ray starts;
+    the same for the server's option parser."""
+    from flashasr.cli import main
+    from flashasr.serve.config import parse_args
+
+    clip = str(AUDIO / CLIPS["a/clip.wav"])
+    assert main(["transcribe", clip, "-o", str(tmp_path), "--ray", clip]) == 2
+    err = capsys.readouterr().err
+    assert "--ray ADDRESS must be" in err and "--ray=ADDRESS" in err
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--ray", "clip.wav"])
+    assert e.value.code == 2
+    assert parse_args(["--ray"]).mode == "ray" and parse_args(["--ray=10.0.0.1:6379", "--workers", "3"]).workers == 3

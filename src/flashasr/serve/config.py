@@ -234,6 +234,8 @@ def _ray_address(text: str) -> str:
     from ..ray_cluster import check_address
     from ..errors import FlashASRError
 
+    if text == "default":  # the flag alone (argparse converts the const too)
+        return text
     try:
         return check_address(text)
     except FlashASRError as e:
