@@ -85,7 +85,8 @@ def probe_capabilities(model: str | None, *, device: str = "cpu", dtype: str | N
     the GPU engine decides the window.
 
     Raises:
-        ModelLoadError / UnsupportedModelError: the model cannot be loaded (there).
+        ModelLoadError / UnsupportedModelError: the model cannot be loaded (there);
+            ``invalid_device``: CUDA asked for on a cluster without a GPU.
     """
     if not str(device).startswith("cuda"):
         from ..pipeline import cached_model
@@ -93,6 +94,11 @@ def probe_capabilities(model: str | None, *, device: str = "cpu", dtype: str | N
         return cached_model(model, device, dtype, engine).capabilities
     import ray
 
+    from ..errors import ModelLoadError
+
+    if not ray.cluster_resources().get("GPU"):  # a GPU task would wait for one forever
+        raise ModelLoadError(f"device {device!r}: the Ray cluster has no GPU (ray start --num-gpus=N on the GPU "
+                             "nodes), or use --device cpu", code="invalid_device")
     task = ray.remote(num_gpus=1, num_cpus=1, max_calls=1)(_remote_capabilities)
     return ModelCapabilities.from_dict(ray.get(task.remote(model, device, dtype, engine)))
 

@@ -247,14 +247,14 @@ def _ray_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ray", nargs="?", const="default", default=None, type=_ray_address, metavar="ADDRESS",
                    help="serve on a Ray cluster: --workers ingress replicas (HTTP, WebSocket, decode, VAD) in front "
                         "of autoscaled model replicas (one GPU each); ADDRESS: auto, local, HOST:PORT or "
-                        "ray://HOST:10001 (without one: RAY_ADDRESS, a cluster started here, else a local instance)")
+                        "ray://HOST:10001 (without one: RAY_ADDRESS, a cluster started here, else a local instance; "
+                        "default: not on Ray)")
     g.add_argument("--ray-min-replicas", type=_number(int, 1), default=1, help="model replicas at least")
     g.add_argument("--ray-max-replicas", type=_number(int, 1), default=None,
-                   help="model replicas at most (default: one per GPU of the cluster with --device cuda, else "
-                        "--ray-min-replicas)")
+                   help="model replicas at most (default: one per GPU of the cluster on CUDA, else the minimum)")
     g.add_argument("--ray-target-ongoing", type=_number(float, 0, above=True), default=None,
                    help="requests a model replica holds (queued or running) before the autoscaler adds one "
-                        "(default: 4 x --max-batch)")
+                        "(default: four times the largest batch)")
 
 
 def parse_args(argv: list[str]) -> ServeConfig:

@@ -401,7 +401,8 @@ def build_application(cfg: ServeConfig, hub: str, resources: dict, make_app):
                                              downscale_delay_s=120),
         request_router_config=RequestRouterConfig(request_router_class=StreamAffinityRouter,
                                                   request_router_kwargs={"ttl_s": 2 * cfg.ws_idle_timeout_s}),
-        health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
+        health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
+        max_constructor_retry_count=3)  # a model that does not load: give up (exit 2) after 3 tries
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=int(cfg.workers), ray_actor_options={"num_cpus": 1}, max_ongoing_requests=10,
         health_check_period_s=2, graceful_shutdown_timeout_s=5)
@@ -422,6 +423,10 @@ def run_ray(cfg: ServeConfig, make_app) -> int:
 
     _configure_logging(cfg)
     resources = connect(None if cfg.ray in (None, "default") else cfg.ray)
+    if str(cfg.device).startswith("cuda") and resources.get("GPU", 0) < cfg.ray_min_replicas:
+        log.error("--device %s with --ray-min-replicas %d: the Ray cluster has %g GPU(s)", cfg.device,
+                  cfg.ray_min_replicas, resources.get("GPU", 0))
+        return EXIT_MODEL_FAILED
     if not cfg.port:  # one free port for every ingress replica of this node
         with socket.socket() as s:
             s.bind((cfg.host, 0))
