@@ -3,7 +3,7 @@
 # installs on the device machine (Python 3.12 there), in folders .git/info/exclude ignores.
 # Ray's wheel alone (~77 MB) is larger than one device call may carry (64 MiB with the working
 # tree), so it travels in two parts, cut with `split`:
-#   .rayw1/  the first 40 MB of the ray wheel                              (call 1 carries it)
+#   .rayw1/  the first 48 MB of the ray wheel                              (call 1 carries it)
 #   .rayw2/  the rest of the ray wheel + the wheels Ray needs that the device image lacks and
 #            .whl (scripts/prepare_device_data.sh, the FastAPI stack) does not already hold  (call 2)
 # The image's package list: /work/.library/device/KINDS.md ("Python packages already there");
@@ -33,7 +33,7 @@ for f in "$tmp"/*.whl; do
   n=$(basename "$f" | cut -d- -f1 | tr '_A-Z' '-a-z')
   case "$have" in *" $n "*) continue ;; esac
   if [ "$n" = ray ]; then
-    split -b 40000000 -d "$f" ".rayw1/$(basename "$f").part-"
+    split -b 48000000 -d "$f" ".rayw1/$(basename "$f").part-"
     mv .rayw1/*.part-0[1-9] .rayw2/
   else
     cp "$f" .rayw2/
