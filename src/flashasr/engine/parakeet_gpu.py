@@ -76,6 +76,7 @@ class ParakeetGPUASR(ParakeetASR):
 
     def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
         """All pieces in one engine call (it sorts and packs them into profiles itself)."""
+        self.count_encoder_work([len(p) for p in pieces if len(p) >= self.engine.min_samples])
         out = self.engine.transcribe_arrays(pieces, checked=True)  # serialised by the engine's lock; checked by
         # ASRModel.transcribe_batch
         self._count("features_upload", float(out.timings.get("host_prep", 0.0)))  # one thread: wall ~ CPU
