@@ -315,7 +315,7 @@ def test_decoder_carry_equals_whole_decode(tiny, ref):
 # ------------------------------------------------------------------------------ the host side
 def test_hypothesis_only_grows_and_frames_follow_the_audio(tiny, speech):
     s = ParakeetStreamer(tiny, StreamingConfig.for_cadence(500, left_frames=32))
-    assert s.C == 8  # 500 ms = 6.25 frames of 80 ms: 7, + 1
+    assert s.C == 7  # 500 ms = 6.25 frames of 80 ms
     prev_text, prev_stable, prev_tokens, n = "", "", 0, 0
     for i in range(0, len(speech), 8000):
         r = s.step([("a", speech[i:i + 8000])])[0]

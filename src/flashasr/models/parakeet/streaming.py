@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import FlashASRError, UnsupportedModelError
+from ...types import StreamResult
 from .decoder import DecoderCarry, label_looping_chunk
 from .encoder import relative_positions
 from .tokenizer import WORD_MARKER
@@ -79,7 +80,8 @@ class StreamingConfig:
     Attributes:
         left_frames: ``L``, encoder frames of left context kept per layer (80 ms each; 128 = 10.24 s).
         chunk_frames: ``C``, most new encoder frames of one stream per step (a request with more
-            is run as several consecutive steps). Pick the partial cadence in frames (+1).
+            is run as several consecutive steps). Pick the partial cadence in frames: every
+            step computes ``C`` frames per row, so a larger ``C`` is padding.
         slots: initial number of stream slots (the pool doubles when full, up to ``max_slots``).
         max_slots: most live streams (a new stream beyond it gets :class:`StreamError`).
         idle_s: a stream not stepped for this long is dropped (its front end went away).
@@ -102,30 +104,9 @@ class StreamingConfig:
 
     @staticmethod
     def for_cadence(partial_interval_ms: float, **kw) -> "StreamingConfig":
-        """``chunk_frames`` = the cadence in 80 ms encoder frames, rounded up, plus one."""
-        c = max(1, int(math.ceil(float(partial_interval_ms) / 80.0 - 1e-9))) + 1
+        """``chunk_frames`` = the cadence in 80 ms encoder frames, rounded up (500 ms: 7, 1 s: 13)."""
+        c = max(1, int(math.ceil(float(partial_interval_ms) / 80.0 - 1e-9)))
         return StreamingConfig(chunk_frames=c, **kw)
-
-
-@dataclass
-class StreamResult:
-    """One stream after a step.
-
-    Attributes:
-        text: the provisional hypothesis so far (SentencePiece decode of every token).
-        stable_text: its words that can no longer change: every word before the last word-start
-            piece (the last word may still grow). Append-only from step to step.
-        frames: encoder frames encoded so far (x 0.08 s for v2/v3); ``audio_s`` the same in seconds.
-        new_tokens: tokens decoded by this step.
-        tokens: all tokens so far.
-    """
-
-    text: str
-    stable_text: str
-    frames: int
-    audio_s: float
-    new_tokens: int
-    tokens: int
 
 
 class StatePool:
@@ -297,6 +278,18 @@ class ParakeetStreamer:
 
     def live(self) -> int:
         return len(self.streams)
+
+    def warmup(self, steps: int = 4) -> None:
+        """Run a throwaway stream of low noise through a few steps (first-call costs paid now: the
+        server warms up before it says ready). Leaves no state behind."""
+        rng = np.random.default_rng(0)
+        chunk = self.hop * self.sub * self.C
+        key = "__warmup__"
+        for _ in range(steps):
+            self.step([(key, (rng.standard_normal(chunk) * 1e-3).astype(np.float32))])
+        with self._lock:
+            self.close(key)
+            self._closed.pop(key, None)
 
     @torch.no_grad()
     def step(self, requests: Sequence[tuple[str, np.ndarray]], *, flush: bool = False) -> list:
