@@ -344,3 +344,30 @@ def test_errors_are_per_request_and_streams_close(tiny, speech):
     assert isinstance(s.step([("a", speech[:100])])[0], StreamError)  # closed streams do not come back
     assert not isinstance(s.step([("e", speech[:100])])[0], Exception)  # its slot was given back
     assert s.live() == 2
+
+
+def test_the_gpu_engines_encoder_variants(speech):
+    """The streamer on the encoder as the GPU engine leaves it (exact-math fusions: BatchNorm folded
+    into the depthwise conv, fused add+LayerNorm, fast attention; then bf16 with float32 norms):
+    fused = unfused to float tolerance, bf16 close (decisions may differ in bf16)."""
+    from flashasr.engine.fast_attention import install_fast_attention
+    from flashasr.engine.fuse import fuse_encoder
+    from flashasr.engine.profiles import prepare_encoder_precision
+
+    x = speech[:48000]
+    cfg = StreamingConfig(chunk_frames=7, left_frames=12)
+    outs = {}
+    for variant in ("plain", "fused", "bf16"):
+        m = load_parakeet(TINY / "model.nemo")
+        if variant != "plain":
+            assert fuse_encoder(m.encoder)["bn_fold"] == 2 and install_fast_attention(m.encoder) == 2
+        if variant == "bf16":
+            prepare_encoder_precision(m.encoder, torch.bfloat16)
+        s = ParakeetStreamer(m, cfg)
+        assert s.dtype == (torch.bfloat16 if variant == "bf16" else torch.float32)
+        got = _capture(s)
+        _stream(s, "a", x, [8000])
+        outs[variant] = torch.cat(got["a"]).float()
+    torch.testing.assert_close(outs["fused"], outs["plain"], rtol=1e-4, atol=1e-4)
+    rel = (outs["bf16"] - outs["plain"]).norm() / outs["plain"].norm()
+    assert rel < 3e-2

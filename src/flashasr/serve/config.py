@@ -88,7 +88,7 @@ class ServeConfig:
 
         left = int(round(self.stream_left_s / 0.08))
         kw = dict(left_frames=left, slots=self.stream_slots, max_slots=max(self.stream_slots, self.stream_max_slots),
-                  idle_s=max(60.0, self.ws_idle_timeout_s + 30.0))
+                  idle_s=max(60.0, self.ws_idle_timeout_s + 30.0), max_batch=self.stream_batch)
         if self.stream_chunk_frames:
             return StreamingConfig(chunk_frames=int(self.stream_chunk_frames), **kw)
         return StreamingConfig.for_cadence(self.partial_interval_ms or 500.0, **kw)

@@ -85,16 +85,19 @@ class StreamingConfig:
         slots: initial number of stream slots (the pool doubles when full, up to ``max_slots``).
         max_slots: most live streams (a new stream beyond it gets :class:`StreamError`).
         idle_s: a stream not stepped for this long is dropped (its front end went away).
+        max_batch: most streams in one device step (the GPU's largest graph bucket; more rows run
+            as several launches).
     """
 
     left_frames: int = 128
-    chunk_frames: int = 8
+    chunk_frames: int = 7
     slots: int = 16
     max_slots: int = 4096
     idle_s: float = 300.0
+    max_batch: int = 512
 
     def __post_init__(self):
-        for name in ("left_frames", "chunk_frames", "slots", "max_slots"):
+        for name in ("left_frames", "chunk_frames", "slots", "max_slots", "max_batch"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "left_frames" else 1):
                 raise FlashASRError(f"StreamingConfig.{name} must be an integer >= "
@@ -285,11 +288,13 @@ class ParakeetStreamer:
         rng = np.random.default_rng(0)
         chunk = self.hop * self.sub * self.C
         key = "__warmup__"
+        saved = dict(self.counters)
         for _ in range(steps):
             self.step([(key, (rng.standard_normal(chunk) * 1e-3).astype(np.float32))])
         with self._lock:
             self.close(key)
             self._closed.pop(key, None)
+            self.counters.update(saved)  # the counters count the streams' work only
 
     @torch.no_grad()
     def step(self, requests: Sequence[tuple[str, np.ndarray]], *, flush: bool = False) -> list:
