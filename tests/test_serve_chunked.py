@@ -71,7 +71,7 @@ def _frames(pcm: bytes) -> list[bytes]:
 def _check_deltas(evs: list[dict], final: str) -> None:
     """Deltas of one item: words only added, as many in the end as the final has; full hypotheses grow."""
     deltas = [e["delta"] for e in evs if e["type"] == DELTA]
-    assert deltas and "".join(deltas).split().__len__() == len(final.split())
+    assert deltas and len("".join(deltas).split()) == len(final.split())
     fulls = [e["transcript"] for e in evs if e["type"] == PARTIAL]
     for a, b in zip(fulls, fulls[1:]):
         assert b.startswith(a.rstrip())

@@ -371,3 +371,16 @@ def test_the_gpu_engines_encoder_variants(speech):
     torch.testing.assert_close(outs["fused"], outs["plain"], rtol=1e-4, atol=1e-4)
     rel = (outs["bf16"] - outs["plain"]).norm() / outs["plain"].norm()
     assert rel < 3e-2
+
+
+def test_no_memory_for_more_slots_refuses_new_streams_only(tiny, speech, monkeypatch):
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=8, left_frames=4, slots=1, max_slots=64))
+    assert not isinstance(s.step([("a", speech[:8000])])[0], Exception)
+
+    def oom(capacity):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(s.pool, "_alloc", oom)
+    out = s.step([("a", speech[8000:16000]), ("b", speech[:8000])])
+    assert out[0].frames > 6 and isinstance(out[1], StreamError) and "memory" in str(out[1])
+    assert s.pool.ceiling == 1 and isinstance(s.step([("c", speech[:100])])[0], StreamError)

@@ -136,6 +136,7 @@ class StatePool:
         self.M = int(model.preprocessor.cfg.features)
         self.device, self.dtype = device, dtype
         self.capacity = 0
+        self.ceiling = 1 << 62  # lowered when growing ran out of memory
         self._sos = DecoderCarry.start(1, model.predictor, model.joint, model.blank_id, device)
         self.free: list[int] = []
         self._alloc(capacity)
@@ -177,9 +178,13 @@ class StatePool:
             StreamError: ``max_slots`` streams are live.
         """
         if not self.free:
-            if self.capacity >= max_slots:
-                raise StreamError(f"all {max_slots} streaming slots are in use")
-            self._alloc(min(max_slots, max(1, self.capacity * 2)))
+            if self.capacity >= min(max_slots, self.ceiling):
+                raise StreamError(f"all {self.capacity} streaming slots are in use")
+            try:
+                self._alloc(min(max_slots, max(1, self.capacity * 2)))
+            except RuntimeError as e:  # out of (device) memory: stay at this size from now on
+                self.ceiling = self.capacity
+                raise StreamError(f"no memory for more than {self.capacity} streaming slots ({e})") from None
         s = self.free.pop()
         self.reset(s)
         return s
