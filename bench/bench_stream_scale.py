@@ -12,7 +12,8 @@ Three phases (``--phases``, default all), one JSON with machine, versions and co
 * ``drift`` (in process): real clips streamed through the streamer in cadence-sized requests; the
   hypothesis after the last partial vs the final (= the offline transcript of the same audio):
   token edit rate, tokens of the final's prefix matched, word error rate of the released words.
-  Several (left context, cadence) settings.
+  Several (left context, cadence) settings, and the model's own sensitivity as the baseline to read
+  them against: its offline tokens with inaudible white noise added (60 and 50 dB SNR) vs clean.
 * ``scale``: ``flashasr serve`` with the same model, N concurrent WebSocket streams (``/v1/stream``,
   binary PCM16, real-time pace in ``--packet-ms`` packets, ``--utterances`` utterances each) at
   each cadence, with manual commits and with server VAD. Reported: partial latency (packet holding
@@ -187,6 +188,21 @@ def run_drift(model, clips, a, model_name: str) -> list[dict]:
     waves = [np.frombuffer(p, "<i2").astype(np.float32) / 32768 for _, p in clips[: a.drift_clips]]
     finals = model._decode_pieces(waves)  # the offline tokens (what the final decodes)
     tok = model.tokenizer
+    # the model's own sensitivity: the offline tokens again with white noise no one would hear added
+    # (a trained model's transcript does not move; a random-weight model's moves a lot, and drift of
+    # chunked partials has to be read against it)
+    rng = np.random.default_rng(0)
+    for snr in a.drift_baseline_snr:
+        noisy = [w + rng.standard_normal(w.size).astype(np.float32) * float(np.sqrt(np.mean(w ** 2))) * 10 ** (-snr / 20)
+                 for w in waves]
+        agree = [(len(f.token_ids), edit_distance(f.token_ids, g.token_ids))
+                 for f, g in zip(finals, model._decode_pieces(noisy))]
+        r = {"model": model_name, "baseline": f"offline tokens, white noise at {snr} dB SNR vs clean",
+             "snr_db": snr, "clips": len(waves), "final_tokens": sum(n for n, _ in agree),
+             "token_agreement": round(1 - sum(d for _, d in agree) / max(1, sum(n for n, _ in agree)), 4)}
+        out.append(r)
+        print(f"drift baseline {model_name}: offline tokens with noise at {snr} dB SNR: token agreement "
+              f"{r['token_agreement']}", flush=True)
     settings = [(left_s, cad) for left_s in a.drift_left_s for cad in a.cadences]
     settings += [(max(a.drift_left_s), cad) for cad in a.drift_chunks_ms if cad not in a.cadences]
     for left_s, cad in settings:
@@ -482,6 +498,7 @@ def _args(argv):
     ap.add_argument("--drift-clips", type=int, default=16)
     ap.add_argument("--drift-left-s", default="2.56,10.24")
     ap.add_argument("--drift-chunks-ms", default="2000,4000", help="longer chunks for the drift sweep (largest L)")
+    ap.add_argument("--drift-baseline-snr", default="60,50", help="dB SNR of the noise of the sensitivity baseline")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="intra-op threads of the in-process phases on CPU (default 1: OpenMP barriers on a shared "
                          "small CPU cost more than they give for these small steps)")
@@ -506,6 +523,7 @@ def _args(argv):
     a.cost_lengths = [int(x) for x in str(a.cost_lengths).split(",") if x]
     a.drift_left_s = [float(x) for x in str(a.drift_left_s).split(",") if x]
     a.drift_chunks_ms = [int(x) for x in str(a.drift_chunks_ms).split(",") if x]
+    a.drift_baseline_snr = [float(x) for x in str(a.drift_baseline_snr).split(",") if x]
     a.vad_modes = {"off": [False], "on": [True], "both": [False, True]}[a.vad]
     a.phases = set(a.phases.split(","))
     return a

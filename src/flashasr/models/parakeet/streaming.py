@@ -270,7 +270,7 @@ class ParakeetStreamer:
                                         "padded_frames", "steps", "rows")}
         self.counters["audio_s"] = 0.0
         self.frame_seconds = float(model.frame_seconds)
-        self._word_start = {}
+        self._piece_starts_word: dict[int, bool] = {}  # token id -> its piece begins a word
 
     # ------------------------------------------------------------------ public
     def close(self, key: str) -> None:
@@ -453,9 +453,9 @@ class ParakeetStreamer:
         return B
 
     def _starts_word(self, t: int) -> bool:
-        w = self._word_start.get(t)
+        w = self._piece_starts_word.get(t)
         if w is None:
-            w = self._word_start[t] = self.model.tokenizer.piece(t).startswith(WORD_MARKER)
+            w = self._piece_starts_word[t] = self.model.tokenizer.piece(t).startswith(WORD_MARKER)
         return w
 
     def _result(self, st: _Stream, new_tokens: int) -> StreamResult:
