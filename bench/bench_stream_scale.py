@@ -2,7 +2,7 @@
 
 Three phases (``--phases``, default all), one JSON with machine, versions and conditions:
 
-* ``cost`` (in process, no server): B streams of real speech fed in lockstep, one partial every
+* ``cost`` (in process, no server), with the per-call floor (one step for 1, 8, 64, 256 streams): B streams of real speech fed in lockstep, one partial every
   cadence of audio per stream, for utterances of 5, 30 and 120 s; each partial through the model's
   streamer (``chunked``: one batched step for all streams per tick) or by re-transcribing the
   utterance so far (``reencode``, today's path; 5 and 30 s); then every final offline (batched, as
@@ -178,6 +178,37 @@ def run_cost(model, clips, a) -> list[dict]:
                   f"stream-s (partials {r['device_s_per_stream_s']['partials'] * 1000:.3f}, finals "
                   f"{r['device_s_per_stream_s']['finals'] * 1000:.3f}); encoder work {w['total']} audio-s/s "
                   f"(partials {w['partials']}); step {r['partial_step_ms']} ms", flush=True)
+    return out
+
+
+def run_floor(model, clips, a) -> list[dict]:
+    """One chunked step (500 ms of new audio per stream) for batches of 1..N live streams: the
+    per-call floor (median of ``--floor-reps``; features, encoder, decoder and host work)."""
+    out = []
+    sizes = [b for b in a.floor_batches if b <= a.stream_batch]
+    s = _streamer(model, a, a.cost_cadence_ms, slots=max(sizes))
+    n = int(a.cost_cadence_ms * 16)
+    audio = [_speech(clips, 60, i) for i in range(max(sizes))]
+    pos = 0
+    for B in sizes:
+        times = []
+        for _ in range(a.floor_reps):
+            if pos + n > len(audio[0]):
+                for k in range(max(sizes)):
+                    s.close(f"f{k}")
+                s._closed.clear()
+                pos = 0
+            _sync(a.device)
+            t0 = time.perf_counter()
+            s.step([(f"f{k}", audio[k][pos:pos + n]) for k in range(B)])
+            _sync(a.device)
+            times.append(time.perf_counter() - t0)
+            pos += n
+        r = {"streams": B, "step_ms_median": round(1000 * float(np.median(times)), 3),
+             "step_ms_p90": round(1000 * float(np.percentile(times, 90)), 3), "reps": len(times),
+             "rows_computed": s.padded_rows(B)}
+        out.append(r)
+        print(f"floor: one step of {B} streams: median {r['step_ms_median']} ms (p90 {r['step_ms_p90']})", flush=True)
     return out
 
 
@@ -495,6 +526,8 @@ def _args(argv):
     ap.add_argument("--reencode-streams", type=int, default=32)
     ap.add_argument("--reencode-max-s", type=float, default=30)
     ap.add_argument("--final-batch", type=int, default=64)
+    ap.add_argument("--floor-batches", default="1,8,64,256", help="streams per step of the per-call floor")
+    ap.add_argument("--floor-reps", type=int, default=20)
     ap.add_argument("--drift-clips", type=int, default=16)
     ap.add_argument("--drift-left-s", default="2.56,10.24")
     ap.add_argument("--drift-chunks-ms", default="2000,4000", help="longer chunks for the drift sweep (largest L)")
@@ -511,7 +544,7 @@ def _args(argv):
     a = ap.parse_args(argv)
     if a.smoke:  # small everything, unless given
         given = set(x.split("=")[0] for x in (argv or sys.argv[1:]) if x.startswith("--"))
-        for k, v in {"--streams": "2,4", "--cost-streams": 2, "--reencode-streams": 2, "--drift-clips": 6,
+        for k, v in {"--streams": "2,4", "--cost-streams": 2, "--floor-batches": "1,8", "--floor-reps": 5, "--reencode-streams": 2, "--drift-clips": 6,
                      "--utterances": 1, "--client-procs": 1, "--max-clips": 4, "--max-batch": 8,
                      "--stream-batch": 64}.items():
             if k not in given:
@@ -523,6 +556,7 @@ def _args(argv):
     a.cost_lengths = [int(x) for x in str(a.cost_lengths).split(",") if x]
     a.drift_left_s = [float(x) for x in str(a.drift_left_s).split(",") if x]
     a.drift_chunks_ms = [int(x) for x in str(a.drift_chunks_ms).split(",") if x]
+    a.floor_batches = [int(x) for x in str(a.floor_batches).split(",") if x]
     a.drift_baseline_snr = [float(x) for x in str(a.drift_baseline_snr).split(",") if x]
     a.vad_modes = {"off": [False], "on": [True], "both": [False, True]}[a.vad]
     a.phases = set(a.phases.split(","))
@@ -576,6 +610,8 @@ def main(argv=None) -> int:
         result["conditions"]["model_class"] = type(model).__name__
         if "cost" in a.phases:
             result["cost"] = run_cost(model, clips, a)
+            save()
+            result["step_floor"] = run_floor(model, clips, a)
             save()
         if "drift" in a.phases:
             result["drift"] = run_drift(model, drift_clips, a, a.model)
