@@ -53,6 +53,12 @@ class ServeConfig:
     # streaming
     partial_interval_ms: float = 500.0  # cadence of partial transcripts per stream (0: no partials)
     max_utterance_s: float = 30.0       # utterance buffer cap: a longer utterance is committed (final) early
+    stream_partials: str = "auto"       # "auto"/"chunked": chunked encoder for Parakeet partials; "reencode": today's
+    stream_left_s: float = 10.24        # chunked partials: left context kept per layer (seconds, 80 ms frames)
+    stream_chunk_frames: int | None = None  # chunked partials: most new encoder frames per stream and step
+    stream_slots: int = 64              # chunked partials: stream states allocated at start (the pool doubles)
+    stream_max_slots: int = 8192        # chunked partials: most live streams with chunked state
+    stream_batch: int = 512             # chunked partials: most streams in one batched step
     vad_threshold: float = 0.5
     vad_prefix_padding_ms: int = 300
     vad_silence_duration_ms: int = 500
@@ -83,6 +89,17 @@ class ServeConfig:
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 1024 * 1024)
+
+    def streaming_config(self):
+        """The :class:`~flashasr.models.parakeet.streaming.StreamingConfig` of chunked partials."""
+        from ..models.parakeet.streaming import StreamingConfig
+
+        left = int(round(self.stream_left_s / 0.08))
+        kw = dict(left_frames=left, slots=self.stream_slots, max_slots=max(self.stream_slots, self.stream_max_slots),
+                  idle_s=max(60.0, self.ws_idle_timeout_s + 30.0), max_batch=self.stream_batch)
+        if self.stream_chunk_frames:
+            return StreamingConfig(chunk_frames=int(self.stream_chunk_frames), **kw)
+        return StreamingConfig.for_cadence(self.partial_interval_ms or 500.0, **kw)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -228,6 +245,23 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                    help="utterance buffer cap of a stream; a longer utterance is committed early")
     g.add_argument("--ws-idle-timeout-s", type=_number(float, 0, above=True), default=300.0,
                    help="a WebSocket without any message for this many seconds is closed")
+    g.add_argument("--stream-partials", choices=("auto", "chunked", "reencode"), default="auto",
+                   help="how partials are computed: chunked = encode only the new audio with cached per-layer "
+                        "state (cost per stream flat in utterance length; Parakeet-TDT; auto picks it where the "
+                        "model has it), reencode = re-transcribe the utterance so far (Whisper always). Finals "
+                        "re-encode the whole utterance either way")
+    g.add_argument("--stream-left-s", type=_number(float, 0), default=10.24,
+                   help="chunked partials: left context per layer in seconds (GPU memory per stream grows with it)")
+    g.add_argument("--stream-chunk-frames", type=_number(int, 1, high=256), default=None,
+                   help="chunked partials: most new 80 ms encoder frames per stream and step (default: the partial "
+                        "cadence in frames, rounded up)")
+    g.add_argument("--stream-slots", type=_number(int, 1), default=64,
+                   help="chunked partials: stream states allocated at start (doubled when full; on a GPU set it "
+                        "to the streams expected, growing re-captures the step's graphs)")
+    g.add_argument("--stream-max-slots", type=_number(int, 1), default=8192,
+                   help="chunked partials: most live streams with chunked state (more: their partials are skipped)")
+    g.add_argument("--stream-batch", type=_number(int, 1), default=512,
+                   help="chunked partials: most streams in one batched step")
 
 
 def _ray_address(text: str) -> str:
@@ -276,6 +310,8 @@ def parse_args(argv: list[str]) -> ServeConfig:
         shm_threshold_bytes=a.shm_threshold_kb * 1024, engine_socket=a.engine_socket,
         cpu_threads=a.cpu_threads, decode_workers=a.decode_workers, partial_interval_ms=a.partial_interval_ms,
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
+        stream_partials=a.stream_partials, stream_left_s=a.stream_left_s, stream_chunk_frames=a.stream_chunk_frames,
+        stream_slots=a.stream_slots, stream_max_slots=a.stream_max_slots, stream_batch=a.stream_batch,
         body_timeout_s=a.body_timeout_s, log_level=a.log_level, access_log=not a.no_access_log,
         ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile, ray=a.ray, ray_min_replicas=a.ray_min_replicas,
         ray_max_replicas=a.ray_max_replicas, ray_target_ongoing=a.ray_target_ongoing,

@@ -23,6 +23,12 @@ Priorities (lower runs first):
 Items share a batch only when their options' ``decoding`` (language, task, word timestamps) is
 equal; the batch runs through :func:`flashasr.pipeline.transcribe_pieces` (one bad piece fails
 alone).
+
+Chunked streaming partials (:meth:`BatchScheduler.submit_chunk`, when a ``streamer`` is given:
+:class:`flashasr.models.parakeet.streaming.ParakeetStreamer`) are ``PARTIAL`` items of their own
+group: the new audio of many streams, one batched ``streamer.step`` per model call (up to
+``stream_batch`` streams), never coalesced away (each carries audio the stream's state needs; a
+stream has at most one in flight, its next one carries everything that arrived meanwhile).
 """
 
 from __future__ import annotations
@@ -56,10 +62,12 @@ class _Item:
     t_enq: float
     seq: int = 0
     tag: float = 0.0  # virtual start time in audio seconds (fair order among uploads; see the module docstring)
+    stream: str | None = None  # a chunked streaming partial: the stream's key (its batch is one streamer step)
+    stream_new: bool = False   # ... and the first chunk of that stream (its state is created)
 
     @property
     def group(self) -> tuple:
-        return self.options.decoding
+        return ("stream",) if self.stream is not None else self.options.decoding
 
 
 class BatchScheduler:
@@ -70,11 +78,16 @@ class BatchScheduler:
         max_batch: most waveforms per model call.
         batch_wait_s: how long to wait for more offline work before running a partial batch.
         metrics: :class:`EngineMetrics` to update (queue depth, batch sizes, latencies).
+        streamer: a :class:`~flashasr.models.parakeet.streaming.ParakeetStreamer` of ``model``
+            for :meth:`submit_chunk` (None: chunked partials are refused).
+        stream_batch: most streams in one streamer step.
     """
 
     def __init__(self, model, *, max_batch: int = 8, batch_wait_s: float = 0.002,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None, streamer=None, stream_batch: int = 256):
         self.model = model
+        self.streamer = streamer
+        self.stream_batch = max(1, int(stream_batch))
         self.max_batch = max(1, int(max_batch))
         self.batch_wait_s = batch_wait_s
         self.metrics = metrics or EngineMetrics(getattr(model, "device", "cpu"))
@@ -189,6 +202,30 @@ class BatchScheduler:
                 self._forget(it)
             self._gauge()
 
+    async def submit_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False):
+        """Queue a stream's new audio (float32 [n]) for the next streamer step (``new``: its first
+        chunk); returns its :class:`~flashasr.models.parakeet.streaming.StreamResult`. Raises its
+        error (:class:`~flashasr.models.parakeet.streaming.StreamError`: closed or lost stream, no slot)."""
+        if self.streamer is None:
+            from ..models.parakeet.streaming import StreamError
+
+            raise StreamError("this model has no chunked streaming partials")
+        it = self._enqueue(samples, options, PARTIAL)
+        it.stream, it.stream_new = key, bool(new)
+        self._gauge()
+        self._wake.set()
+        try:
+            return await it.fut
+        finally:
+            self._forget(it)
+            self._gauge()
+
+    def close_stream(self, key: str) -> None:
+        """Drop a stream's chunked state, on the model thread after the work already handed to it
+        (a chunk still queued was cancelled by its awaiter first)."""
+        if self.streamer is not None:
+            self._exec.submit(self.streamer.close, key)
+
     # ---------------------------------------------------------------- internal
     def _gauge(self) -> None:
         for p, q in self._queues.items():
@@ -207,7 +244,7 @@ class BatchScheduler:
                 self._vtime = max(self._vtime, anchor.tag + len(anchor.samples) / self.sample_rate)
                 n = len(anchor.samples)
                 others.sort(key=lambda it: (abs(len(it.samples) - n), it.tag, it.seq))
-            batch = [anchor] + others[: self.max_batch - 1]
+            batch = [anchor] + others[: (self.stream_batch if anchor.stream else self.max_batch) - 1]
             chosen = set(id(it) for it in batch)
             self._queues[p] = [it for it in q if id(it) not in chosen]
             if p == FINAL and len(batch) < self.max_batch:  # streaming work shares the batch: partials fill it
@@ -223,7 +260,10 @@ class BatchScheduler:
         return []
 
     def _infer(self, batch: list[_Item]) -> list:
-        """One model call for the batch (model thread); per item a Transcript or its exception."""
+        """One model call for the batch (model thread); per item a Transcript (a StreamResult for
+        chunked partials) or its exception."""
+        if batch[0].stream is not None:
+            return self.streamer.step([(it.stream, it.samples, it.stream_new) for it in batch])
         return transcribe_pieces(self.model, [it.samples for it in batch], batch[0].options)
 
     async def _run(self) -> None:
