@@ -68,3 +68,22 @@ def test_gpu_engine_streamer_is_graphed_and_close_to_fp32(speech):
     s.warmup()
     got, res = _run(s, speech, [8000])
     assert all(isinstance(r.text, str) for r in res) and s.counters["steps"] > 10
+
+
+def test_offline_graphs_survive_a_streamer_built_after_them(speech):
+    """A streamer made after the offline TDT graphs were captured must not move the predictor's
+    weights (the H200 run of bench_stream_scale: every offline replay after make_streamer was an
+    illegal memory access, RNNBase.flatten_parameters re-allocating the LSTM's weight chunk)."""
+    from flashasr.engine.parakeet_gpu import ParakeetGPUASR
+
+    gpu = ParakeetGPUASR(load_parakeet(TINY / "model.nemo", device="cuda"), warmup=False)
+    lstm = gpu.predictor.lstm
+    before = [t.text for t in gpu.transcribe_batch(speech)]  # captures the offline graphs
+    ptrs = [w.data_ptr() for w in lstm._flat_weights]
+    s = gpu.make_streamer(StreamingConfig(chunk_frames=7, left_frames=16, max_batch=4))
+    s.warmup()
+    _run(s, speech, [8000])
+    assert [w.data_ptr() for w in lstm._flat_weights] == ptrs
+    after = [t.text for t in gpu.transcribe_batch(speech)]
+    torch.cuda.synchronize()
+    assert after == before

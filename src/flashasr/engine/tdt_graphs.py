@@ -141,6 +141,22 @@ class _Buffers:
         self.keep = []  # objects the graphs need alive
 
 
+def flatten_once(lstm) -> None:
+    """Put an RNN's weights in one contiguous chunk for cuDNN, unless they already are.
+
+    ``RNNBase.flatten_parameters`` re-allocates the chunk on every call (CUDA), which frees the
+    memory that CUDA graphs captured earlier read their weights from: a second decoder built on
+    the same predictor (a streamer after the offline graphs) made every offline replay an illegal
+    memory access on the H200. No-op for ``None``, non-RNN modules and CPU weights.
+    """
+    if not isinstance(lstm, torch.nn.RNNBase):
+        return
+    ws = [w for w in getattr(lstm, "_flat_weights", []) if isinstance(w, torch.Tensor)]
+    if ws and len({w.untyped_storage().data_ptr() for w in ws}) == 1:
+        return  # already one chunk: keep the pointers graphs may hold
+    lstm.flatten_parameters()
+
+
 class TDTGraphDecoder:
     """Greedy TDT decoder (label looping) with CUDA-graph execution modes.
 
@@ -184,9 +200,7 @@ class TDTGraphDecoder:
         p = next(iter(predictor.parameters())) if hasattr(predictor, "parameters") else None
         self.pred_dtype = p.dtype if p is not None else torch.float32
         self.state_batch_dims = self._find_state_batch_dims()
-        lstm = getattr(predictor, "lstm", None)
-        if isinstance(lstm, torch.nn.RNNBase):
-            lstm.flatten_parameters()  # one weight chunk for cuDNN (no re-packing per call)
+        flatten_once(getattr(predictor, "lstm", None))
 
     # ------------------------------------------------------------------ helpers
     def _find_state_batch_dims(self) -> list[int]:
