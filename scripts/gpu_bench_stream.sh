@@ -26,7 +26,7 @@ if [ "${1:-}" = prepare ]; then
   set -e
   SHARED="${FLASHASR_SHARED:-../shared}"
   pins=()
-  for p in fastapi starlette uvicorn uvloop websockets httpx httpcore h11 anyio sniffio idna certifi pydantic \
+  for p in fastapi opentelemetry-api starlette uvicorn uvloop websockets httpx httpcore h11 anyio sniffio idna certifi pydantic \
            pydantic_core annotated-types typing_extensions typing-inspection prometheus_client python-multipart \
            soxr silero-vad sentencepiece PyYAML; do
     v=$(python -m pip show "$p" 2>/dev/null | awk '/^Version:/{print $2}')
