@@ -366,3 +366,32 @@ def test_the_vad_leaves_torch_threads_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "2"
+
+
+def test_server_vad_batcher_equals_per_stream_feed():
+    """The server's VadBatcher (all streams of a loop in feed_many batches, off the loop) gives
+    each stream the events of its own feed(), in order, while streams deliver concurrently."""
+    import asyncio
+
+    from flashasr.serve.stream import VadBatcher
+
+    clips = [_load(r)[: 16000 * 10] for r in ("en/en-jfk-inaugural.wav", "hard/hard-8k-harvard-list72.wav",
+                                               "en/en-ls-1272-141231-0002.wav", "hard/hard-noise-no-speech-8s.wav")]
+    ref = [[(e.type, e.time) for e in _stream(x, [320])[1]] for x in clips]
+
+    async def one(vad, x, size):
+        b, got = VadBatcher.for_running_loop(), []
+        for p in range(0, len(x), size):
+            got += await b.feed(vad, x[p:p + size])
+        return got + vad.flush()
+
+    async def main():
+        vads = [StreamingVAD() for _ in clips]
+        out = await asyncio.gather(*(one(v, x, 320) for v, x in zip(vads, clips)))
+        return out, VadBatcher.for_running_loop().batches
+
+    got, batches = asyncio.run(main())
+    assert [[(e.type, e.time) for e in g] for g in got] == ref
+    assert sum(len(r) for r in ref) >= 6
+    chunks = sum(-(-len(x) // 320) for x in clips)
+    assert batches < chunks  # streams shared batches (one feed_many for several streams' chunks)

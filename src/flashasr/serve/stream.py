@@ -35,6 +35,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 from collections import deque
 
 import numpy as np
@@ -105,13 +106,89 @@ class Resampler:
             self._rs.clear()
 
 
+class VadBatcher:
+    """The server VAD of every live stream of one event loop, batched and off the loop.
+
+    A session awaits :meth:`feed` with its stream's :class:`~flashasr.audio.vad.StreamingVAD`
+    and a chunk; chunks that arrive while a batch runs wait for the next one, and each batch is
+    one :meth:`StreamingVAD.feed_many` call (one ONNX call per frame position for all streams)
+    in a worker thread (onnxruntime releases the GIL), so the loop keeps receiving packets and
+    sending events. At low load a chunk starts at once (no tick to wait for); at high load the
+    batches grow. Events equal per-stream :meth:`~flashasr.audio.vad.StreamingVAD.feed`
+    (``feed_many``'s contract), in each stream's order: a session awaits one chunk at a time,
+    and a second chunk of a stream already in the batch goes to the next batch.
+
+    Why: 1,000-2,000 server-VAD streams on the H200 gave finals seconds late while the engine
+    was a third busy (``bench/results/stream_scale_h200_scale500.json``): one ONNX call per
+    32 ms frame per stream, on the event loop, 6-7 ms of a core per stream-second.
+    """
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, VadBatcher]" = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[object, np.ndarray, asyncio.Future]] = []
+        self._running = False
+        self._task: asyncio.Future | None = None  # the drain running now (a reference keeps it alive)
+        self._executor = None
+        self.batches = 0  # VAD batches run (tests, metrics)
+
+    @classmethod
+    def for_running_loop(cls) -> "VadBatcher":
+        """The batcher of the running event loop (one per loop, created on first use)."""
+        loop = asyncio.get_running_loop()
+        b = cls._by_loop.get(loop)
+        if b is None:
+            b = cls._by_loop[loop] = cls()
+        return b
+
+    async def feed(self, vad, x: np.ndarray) -> list:
+        """``vad.feed(x)``'s events (a list of :class:`~flashasr.audio.vad.VADEvent`), batched."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((vad, x, fut))
+        if not self._running:
+            self._running = True
+            self._task = asyncio.ensure_future(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ..audio.vad import StreamingVAD
+
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="flashasr-vad")
+        loop = asyncio.get_running_loop()
+        try:
+            while self._pending:
+                batch, seen, later = [], set(), []
+                for item in self._pending:
+                    (later if id(item[0]) in seen else batch).append(item)
+                    seen.add(id(item[0]))
+                self._pending = later
+                self.batches += 1
+                try:
+                    out = await loop.run_in_executor(
+                        self._executor, StreamingVAD.feed_many, [(v, x) for v, x, _ in batch])
+                except Exception as e:  # noqa: BLE001 - every waiter of the batch gets the error
+                    for _, _, f in batch:
+                        if not f.done():
+                            f.set_exception(e)
+                    continue
+                for (_, _, f), events in zip(batch, out):
+                    if not f.done():
+                        f.set_result(events)
+        finally:
+            self._running = False
+
+
 class VadAdapter:
     """Server VAD on 16 kHz float32 audio: wraps :class:`flashasr.audio.vad.StreamingVAD`.
 
-    ``process(x, start)`` (``start``: stream sample index of ``x[0]``) returns
+    ``await process(x, start)`` (``start``: stream sample index of ``x[0]``) returns
     ``[(kind, sample)]`` with kind ``"start"``/``"stop"`` and the absolute 16 kHz sample index
     where speech starts (the VAD already moved it ``prefix_padding_ms`` earlier) or where the
-    trailing silence began. The Silero ONNX session is shared by all streams.
+    trailing silence began. The Silero ONNX session is shared by all streams, and the frames of
+    all streams of the event loop are run together (:class:`VadBatcher`).
     """
 
     def __init__(self, threshold: float, prefix_padding_ms: int, silence_duration_ms: int):
@@ -121,11 +198,12 @@ class VadAdapter:
                                 silence_duration_ms=silence_duration_ms)
         self.offset: int | None = None
 
-    def process(self, x: np.ndarray, start: int) -> list[tuple[str, int]]:
+    async def process(self, x: np.ndarray, start: int) -> list[tuple[str, int]]:
         if self.offset is None:
             self.offset = start  # the VAD's clock starts at the first sample it sees
+        events = await VadBatcher.for_running_loop().feed(self.vad, x)
         return [("start" if ev.type == "speech_started" else "stop", self.offset + int(round(ev.time * SR)))
-                for ev in self.vad.feed(x)]
+                for ev in events]
 
 
 class LazyVad:
@@ -140,11 +218,11 @@ class LazyVad:
         self.cfg = turn_detection
         self._vad = None
 
-    def process(self, x: np.ndarray, start: int) -> list[tuple[str, int]]:
+    async def process(self, x: np.ndarray, start: int) -> list[tuple[str, int]]:
         if self._vad is None:
             self._vad = VadAdapter(self.cfg["threshold"], self.cfg["prefix_padding_ms"],
                                    self.cfg["silence_duration_ms"])
-        return self._vad.process(x, start)
+        return await self._vad.process(x, start)
 
 
 def _words(text: str) -> list[str]:
@@ -278,7 +356,7 @@ class StreamSession:
             else:
                 self._maybe_partial()
             return
-        events = self.vad.process(x, start)
+        events = await self.vad.process(x, start)
         # keep the pre-speech ring (enough for the prefix padding plus the VAD's decision delay)
         self._pre.append((start, x))
         self._pre_n += x.size
