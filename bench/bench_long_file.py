@@ -163,15 +163,19 @@ def server(files: list[Path], spec: str, device: str, repeats: int, log_dir: Pat
             for p in files:
                 body = p.read_bytes()
 
+                timings: list[str] = []
+
                 def post():
                     r = c.post(srv.base + "/v1/audio/transcriptions", files={"file": (p.name, body)},
                                data={"model": "m", "response_format": "json"})
                     r.raise_for_status()
+                    timings.append(r.headers.get("server-timing", ""))
                     return r.json()
 
                 post()  # warm-up
                 out[p.name], got = timed(post, repeats)
                 out[p.name]["words_in_text"] = len(got["text"].split())
+                out[p.name]["server_timing"] = timings[1:]  # the server's own split (upload, decode, plan, ...)
     finally:
         srv.stop()
     return out
