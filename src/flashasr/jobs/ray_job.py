@@ -5,7 +5,7 @@ outputs, ``summary.jsonl`` records, resume rules, per-file failures and exit cod
 :func:`flashasr.jobs.run_job`, and the same functions at every step, so the same file gives the
 same transcript (text and times) on a laptop and on a cluster::
 
-    driver:  expand_inputs -> resume triage (runner._triage: summary.jsonl, per-file options)
+    driver:  expand_inputs -> resume triage (runner.triage_inputs: summary.jsonl, per-file options)
                |  rows {idx, path, options} of the files to do, one file per block
                v
     CPU tasks (num_cpus=decode_cpus, many per node; Ray Data map_batches):
@@ -60,7 +60,7 @@ from .feeder import DecodeFailure, error_of, prepare_file
 from .finish import Finisher
 from .inputs import InputItem
 from .report import FileResult, JobReport
-from .runner import _check_arguments, _expand, _open_summary, _triage, default_batch_size
+from .runner import check_job_arguments, collect_inputs, default_batch_size, open_summary, triage_inputs
 
 #: Blocks of input rows at most (files per block grows beyond it): the driver holds one object
 #: reference per block.
@@ -422,16 +422,16 @@ def run_ray_job(
 
     t_job, cpu_job = time.perf_counter(), time.process_time()
     opts = TranscribeOptions.build(options, **changes)
-    batch_size = _check_arguments(fmt, batch_size or default_batch_size(device), None, None,
+    batch_size = check_job_arguments(fmt, batch_size or default_batch_size(device), None, None,
                                   max_buffered_audio_s or 1.0, device)
     _check_ray_arguments(actors, actor_cpus, decode_cpus, decode_tasks, files_per_task)
     resources = connect(address)
     caps = capabilities or probe_capabilities(model, device=device, dtype=dtype, engine=engine)
     opts = opts.resolve(caps)
-    items = _expand(inputs)
+    items = collect_inputs(inputs)
     out_dir = None if output_dir is None else Path(output_dir)
-    summary = _open_summary(out_dir, resume)
-    todo, file_opts, early = _triage(items, opts, caps, summary if resume else None, fmt)
+    summary = open_summary(out_dir, resume)
+    todo, file_opts, early = triage_inputs(items, opts, caps, summary if resume else None, fmt)
     n_actors = int(actors) if actors else default_actors(device, resources)
     report = JobReport(device=device, model=caps.name, batch_size=batch_size, cpu_pool="ray",
                        workers=int(decode_tasks or max(1, (resources.get("CPU", 1) - n_actors * actor_cpus)

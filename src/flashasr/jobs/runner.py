@@ -131,8 +131,19 @@ def _start_gpu_monitor(device: str, want: bool | None):
     return NvmlSampler(device).start()
 
 
-def _check_arguments(fmt: str, batch_size, workers, cpu_pool, max_buffered_audio_s, device: str) -> int:
-    """Raise InvalidRequestError (``invalid_request``) for a bad argument; returns the batch size."""
+def check_job_arguments(fmt: str, batch_size, workers, cpu_pool, max_buffered_audio_s, device: str) -> int:
+    """Check a job's arguments before any work (shared by :func:`run_job` and the Ray job).
+
+    Args:
+        fmt: output format (one of ``FORMATS``); batch_size: pieces per model call or None (the
+            device's default); workers: decode workers or None; cpu_pool: ``"process"``,
+            ``"thread"`` or None; max_buffered_audio_s: seconds of decoded audio held at most, or
+            None; device: the model's device (picks the default batch size).
+    Returns:
+        the batch size to use (int >= 1).
+    Raises:
+        InvalidRequestError: (``invalid_request``, ``param`` naming the argument) for a bad value.
+    """
     import math
 
     if fmt not in FORMATS:
@@ -159,7 +170,10 @@ def _pool_kind(cpu_pool: str | None, device: str, workers: int, custom_hooks: bo
     return cpu_pool or default_cpu_pool(device)
 
 
-def _expand(inputs) -> list[InputItem]:
+def collect_inputs(inputs) -> list[InputItem]:
+    """The job's inputs as :class:`InputItem` s, in order: items given as such are kept, paths,
+    folders, globs and manifests go through :func:`expand_inputs` (which raises
+    :class:`~flashasr.jobs.inputs.InputError`, ``input_not_found`` or ``unreadable_input``)."""
     items: list[InputItem] = []
     raw: list = []
     for x in inputs:
@@ -169,7 +183,7 @@ def _expand(inputs) -> list[InputItem]:
     return items
 
 
-def _open_summary(out_dir: Path | None, resume: bool) -> Summary | None:
+def open_summary(out_dir: Path | None, resume: bool) -> Summary | None:
     """The output folder's journal (earlier records loaded when resuming); None without a folder."""
     if out_dir is None:
         return None
@@ -181,8 +195,8 @@ def _open_summary(out_dir: Path | None, resume: bool) -> Summary | None:
     return summary
 
 
-def _triage(items: list[InputItem], opts: TranscribeOptions, caps: ModelCapabilities, summary: Summary | None,
-            fmt: str) -> tuple[list[int], list[TranscribeOptions | None], list[tuple[int, FileResult]]]:
+def triage_inputs(items: list[InputItem], opts: TranscribeOptions, caps: ModelCapabilities, summary: Summary | None,
+                  fmt: str) -> tuple[list[int], list[TranscribeOptions | None], list[tuple[int, FileResult]]]:
     """Per input: to do (with its file options), or decided now: ``skipped`` (``summary`` records a
     complete output for these job options) or ``failed`` (a manifest language the model refuses).
 
@@ -399,13 +413,13 @@ def run_job(
     device = str(getattr(model, "device", "cpu"))
     if max_buffered_audio_s is None:
         max_buffered_audio_s = default_max_buffered_s(batch_size or default_batch_size(device))
-    batch_size = _check_arguments(fmt, batch_size, workers, cpu_pool, max_buffered_audio_s, device)
+    batch_size = check_job_arguments(fmt, batch_size, workers, cpu_pool, max_buffered_audio_s, device)
     caps = model.capabilities
     opts = opts.resolve(caps)
-    items = _expand(inputs)
+    items = collect_inputs(inputs)
     out_dir = None if output_dir is None else Path(output_dir)
-    summary = _open_summary(out_dir, resume)
-    todo, file_opts, early = _triage(items, opts, caps, summary if resume else None, fmt)
+    summary = open_summary(out_dir, resume)
+    todo, file_opts, early = triage_inputs(items, opts, caps, summary if resume else None, fmt)
 
     n_workers, kind, decode_workers, worker_pool = _workers_plan(
         workers, cpu_pool, device, len(todo), decode_fn is not None or split_fn is not None, worker_pool)
