@@ -93,6 +93,21 @@ class MelPreprocessor(nn.Module):
         pad = (self.n_fft // 2) * 2
         return torch.div(lengths.long() + pad - self.n_fft, self.hop_length, rounding_mode="floor").clamp(min=0)
 
+    def log_mel_from_stft(self, spec: torch.Tensor) -> torch.Tensor:
+        """Complex STFT ``[B, n_fft // 2 + 1, T]`` -> float32 (log-)mel ``[B, n_mels, T]``: magnitude
+        to ``mag_power``, the mel filterbank, then the log with NeMo's zero guard (``add`` or
+        ``clamp``) when ``log`` is set (NeMo ``FilterbankFeatures``; also the streaming step's)."""
+        cfg = self.cfg
+        spec = torch.view_as_real(spec)
+        mag = torch.sqrt(spec.pow(2).sum(-1))
+        if cfg.mag_power != 1.0:
+            mag = mag.pow(cfg.mag_power)
+        mel = torch.matmul(self.fb.float(), mag)
+        if cfg.log:
+            g = self._guard()
+            mel = torch.log(mel + g) if cfg.log_zero_guard_type == "add" else torch.log(torch.clamp(mel, min=g))
+        return mel
+
     def _guard(self) -> float:
         v = self.cfg.log_zero_guard_value
         if isinstance(v, str):
@@ -116,14 +131,7 @@ class MelPreprocessor(nn.Module):
         spec = torch.stft(x, n_fft=self.n_fft, hop_length=self.hop_length, win_length=self.win_length,
                           window=self.window.float(), center=True, pad_mode="constant",
                           return_complex=True)
-        spec = torch.view_as_real(spec)
-        mag = torch.sqrt(spec.pow(2).sum(-1))
-        if cfg.mag_power != 1.0:
-            mag = mag.pow(cfg.mag_power)
-        mel = torch.matmul(self.fb.float(), mag)  # [B, n_mels, T]
-        if cfg.log:
-            g = self._guard()
-            mel = torch.log(mel + g) if cfg.log_zero_guard_type == "add" else torch.log(torch.clamp(mel, min=g))
+        mel = self.log_mel_from_stft(spec)  # [B, n_mels, T]
         T = mel.shape[-1]
         tmask = torch.arange(T, device=x.device)[None, :] < feat_len[:, None]  # [B, T]
         if cfg.normalize in ("per_feature", "all_features"):

@@ -498,17 +498,9 @@ class ParakeetStreamer:
         """Log-mel of the window ``[B, Fw, M]`` normalised with the running statistics (frames
         ``[sub, feat_valid)`` of the window are the stream's new frames and join them first)."""
         pre = self.model.preprocessor
-        pc = pre.cfg
         spec = torch.stft(seg, n_fft=self.n_fft, hop_length=self.hop, win_length=self.win,
                           window=pre.window.float(), center=False, return_complex=True)
-        spec = torch.view_as_real(spec)
-        mag = torch.sqrt(spec.pow(2).sum(-1))
-        if pc.mag_power != 1.0:
-            mag = mag.pow(pc.mag_power)
-        mel = torch.matmul(pre.fb.float(), mag)  # [B, M, Fw]
-        if pc.log:
-            g = pre._guard()
-            mel = torch.log(mel + g) if pc.log_zero_guard_type == "add" else torch.log(torch.clamp(mel, min=g))
+        mel = pre.log_mel_from_stft(spec)  # [B, M, Fw]
         Fw = mel.shape[-1]
         idx = torch.arange(Fw, device=mel.device)
         if self.normalize:
