@@ -267,3 +267,48 @@ def test_a_job_of_one_long_file_decodes_its_ranges_in_processes(files, spy, tmp_
     assert len(spy) == 1 and spy[0]["fallback"] is None and len(spy[0]["plan"].bounds) == 4
     r1 = run_job([files["wav_16k"]], HashModel(), tmp_path / "o1", "json", workers=1, segmentation="fixed")
     assert len(spy) == 1 and _outputs(tmp_path / "o4") == _outputs(tmp_path / "o1")
+
+
+_KILLED_OWNER = """
+import sys, time
+import flashasr.audio.parallel as par
+if __name__ == "__main__":
+    x = par.load_audio_parallel(sys.argv[1], workers=2, pool="process").samples
+    ex = par._pools["process"][2]
+    print(" ".join(str(p) for p in ex._processes), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_range_processes_end_when_their_owner_is_killed(files, tmp_path):
+    """SIGKILL of the process owning the range pool (a server stopped hard) leaves no worker behind
+    (ProcessPoolExecutor workers hold their own queue's writing end and used to wait for ever,
+    keeping the forkserver and the resource tracker alive: 24 orphans after one test-suite run)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "owner.py"
+    script.write_text(_KILLED_OWNER)
+    p = subprocess.Popen([sys.executable, str(script), str(files["wav_16k"])], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    assert pids
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+
+    deadline = time.monotonic() + 20
+    while any(alive(q) for q in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(q) for q in pids)
