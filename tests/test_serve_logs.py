@@ -242,6 +242,23 @@ def test_bad_values_exit_2_naming_the_option(args, option):
     assert f"argument {option}:" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("mode", ["single", "multi"])
+def test_a_port_in_use_or_a_bad_host_exits_2_naming_the_option(mode):
+    """Found by a new user: a busy port or an unresolvable host gave a Python traceback (exit 1)."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    try:
+        port = held.getsockname()[1]
+        r = _serve("--port", str(port), "--mode", mode)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"argument --port: 127.0.0.1:{port} is already in use" in r.stderr, r.stderr
+    finally:
+        held.close()
+    r = _serve("--host", "999.1.1.1", "--port", "0", "--mode", mode)
+    assert r.returncode == 2 and "argument --host:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_edge_values_are_accepted():
     from flashasr.serve.config import parse_args
 

@@ -29,13 +29,31 @@ from .config import ACCESS_LOGGER, ServeConfig, parse_args
 log = logging.getLogger("flashasr.serve")
 
 
+class ListenError(Exception):
+    """The server cannot listen where it was told (``--host``/``--port``): exit 2 with this message."""
+
+
 def _listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A listening TCP socket on ``host:port``; raises :class:`ListenError` naming the option at fault
+    (a port in use, a host that does not resolve or is not this machine's, a privileged port)."""
+    import errno
+
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(fam, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    s.bind((host, port))
+    try:
+        s.bind((host, port))
+    except socket.gaierror as e:
+        s.close()
+        raise ListenError(f"argument --host: cannot resolve {host!r} ({e.strerror})") from None
+    except OSError as e:
+        s.close()
+        msg = {errno.EADDRINUSE: f"argument --port: {host}:{port} is already in use",
+               errno.EADDRNOTAVAIL: f"argument --host: {host} is not an address of this machine",
+               errno.EACCES: f"argument --port: no permission to listen on port {port} (below 1024 needs root)"}
+        raise ListenError(msg.get(e.errno, f"cannot listen on {host}:{port}: {e.strerror}")) from None
     s.listen(4096)
     s.setblocking(False)
     return s
@@ -191,12 +209,12 @@ def _run_multi(cfg: ServeConfig, make_app) -> int:
     from ..shm import cleanup_stale_segments
 
     cleanup_stale_segments()  # shared memory left by crashed front ends of earlier runs
+    sock = _listen_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)  # first: a bad --port leaves nothing
     tmpdir = None
     path = cfg.engine_socket
     if path is None:
         tmpdir = tempfile.mkdtemp(prefix="flashasr-")
         path = os.path.join(tmpdir, "engine.sock")
-    sock = _listen_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)
     _announce(cfg, sock)
     workers = _Workers(replace(cfg, port=sock.getsockname()[1]), path, make_app)  # --port 0: the port bound here
 
@@ -235,5 +253,8 @@ def main(argv: list[str] | None, make_app, run_ray=None) -> int:
     cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         return run(cfg, make_app, run_ray)
+    except ListenError as e:
+        print(f"flashasr serve: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         return 130
