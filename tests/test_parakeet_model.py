@@ -422,6 +422,29 @@ def test_hub_id_resolves_from_local_cache(tmp_path, monkeypatch):
     assert e.value.code == "model_not_found"
 
 
+def test_hub_id_not_cached_says_how_to_get_it(tmp_path, monkeypatch):
+    """Found by a new user: an uncached Parakeet id spent ~25 s in hf_hub_download's retries and printed
+    the hub's raw error. Now: the cache first, then one snapshot_download attempt, and a message
+    naming the cache, the download command and the --model form."""
+    import huggingface_hub
+
+    from flashasr.models.parakeet.hub import resolve_hub_id
+
+    def no_retry_loop(*a, **k):
+        raise AssertionError("hf_hub_download retries for ~25 s without a network")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_retry_loop)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    for offline in ("1", ""):
+        monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+        with pytest.raises(ModelLoadError) as e:
+            resolve_hub_id("nvidia/parakeet-not-a-repo-0000")
+        msg = str(e.value)
+        assert e.value.code == "model_not_found"
+        assert str(tmp_path / "hub") in msg and "huggingface-cli download nvidia/parakeet-not-a-repo-0000" in msg
+        assert "--model /path/to/parakeet-not-a-repo-0000.nemo" in msg
+
+
 # ---------------------------------------------------------------- the real architecture (random weights)
 
 @pytest.mark.parametrize("yaml_path,vocab", [(V3_YAML, 8192), (V2_YAML, 1024)])
