@@ -110,6 +110,13 @@ def test_several_inputs_as_json_lines_and_a_closed_pipe(tmp_path):
     assert r.returncode == 1 and [x["path"] for x in recs] == [str(GOLDEN), str(bad), str(STELLA)]
     assert _words(recs[0]["text"]) == "a golden fortune and a happy life" and recs[1]["error"]["code"]
     assert "failed:" in r.stderr and "==>" not in r.stdout
+    # an input that names no file is an object too (first), and one file + a glob without a match
+    # is "several": the JSON Lines shape, not the single-file one
+    gone, nomatch = tmp_path / "gone.wav", str(tmp_path / "nomatch" / "*.wav")
+    r = _cli("transcribe", GOLDEN, gone, nomatch, "-f", "json", "-q")
+    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 1 and [x["path"] for x in recs] == [str(gone), nomatch, str(GOLDEN)], r.stdout
+    assert [x.get("error", {}).get("code") for x in recs] == ["input_not_found", "input_not_found", None]
     r = _cli("transcribe", GOLDEN, STELLA, "-f", "verbose_json", "--word-timestamps", "-q")
     recs = [json.loads(line) for line in r.stdout.splitlines()]
     assert [x["path"] for x in recs] == [str(GOLDEN), str(STELLA)] and all(x["words"] and x["segments"] for x in recs)

@@ -208,7 +208,10 @@ def _transcribe(args: argparse.Namespace, items: list, missing: list, options, p
         return EXIT_USAGE
     for name in model.capabilities.ignored(options):
         _err(f"warning: model {model.capabilities.name} does not use --{name}; it is ignored")
-    printer = None if args.output_dir is not None else StdoutPrinter(items, args.format, args.word_timestamps)
+    printer = None
+    if args.output_dir is None:
+        printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
+        printer.print_missing()
     _install_sigterm()
     try:
         report = run_job(items, model, args.output_dir, args.format, options=options, batch_size=args.batch_size,
@@ -251,7 +254,10 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
         return EXIT_USAGE
     for name in caps.ignored(options):
         _err(f"warning: model {caps.name} does not use --{name}; it is ignored")
-    printer = None if args.output_dir is not None else StdoutPrinter(items, args.format, args.word_timestamps)
+    printer = None
+    if args.output_dir is None:
+        printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
+        printer.print_missing()
     _install_sigterm()  # after joining: ours, not Ray's
     try:
         report = run_ray_job(items, args.model, args.output_dir, args.format, address=address, device=args.device,
@@ -291,18 +297,32 @@ class StdoutPrinter:
     """The transcripts of a job without ``--output-dir``, on stdout in input order, each as soon as
     it and every input before it are done (the job's ``on_result``, called from its writer thread).
 
-    One input: the format as it is. Several: ``json``/``verbose_json`` as JSON Lines -- one object per
-    input with its ``path`` (and ``error`` ``{code, message}`` for a failed one), nothing else on
-    stdout; ``text``/``srt``/``vtt`` each under a ``==> file <==`` header (failed inputs: nothing,
-    their ``failed:`` line goes to stderr).
+    One input: the format as it is. Several (counting inputs that named no file): ``json``/
+    ``verbose_json`` as JSON Lines -- one object per input with its ``path`` (and ``error``
+    ``{code, message}`` for a failed one, also for an input that does not exist or a glob without
+    a match: those come first, see :meth:`print_missing`), nothing else on stdout;
+    ``text``/``srt``/``vtt`` each under a ``==> file <==`` header (failed inputs: nothing, their
+    ``failed:`` line goes to stderr).
     """
 
-    def __init__(self, items, fmt: str, words: bool):
+    def __init__(self, items, fmt: str, words: bool, missing: list | None = None):
         self.fmt, self.words = fmt, bool(words)
-        self.several = len(items) > 1
+        self.missing = list(missing or [])
+        self.several = len(items) + len(self.missing) > 1
         self.order = {str(it.path): k for k, it in enumerate(items)}
         self.ready: dict[int, str | None] = {}
         self.next = 0
+
+    def print_missing(self) -> None:
+        """JSON Lines: one ``{"path", "error"}`` object per input that named no file (before the job)."""
+        import json
+
+        if not (self.several and self.fmt in ("json", "verbose_json")):
+            return
+        for e in self.missing:
+            rec = {"path": getattr(e, "input", None), "error": {"code": e.code, "message": str(e)}}
+            sys.stdout.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
 
     def __call__(self, res) -> None:
         self.ready[self.order[str(res.item.path)]] = self._render(res)

@@ -160,8 +160,8 @@ def expand_inputs(inputs: list[str | os.PathLike], *, missing: list | None = Non
         list of :class:`InputItem` with unique ``key`` values.
     Args:
         missing: if given, an input that does not exist (or a glob with no match) is appended
-            to it as an :class:`InputError` and the others are still expanded; otherwise the
-            first such input raises.
+            to it as an :class:`InputError` (its ``input``: the input as given) and the others
+            are still expanded; otherwise the first such input raises.
         Folders that cannot be listed and inputs behind a folder that cannot be searched are
         reported the same way (code ``unreadable_input``).
     Raises:
@@ -177,10 +177,15 @@ def expand_inputs(inputs: list[str | os.PathLike], *, missing: list | None = Non
     items: list[InputItem] = []
     for raw in inputs:
         s = os.fspath(raw)
+
+        def _missing_of(err: InputError, s: str = s) -> None:
+            err.input = s  # the input as the user gave it (JSON Lines name it as the failed input's path)
+            _missing(err)
+
         try:
-            _expand_one(s, items, _missing)
+            _expand_one(s, items, _missing_of)
         except PermissionError as e:  # a parent folder that cannot be searched
-            _missing(InputError(f"input {s!r}: permission denied ({e.filename or s})", code="unreadable_input"))
+            _missing_of(InputError(f"input {s!r}: permission denied ({e.filename or s})", code="unreadable_input"))
     # De-duplicate by absolute path.
     seen: set[Path] = set()
     uniq = []
