@@ -651,3 +651,16 @@ def test_translation_results_say_task_translate():
     t = Transcript(text="Hello.", language="en", duration=1.0, task="translate")
     assert json.loads(render(t, "verbose_json"))["task"] == "translate"
     assert json.loads(render(Transcript(text="x", language="en", duration=1.0), "verbose_json"))["task"] == "transcribe"
+
+
+def test_a_boolean_field_that_is_neither_true_nor_false_is_a_400(server):
+    """Found by a new user: `stream=maybe` was read as false; now 400 naming the field (as `vad` on
+    /v1/stream)."""
+    import httpx
+
+    r = httpx.post(server.base + "/v1/audio/transcriptions", files={"file": ("c.wav", CLIP.read_bytes())},
+                   data={"model": "m", "stream": "maybe"}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
+    r = httpx.post(server.base + "/v1/audio/transcriptions", files={"file": ("c.wav", CLIP.read_bytes())},
+                   data={"model": "m", "stream": "False"}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200 and r.json()["text"]

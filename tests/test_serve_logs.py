@@ -171,6 +171,19 @@ def test_websocket_bad_key_is_closed_with_a_reason(server, path):
     assert "ERROR" not in _log_since(server, offset)
 
 
+def test_a_key_in_the_query_string_stays_out_of_the_log(server):
+    """Found by a new user: at --log-level info uvicorn's handshake line carried `?api_key=<the key>`."""
+    offset = server.log_path.stat().st_size
+
+    async def go():
+        async with connect(_ws(server, f"/v1/realtime?intent=transcription&api_key={KEY}")) as ws:
+            return json.loads(await asyncio.wait_for(ws.recv(), 10))["type"]
+
+    assert asyncio.run(go()) in ("transcription_session.created", "session.created")
+    text = _wait_for(server, offset, r"api_key=\*\*\*")
+    assert KEY not in text, text
+
+
 def test_openai_realtime_client_reads_the_bad_key(server):
     bad = openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0, timeout=30)
     with bad.realtime.connect(model="whisper-1", extra_query={"intent": "transcription"}) as conn:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import tempfile
 from dataclasses import replace
@@ -70,6 +71,7 @@ async def _serve(cfg: ServeConfig, app, sock: socket.socket) -> int:
     ucfg = uvicorn.Config(app, loop="none", lifespan="on", log_level=cfg.log_level, access_log=False,
                           ws_max_size=16 << 20, timeout_keep_alive=30, backlog=4096,
                           timeout_graceful_shutdown=5, ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile)
+    _redact_api_keys()  # uvicorn.Config set up uvicorn's log handlers just now
     server = uvicorn.Server(ucfg)
     status = {"code": 0}
 
@@ -117,6 +119,29 @@ def _configure_logging(cfg: ServeConfig) -> None:
     unless ``--no-access-log``) at INFO whatever the level of the rest."""
     logging.basicConfig(level=cfg.log_level.upper())
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if cfg.access_log else logging.CRITICAL + 1)
+    _redact_api_keys()
+
+
+def _redact_api_keys() -> None:
+    """:class:`RedactApiKeys` on every handler of the root and uvicorn loggers (uvicorn installs its
+    own handlers when its Config is made: call this again after)."""
+    for name in ("", "uvicorn", "uvicorn.error", "uvicorn.access"):
+        for h in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RedactApiKeys) for f in h.filters):
+                h.addFilter(RedactApiKeys())
+
+
+class RedactApiKeys(logging.Filter):
+    """Replaces the value of an ``api_key=`` query parameter in log lines with ``***`` (uvicorn logs a
+    WebSocket's path with its query string, where browsers must put the key)."""
+
+    _RE = re.compile(r"(api_key=)[^&\s\"']+")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if "api_key=" in msg:
+            record.msg, record.args = self._RE.sub(r"\1***", msg), None
+        return True
 
 
 def _raise_fd_limit() -> None:

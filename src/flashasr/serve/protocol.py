@@ -33,6 +33,19 @@ from .errors import APIError
 from .stream import SR, check_rate
 
 TRUE = ("true", "1", "yes", "on")
+FALSE = ("false", "0", "no", "off", "")
+
+
+def _flag(value, param: str) -> bool:
+    """A boolean form or query field: ``true/1/yes/on`` or ``false/0/no/off`` (any case; absent or
+    empty: false). Raises APIError (``invalid_request``, ``param``) for anything else
+    (``stream=maybe`` was read as false)."""
+    v = str(value if value is not None else "").strip().lower()
+    if v in TRUE:
+        return True
+    if v in FALSE:
+        return False
+    raise APIError(f"{param} must be true or false; got {_short(value)}", param=param)
 UNCHANGED = object()  # a SessionUpdate field the update did not name
 
 
@@ -111,7 +124,7 @@ def parse_upload(form, task: str) -> UploadRequest:
                                 max_segment_s=_number(max_s, "max_segment_s") if max_s else None,
                                 prompt=form.get("prompt") or None,
                                 temperature=_number(temp, "temperature", 0.0, 1.0) if temp else None)
-    return UploadRequest(options, fmt, "word" in gran, (form.get("stream") or "").strip().lower() in TRUE)
+    return UploadRequest(options, fmt, "word" in gran, _flag(form.get("stream"), "stream"))
 
 
 def sse_pieces(transcript: Transcript) -> list[str]:
@@ -263,7 +276,7 @@ def parse_stream_query(q, caps: ModelCapabilities | None, cfg) -> StreamQuery:
     UnsupportedLanguageError."""
     rate = check_rate(q.get("sample_rate", "16000"))
     options = stream_options(q.get("language"), caps)
-    use_vad = (q.get("vad") or "false").lower() in TRUE
+    use_vad = _flag(q.get("vad"), "vad")
     pi = _number(q.get("partial_interval_ms", cfg.partial_interval_ms), "partial_interval_ms", 0,
                  MAX_PARTIAL_INTERVAL_MS)
     return StreamQuery(rate, options, default_turn_detection(cfg) if use_vad else None, pi,
