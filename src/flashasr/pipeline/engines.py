@@ -68,7 +68,7 @@ def accelerate(model, engine: str = "auto", **engine_kw):
     return model
 
 
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
     """A device torch can use, or ModelLoadError (``invalid_device``) saying why not."""
     from ..errors import ModelLoadError
 
@@ -101,7 +101,7 @@ def load_model(spec=None, *, device: str = "cpu", dtype: str | None = None, engi
             FlashASRError for a bad ``engine``.
     """
     _check_engine(engine)
-    _check_device(device)
+    check_device(device)
     s = None if spec is None else str(spec)
     if s is not None and s.startswith("random:"):
         from ..random_models import load_random_model

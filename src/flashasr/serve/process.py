@@ -30,8 +30,26 @@ from .config import ACCESS_LOGGER, ServeConfig, parse_args
 log = logging.getLogger("flashasr.serve")
 
 
+def _check_serve_device(device: str) -> None:
+    """:class:`ListenError`-style stop (exit 2, ``argument --device: ...``) for a device torch cannot use
+    here (``cuda`` without CUDA), checked before the server announces itself (a new user saw
+    "listening on ..." and then the model's load failing). Single mode only: this process loads the
+    model anyway; in multi mode the engine process does (CUDA must not be touched before its fork)."""
+    from ..errors import FlashASRError
+
+    if str(device) == "cpu":
+        return  # nothing to check (and no torch import here)
+    from ..pipeline.engines import check_device
+
+    try:
+        check_device(device)
+    except FlashASRError as e:
+        raise ListenError(f"argument --device: {e}") from None
+
+
 class ListenError(Exception):
-    """The server cannot listen where it was told (``--host``/``--port``): exit 2 with this message."""
+    """The server cannot start as told (``--host``/``--port`` where it cannot listen, a ``--device``
+    torch cannot use): exit 2 with this message."""
 
 
 def _listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -181,6 +199,7 @@ def run(cfg: ServeConfig, make_app, run_ray=None) -> int:
             raise ValueError("mode 'ray' needs run_ray (flashasr.serve.app.main passes it)")
         return run_ray(cfg, make_app)
     if cfg.mode == "single":
+        _check_serve_device(cfg.device)  # before "listening on ...": a device that cannot work stops the start
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
         _announce(cfg, sock)
         return int(_run_loop(_serve(cfg, make_app(cfg), sock)) or 0)
