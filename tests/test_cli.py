@@ -380,3 +380,23 @@ def test_serve_stops_with_exit_2_when_the_model_cannot_load(mode, tmp_path):
                        env=ENV)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "nope.nemo" in p.stderr and "failed to load" in p.stderr
+
+
+def test_zero_channel_wav_header_reports_true_packet_counts(tmp_path):
+    """A WAV whose header declares 0 channels cannot be decoded: the failure says so, and the
+    failed packet count never exceeds the packets read (the demuxer's final empty flush packet is
+    no packet of the file)."""
+    import struct
+
+    import numpy as np
+
+    data = (np.random.default_rng(0).standard_normal(16000) * 1000).astype("<i2").tobytes()
+    fmt = struct.pack("<IHHIIHH", 16, 1, 0, 16000, 32000, 2, 16)  # PCM, 0 channels, 16 kHz, 16-bit
+    wav = tmp_path / "zero-channels.wav"
+    wav.write_bytes(b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVE" + b"fmt " + fmt + b"data"
+                    + struct.pack("<I", len(data)) + data)
+    r = _cli("transcribe", wav)
+    assert r.returncode == 1 and "[corrupt_audio]" in r.stderr, r.stderr
+    failed, total = map(int, re.search(r"(\d+) of (\d+) packets failed", r.stderr).groups())
+    assert 0 < failed <= total, r.stderr
+    assert "the header declares 0 channels" in r.stderr
