@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AUDIO
+from conftest import AUDIO, PARAKEET_FIXTURES
 from flashasr.cli import main
 
 GOLDEN = AUDIO / "en/en-ls-61-70968-0002.wav"      # "A GOLDEN FORTUNE AND A HAPPY LIFE", 2.97 s
@@ -380,6 +380,16 @@ def test_serve_stops_with_exit_2_when_the_model_cannot_load(mode, tmp_path):
                        env=ENV)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "nope.nemo" in p.stderr and "failed to load" in p.stderr
+
+
+TINY_TDT = PARAKEET_FIXTURES / "tiny-tdt/model.nemo"
+
+
+def test_ignored_option_warning_names_the_model_by_its_folder():
+    """A model file called model.nemo is named after its folder: 'model tiny-tdt', not 'model model'."""
+    r = _cli("transcribe", STELLA, "--model", TINY_TDT, "--prompt", "hi")
+    assert r.returncode == 0, r.stderr
+    assert "warning: model tiny-tdt does not use --prompt" in r.stderr, r.stderr
 
 
 def test_zero_channel_wav_header_reports_true_packet_counts(tmp_path):
