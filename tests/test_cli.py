@@ -385,6 +385,25 @@ def test_serve_stops_with_exit_2_when_the_model_cannot_load(mode, tmp_path):
 TINY_TDT = PARAKEET_FIXTURES / "tiny-tdt/model.nemo"
 
 
+@pytest.mark.parametrize("language, name", [
+    ("jv", "javanese"), ("JW", "javanese"), ("castilian", "spanish"), ("Mandarin", "chinese"),
+    ("burmese", "myanmar"), ("flemish", "dutch"), ("haitian", "haitian creole"), ("sinhalese", "sinhala"),
+    ("moldovan", "romanian")])
+def test_language_iso_jv_and_whisper_aliases_are_accepted(language, name):
+    """ISO ``jv`` (Whisper spells it ``jw``) and Whisper's language-name aliases pass the language
+    rule (Parakeet-TDT takes any code and names it in verbose_json)."""
+    r = _cli("transcribe", STELLA, "--model", TINY_TDT, "--language", language, "-f", "verbose_json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["language"] == name
+
+
+def test_language_jv_reaches_whisper_as_its_jw_token():
+    """A multilingual Whisper model takes ISO ``jv`` (its vocabulary's ``<|jw|>``) and reports Javanese."""
+    r = _cli("transcribe", STELLA, "--model", "base", "--language", "jv", "-f", "verbose_json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["language"] == "javanese"
+
+
 def test_ignored_option_warning_names_the_model_by_its_folder():
     """A model file called model.nemo is named after its folder: 'model tiny-tdt', not 'model model'."""
     r = _cli("transcribe", STELLA, "--model", TINY_TDT, "--prompt", "hi")
