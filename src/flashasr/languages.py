@@ -3,8 +3,9 @@
 The set is Whisper's language list (the 99 languages of the multilingual models plus
 Cantonese, ``yue``, added in large-v3); Parakeet-TDT v3's 25 European languages are a
 subset. Codes are ISO 639-1 throughout flashasr: Javanese is ``jv``, which Whisper's vocabulary
-spells ``<|jw|>`` (:data:`WHISPER_TOKEN_CODES`, used by the Whisper tokenizer only). OpenAI's ``verbose_json`` transcription response names the language in words
-(``"english"``), so :func:`language_name` is what the response renderers use.
+spells ``<|jw|>`` (:data:`WHISPER_TOKEN_CODES`; only the Whisper tokenizer translates). OpenAI's
+``verbose_json`` transcription response names the language in words (``"english"``), so
+:func:`language_name` is what the response renderers use.
 """
 
 from __future__ import annotations
