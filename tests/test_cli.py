@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AUDIO
+from conftest import AUDIO, PARAKEET_FIXTURES
 from flashasr.cli import main
 
 GOLDEN = AUDIO / "en/en-ls-61-70968-0002.wav"      # "A GOLDEN FORTUNE AND A HAPPY LIFE", 2.97 s
@@ -387,3 +387,52 @@ def test_serve_stops_with_exit_2_when_the_model_cannot_load(mode, tmp_path):
                        env=ENV)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "nope.nemo" in p.stderr and "failed to load" in p.stderr
+
+
+TINY_TDT = PARAKEET_FIXTURES / "tiny-tdt/model.nemo"
+
+
+@pytest.mark.parametrize("language, name", [
+    ("jv", "javanese"), ("JW", "javanese"), ("castilian", "spanish"), ("Mandarin", "chinese"),
+    ("burmese", "myanmar"), ("flemish", "dutch"), ("haitian", "haitian creole"), ("sinhalese", "sinhala"),
+    ("moldovan", "romanian")])
+def test_language_iso_jv_and_whisper_aliases_are_accepted(language, name):
+    """ISO ``jv`` (Whisper spells it ``jw``) and Whisper's language-name aliases pass the language
+    rule (Parakeet-TDT takes any code and names it in verbose_json)."""
+    r = _cli("transcribe", STELLA, "--model", TINY_TDT, "--language", language, "-f", "verbose_json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["language"] == name
+
+
+def test_language_jv_reaches_whisper_as_its_jw_token():
+    """A multilingual Whisper model takes ISO ``jv`` (its vocabulary's ``<|jw|>``) and reports Javanese."""
+    r = _cli("transcribe", STELLA, "--model", "base", "--language", "jv", "-f", "verbose_json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["language"] == "javanese"
+
+
+def test_ignored_option_warning_names_the_model_by_its_folder():
+    """A model file called model.nemo is named after its folder: 'model tiny-tdt', not 'model model'."""
+    r = _cli("transcribe", STELLA, "--model", TINY_TDT, "--prompt", "hi")
+    assert r.returncode == 0, r.stderr
+    assert "warning: model tiny-tdt does not use --prompt" in r.stderr, r.stderr
+
+
+def test_zero_channel_wav_header_reports_true_packet_counts(tmp_path):
+    """A WAV whose header declares 0 channels cannot be decoded: the failure says so, and the
+    failed packet count never exceeds the packets read (the demuxer's final empty flush packet is
+    no packet of the file)."""
+    import struct
+
+    import numpy as np
+
+    data = (np.random.default_rng(0).standard_normal(16000) * 1000).astype("<i2").tobytes()
+    fmt = struct.pack("<IHHIIHH", 16, 1, 0, 16000, 32000, 2, 16)  # PCM, 0 channels, 16 kHz, 16-bit
+    wav = tmp_path / "zero-channels.wav"
+    wav.write_bytes(b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVE" + b"fmt " + fmt + b"data"
+                    + struct.pack("<I", len(data)) + data)
+    r = _cli("transcribe", wav)
+    assert r.returncode == 1 and "[corrupt_audio]" in r.stderr, r.stderr
+    failed, total = map(int, re.search(r"(\d+) of (\d+) packets failed", r.stderr).groups())
+    assert 0 < failed <= total, r.stderr
+    assert "the header declares 0 channels" in r.stderr

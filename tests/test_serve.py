@@ -231,6 +231,35 @@ def test_error_codes(client):
         assert e.body["type"] == "invalid_request_error" and e.body["message"]
 
 
+def test_language_jv_and_whisper_aliases_pass_the_language_rule(client):
+    """ISO ``jv`` and Whisper's alias names are language codes at the HTTP door too: on the
+    English-only model they are 400 ``unsupported_language`` (the model cannot take them), not
+    ``invalid_request`` (not a language); Whisper's ``jw`` and ``en`` spelled as a region still work."""
+    stella = (AUDIO / "en" / "en-vctk-p225-001.wav").read_bytes()
+    for lang in ("jv", "jw", "castilian", "mandarin", "burmese", "flemish", "haitian", "panjabi"):
+        with pytest.raises(openai.APIStatusError) as ei:
+            _create(client, stella, name="s.wav", language=lang)
+        assert ei.value.status_code == 400 and ei.value.body["code"] == "unsupported_language", (lang, ei.value.body)
+        assert ei.value.body["param"] == "language"
+    assert _create(client, stella, name="s.wav", language="en-GB").text == "Please call Stella."
+
+
+def test_models_retrieve_by_id_and_unknown_id_404(server, client):
+    """``models.retrieve`` answers the list's entry; another id is OpenAI's 404 ``model_not_found``."""
+    listed = client.models.list().data[0]
+    got = client.models.retrieve("whisper-tiny.en")
+    assert got.id == "whisper-tiny.en" and got.model_dump() == listed.model_dump()
+    assert got.flashasr["family"] == "whisper"
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.models.retrieve("whisper-large-v9")
+    e = ei.value
+    assert e.status_code == 404 and e.body["code"] == "model_not_found" and e.body["param"] == "model"
+    assert set(e.response.json()["error"]) == {"message", "type", "param", "code"}
+    assert e.body["type"] == "invalid_request_error" and "whisper-large-v9" in e.body["message"]
+    r = httpx.get(server.base + "/v1/models/whisper-tiny.en")  # the key is still required
+    assert r.status_code == 401
+
+
 def test_prompt_temperature_and_granularities_as_openai(server, client):
     """prompt and temperature reach Whisper (a spelling the prompt shows is followed; the temperature
     (or a fallback above it) is recorded in the segments); timestamp_granularities with a format that cannot carry them is a

@@ -5,6 +5,8 @@
 * the page loads without console errors, asks for the key once, and fetches nothing from another host;
 * a real clip uploaded through the page shows the server's API transcript, its speed factor, plays a
   clicked segment with its words lit, and downloads txt/srt/vtt equal to the API's renderings;
+* the result names its file; a bad file uploaded after a good one shows its error with the old result
+  (transcript, stats, player, downloads) cleared;
 * bad files (not audio, too large, empty) and a server that cannot be reached show messages;
 * the microphone: Chromium's fake capture device plays a WAV written from a real clip
   (1 s silence + clip + 2.5 s silence; the device loops it). The page's AudioWorklet resamples it
@@ -183,7 +185,7 @@ def test_a_wrong_stored_key_is_asked_again(browser, server):
         ctx.close()
 
 
-def test_upload_shows_the_api_transcript_plays_segments_and_downloads(watched, server, api):
+def test_upload_shows_the_api_transcript_plays_segments_and_downloads(watched, server, api, tmp_path):
     page = watched.open(server)
     page.set_input_files("#file-input", str(UPLOAD_CLIP))
     page.wait_for_selector("#file-segments li", timeout=90000)
@@ -194,6 +196,7 @@ def test_upload_shows_the_api_transcript_plays_segments_and_downloads(watched, s
     assert words(api_text)[:4] == ["and", "so", "my", "fellow"]
     assert re.fullmatch(r"\d+(\.\d)?×", page.inner_text("#file-speed .big"))
     assert page.locator("#file-segments li").count() >= 2 and page.locator(".word").count() >= 10
+    assert page.inner_text("#file-name") == UPLOAD_CLIP.name  # the result names the file it belongs to
 
     seg = page.locator("#file-segments li").nth(1)
     start, end = float(seg.get_attribute("data-start")), float(seg.get_attribute("data-end"))
@@ -215,6 +218,22 @@ def test_upload_shows_the_api_transcript_plays_segments_and_downloads(watched, s
     assert dl.value.suggested_filename == "en-jfk-inaugural.json"
     assert '"segments"' in Path(dl.value.path()).read_text(encoding="utf-8")
     assert watched.errors == []
+
+    # a bad file after a good one: the error stands alone, the old transcript, stats, player and
+    # downloads are gone (they would pass for the new file's)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not audio\n" * 50)
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    for bad, says in ((notes, "unsupported_format"), (empty, "empty")):
+        page.set_input_files("#file-input", str(bad))
+        page.wait_for_function(f"document.getElementById('file-error').textContent.includes({says!r})", timeout=30000)
+        assert page.is_hidden("#file-result") and page.is_hidden(".downloads button[data-format=txt]"), bad.name
+        assert page.locator("#file-segments li").count() == 0 and page.inner_text("#file-name") == ""
+        assert page.locator("#file-stats .cell").count() == 0
+        assert page.evaluate("document.getElementById('file-audio').getAttribute('src')") is None
+    # the browser logs the 400 reply of the .txt upload; nothing else went wrong on the page
+    assert [e for e in watched.errors if "status of 400" not in e] == []
 
 
 def test_bad_files_show_error_messages(watched, server, tmp_path):

@@ -2,8 +2,10 @@
 
 The set is Whisper's language list (the 99 languages of the multilingual models plus
 Cantonese, ``yue``, added in large-v3); Parakeet-TDT v3's 25 European languages are a
-subset. OpenAI's ``verbose_json`` transcription response names the language in words
-(``"english"``), so :func:`language_name` is what the response renderers use.
+subset. Codes are ISO 639-1 throughout flashasr: Javanese is ``jv``, which Whisper's vocabulary
+spells ``<|jw|>`` (:data:`WHISPER_TOKEN_CODES`; only the Whisper tokenizer translates). OpenAI's
+``verbose_json`` transcription response names the language in words (``"english"``), so
+:func:`language_name` is what the response renderers use.
 """
 
 from __future__ import annotations
@@ -28,7 +30,20 @@ LANGUAGE_NAMES: dict[str, str] = {
     "ht": "haitian creole", "ps": "pashto", "tk": "turkmen", "nn": "nynorsk", "mt": "maltese",
     "sa": "sanskrit", "lb": "luxembourgish", "my": "myanmar", "bo": "tibetan", "tl": "tagalog",
     "mg": "malagasy", "as": "assamese", "tt": "tatar", "haw": "hawaiian", "ln": "lingala",
-    "ha": "hausa", "ba": "bashkir", "jw": "javanese", "su": "sundanese", "yue": "cantonese",
+    "ha": "hausa", "ba": "bashkir", "jv": "javanese", "su": "sundanese", "yue": "cantonese",
+}
+
+# Whisper's token spelling where it differs from ISO 639-1 (openai/whisper tokenizer.py: "jw")
+WHISPER_TOKEN_CODES: dict[str, str] = {"jv": "jw"}
+ISO_OF_WHISPER_TOKEN: dict[str, str] = {w: iso for iso, w in WHISPER_TOKEN_CODES.items()}
+
+# other spellings accepted for a language: Whisper's non-ISO code, and the alias names of
+# openai/whisper's TO_LANGUAGE_CODE (besides the names in LANGUAGE_NAMES)
+LANGUAGE_ALIASES: dict[str, str] = {
+    **ISO_OF_WHISPER_TOKEN,
+    "burmese": "my", "valencian": "ca", "flemish": "nl", "haitian": "ht", "letzeburgesch": "lb",
+    "pushto": "ps", "panjabi": "pa", "moldavian": "ro", "moldovan": "ro", "sinhalese": "si",
+    "castilian": "es", "mandarin": "zh",
 }
 
 

@@ -47,14 +47,14 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import InvalidRequestError, UnsupportedLanguageError, UnsupportedTaskError
-from .languages import LANGUAGE_NAMES
+from .languages import LANGUAGE_ALIASES, LANGUAGE_NAMES
 
 TASKS = ("transcribe", "translate")
 SEGMENTATIONS = ("vad", "fixed", "none")
 MAX_PROMPT_CHARS = 4000
 MIN_SEGMENT_S = 1.0  # shorter pieces lose context and multiply model calls (0.001 s: 3,000 per 3 s clip)
 
-_CODE_OF_NAME = {name: code for code, name in LANGUAGE_NAMES.items()}
+_CODE_OF_NAME = {**{name: code for code, name in LANGUAGE_NAMES.items()}, **LANGUAGE_ALIASES}
 _TAG = re.compile(r"([a-z]{2,3})(?:[-_][a-z0-9]{2,8})*")
 
 
@@ -68,7 +68,10 @@ def normalize_language(value) -> str | None:
     """The one language rule of every door: ``None``/``""`` -> None; else an ISO 639-1 code.
 
     Case-insensitive; a region subtag is dropped (``"en-US"``, ``"pt_BR"`` -> ``"en"``, ``"pt"``);
-    an English language name is accepted (``"German"`` -> ``"de"``). Codes are Whisper's list
+    an English language name is accepted (``"German"`` -> ``"de"``), and so are the other spellings
+    of openai/whisper's ``TO_LANGUAGE_CODE`` (``"castilian"`` -> ``"es"``, ``"burmese"`` -> ``"my"``,
+    ``"mandarin"`` -> ``"zh"``, ...) and Whisper's non-ISO ``"jw"`` (-> ``"jv"``, Javanese):
+    :data:`flashasr.languages.LANGUAGE_ALIASES`. Codes are Whisper's list in ISO 639-1 spelling
     (:data:`flashasr.languages.LANGUAGE_NAMES`), which holds every language either family knows.
 
     Raises:
@@ -85,6 +88,8 @@ def normalize_language(value) -> str | None:
     m = _TAG.fullmatch(s)  # "en", "en-US", "pt_BR", "zh-Hant-TW": the primary subtag
     if m and m.group(1) in LANGUAGE_NAMES:
         return m.group(1)
+    if m and m.group(1) in LANGUAGE_ALIASES:  # "jw": Whisper's spelling of "jv"
+        return LANGUAGE_ALIASES[m.group(1)]
     if s in _CODE_OF_NAME:
         return _CODE_OF_NAME[s]
     raise InvalidRequestError(f"language {_short(value)} is not a language code; use an ISO 639-1 code such as 'en' "

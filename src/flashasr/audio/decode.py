@@ -518,7 +518,10 @@ class _ContainerSource:
                     try:
                         frames = packet.decode()
                     except av.error.FFmpegError:
-                        self.bad_packets += 1
+                        # the demuxer ends with an empty flush packet: its failure is no packet of
+                        # the file's (counting it gave "17 of 16 packets failed")
+                        if packet.size:
+                            self.bad_packets += 1
                         continue
                     yield from frames
                 done = True
@@ -549,8 +552,9 @@ class _ContainerSource:
 
     def check_nothing_decoded(self) -> None:
         if self.bad_packets or self.demux_errors or self.bad_frames:
+            why = " (the header declares 0 channels)" if self.channels == 0 else ""
             raise CorruptAudioError(
-                f"{self.label}: has an audio stream ({self.format}) but none of it could be decoded "
+                f"{self.label}: has an audio stream ({self.format}) but none of it could be decoded{why} "
                 f"({self.bad_packets} of {self.packets} packets failed, "
                 f"{self.demux_errors} demuxer errors)")
         raise EmptyAudioError(f"{self.label}: audio stream ({self.format}) holds no samples")

@@ -7,6 +7,7 @@ decoder -> :class:`~flashasr.types.Transcript` with global timestamps in seconds
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -16,6 +17,23 @@ from ..options import ModelCapabilities, TranscribeOptions
 from ..types import Transcript
 
 SAMPLE_RATE = 16_000
+_GENERIC_STEMS = frozenset({"model", "weights", "checkpoint", "ckpt"})
+
+
+def model_name_from_path(path) -> str:
+    """The name a model loaded from a file is shown under (CLI warnings, ``/v1/models`` ids).
+
+    The file's stem (``parakeet-tdt-0.6b-v3.nemo`` -> ``"parakeet-tdt-0.6b-v3"``), except when the
+    stem says nothing (``model``, ``weights``, ``checkpoint``, ``ckpt``): then the folder's name
+    (``fixtures/tiny-tdt/model.nemo`` -> ``"tiny-tdt"``), so a message reads "model tiny-tdt does
+    not use --prompt" rather than "model model ...". Falls back to the stem when there is no folder.
+    """
+    p = Path(str(path))
+    if p.stem.lower() in _GENERIC_STEMS:
+        parent = p.expanduser().resolve().parent.name
+        if parent:
+            return parent
+    return p.stem
 
 
 def as_waveform(w, label: str = "waveform") -> np.ndarray:

@@ -8,6 +8,7 @@ route                               answered by
 ``GET /metrics``                    front-end + engine Prometheus text
 ``GET /status``                     :class:`~.status.StatusReporter`: the same figures as one JSON object
 ``GET /v1/models``                  the loaded model's name
+``GET /v1/models/{id}``             the same entry by its id (404 ``model_not_found`` for another)
 ``POST /v1/audio/transcriptions``   :class:`~.offline.UploadTranscriber`, task ``transcribe``
 ``POST /v1/audio/translations``     :class:`~.offline.UploadTranscriber`, task ``translate``
 ==================================  ====================================================
@@ -85,16 +86,33 @@ def http_router(ctx: ServeContext) -> APIRouter:
         """Model, streams, requests in flight, recent latency percentiles, GPU memory (:mod:`.status`)."""
         return await status()
 
-    @router.get("/v1/models")
-    async def models(request: Request):
-        check_auth(ctx.cfg.api_key, request.headers)
+    def model_object() -> dict:
+        """OpenAI's model object for the loaded model, with what the request options do with it
+        (``flashasr``: an extension of OpenAI's object)."""
         model = {"id": ctx.model_name(), "object": "model", "created": 0, "owned_by": "flashasr"}
         caps = ctx.backend.capabilities
-        if caps is not None:  # what the request options do with this model (an extension of OpenAI's object)
+        if caps is not None:
             model["flashasr"] = {"family": caps.family, "languages": None if caps.languages is None else
                                  sorted(caps.languages), "translates": caps.translates, "prompt": caps.prompts,
                                  "temperature": caps.temperature, "window_s": caps.window_s}
-        return {"object": "list", "data": [model]}
+        return model
+
+    @router.get("/v1/models")
+    async def models(request: Request):
+        """OpenAI ``models.list``: the one loaded model."""
+        check_auth(ctx.cfg.api_key, request.headers)
+        return {"object": "list", "data": [model_object()]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        """OpenAI ``models.retrieve``: the list's entry for its id; any other id is OpenAI's 404
+        ``model_not_found`` (param ``model``)."""
+        check_auth(ctx.cfg.api_key, request.headers)
+        if model_id != ctx.model_name():
+            raise APIError(f"the model {model_id[:100]!r} does not exist; this server serves "
+                           f"{ctx.model_name()!r} (GET /v1/models)", status=404, code="model_not_found",
+                           param="model")
+        return model_object()
 
     @router.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request):

@@ -25,7 +25,7 @@ from torch import nn
 from ...errors import ModelLoadError
 from ...options import TranscribeOptions
 from ...types import Transcript
-from ..base import ASRModel
+from ..base import ASRModel, model_name_from_path
 from .config import ParakeetConfig
 from .decoder import Hypothesis, TDTJoint, TDTPredictor, greedy_tdt_label_looping, greedy_tdt_reference
 from .encoder import ConformerEncoder
@@ -209,7 +209,7 @@ class ParakeetASR(ASRModel):
                 m.num_batches_tracked.zero_()
         state = nemo_to_ours(arch.state_dict, pc.joint_out_index, pc.encoder.n_layers)
         load_mapped_state(net, state, str(path))
-        return cls(pc, net, tok, device=device, dtype=dtype, name=Path(path).stem)
+        return cls(pc, net, tok, device=device, dtype=dtype, name=model_name_from_path(path))
 
     # -- properties for the engine ---------------------------------------------------------------
     @property

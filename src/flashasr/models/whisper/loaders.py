@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ...errors import ModelLoadError, UnsupportedModelError
+from ..base import model_name_from_path
 from .model import WhisperDims, WhisperModel, sinusoids
 
 __all__ = ["load_whisper", "read_ct2_model_bin", "ct2_to_state_dict", "openai_to_state_dict",
@@ -501,7 +502,7 @@ def load_openai_pt(path: str | os.PathLike, *, device: str = "cpu", dtype=None, 
     dims, sd = openai_to_state_dict(ckpt)
     model = build_model(dims, sd, device=device, dtype=resolve_dtype(dtype, device))
     tok = _make_tokenizer(p.parent, dims.n_vocab)
-    return WhisperASR(model, tok, name=name or f"whisper-{p.stem}", device=device)
+    return WhisperASR(model, tok, name=name or f"whisper-{model_name_from_path(p)}", device=device)
 
 
 def load_hf_dir(path: str | os.PathLike, *, device: str = "cpu", dtype=None, name: str | None = None):

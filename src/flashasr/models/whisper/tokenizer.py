@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ...errors import ModelLoadError
-from ...languages import LANGUAGE_NAMES  # ISO code -> English name
+from ...languages import ISO_OF_WHISPER_TOKEN, LANGUAGE_NAMES  # ISO code -> English name
 
 __all__ = ["WhisperTokenizer", "LANGUAGE_NAMES"]
 
@@ -69,7 +69,8 @@ class WhisperTokenizer:
         self.timestamp_begin = vocab.get("<|0.00|>", self.no_timestamps + 1)
         langs = sorted((i, m.group(1)) for t, i in vocab.items()
                        if self.sot < i < self.translate and (m := _LANG_RE.match(t)))
-        self.language_tokens = {code: i for i, code in langs}
+        # keyed by ISO 639-1 code: <|jw|> is Javanese, "jv" (the one code Whisper spells otherwise)
+        self.language_tokens = {ISO_OF_WHISPER_TOKEN.get(code, code): i for i, code in langs}
         self.n_vocab = n_vocab or (self.timestamp_begin + 1501)
         # An English-only vocabulary has eot = 50256 and 51864 entries; multilingual ones 51865+.
         self.multilingual = self.n_vocab >= 51865

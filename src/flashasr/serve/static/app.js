@@ -39,7 +39,7 @@ function start() {
   const file = new FileTab(api, {
     drop: $("drop"), input: $("file-input"), language: $("file-language"), words: $("file-words"), limit: $("file-limit"),
     progress: $("file-progress"), bar: $("file-bar"), phase: $("file-phase"), error: $("file-error"),
-    result: $("file-result"), stats: $("file-stats"), audio: $("file-audio"), segments: $("file-segments"),
+    result: $("file-result"), name: $("file-name"), stats: $("file-stats"), audio: $("file-audio"), segments: $("file-segments"),
     text: $("file-text"), downloads: [...document.querySelectorAll(".downloads button")],
   });
   const live = new LiveTab(api, {

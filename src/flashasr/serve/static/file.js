@@ -35,7 +35,7 @@ export function wordsBySegment(segments, words) {
 export class FileTab {
   constructor(api, ui) {
     this.api = api;
-    this.ui = ui; // {drop, input, language, words, progress, bar, phase, error, result, stats, audio, segments, text, downloads}
+    this.ui = ui; // {drop, input, language, words, progress, bar, phase, error, result, name, stats, audio, segments, text, downloads}
     this.limitBytes = null;
     this.result = null;
     this.wordEls = [];   // [{start, end, node}] sorted by start
@@ -78,19 +78,39 @@ export class FileTab {
   async handle(file) {
     if (this.busy) return;
     showError(this.ui.error, null);
+    this.clear(); // the previous file's result never stands under this file's error or progress
     try {
       this.check(file);
       this.busy = true;
       const reply = await this.send(file);
       this.show(file, reply);
     } catch (e) {
-      this.ui.result.hidden = !this.result;
       showError(this.ui.error, e instanceof PageError ? e : new PageError(`Something went wrong: ${e.message || e}`));
     } finally {
       this.busy = false;
       this.ui.progress.hidden = true;
       this.ui.input.value = "";
     }
+  }
+
+  /** Hide and empty the shown result (transcript, stats, player, downloads): a new upload starts blank. */
+  clear() {
+    const { audio } = this.ui;
+    this.result = null;
+    this.ui.result.hidden = true;
+    cancelAnimationFrame(this.raf);
+    this.stopAt = null;
+    audio.pause();
+    audio.removeAttribute("src");
+    audio.load(); // drops the old media (no "error" message: the element has no src)
+    if (audio.dataset.url) URL.revokeObjectURL(audio.dataset.url);
+    delete audio.dataset.url;
+    this.wordEls = [];
+    this.segEls = [];
+    this.ui.name.textContent = "";
+    this.ui.stats.replaceChildren();
+    this.ui.segments.replaceChildren();
+    this.ui.text.textContent = "";
   }
 
   check(file) {
@@ -147,6 +167,7 @@ export class FileTab {
     clearInterval(this.timer);
     const v = reply.json;
     this.result = { name: file.name.replace(/\.[^.]*$/, "") || "transcript", verbose: v, raw: reply.text };
+    this.ui.name.textContent = file.name;
     const { audio } = this.ui;
     if (audio.dataset.url) URL.revokeObjectURL(audio.dataset.url);
     audio.dataset.url = URL.createObjectURL(file);
