@@ -51,7 +51,7 @@ def test_plan_policy_table():
     assert _plan(45, WHISPERISH, max_segment_s=12)[1][0][2] == 12.0
     assert _plan(45, WHISPERISH, max_segment_s=99)[1][0][2] == 30.0
     assert _plan(45, WHISPERISH, segmentation="fixed")[1][0][3] == "fixed"
-    # none: the model's own long-form procedure (no VAD at all) ...
+    # none: the model's own long-form procedure (no cutting) ...
     assert _plan(300, WHISPERISH, segmentation="none") == ([(0, 300 * SR)], [])
     assert _plan(2, WHISPERISH, segmentation="none", speech=False) == ([(0, 2 * SR)], [])
     # ... and a model without one is still cut at pauses beyond its window
@@ -72,6 +72,18 @@ def test_plan_with_the_real_vad():
     assert pieces[0][1] < len(a) + SR and pieces[1][0] > len(a) + 29 * SR
     assert plan_pieces(np.zeros(5 * SR, np.float32), TranscribeOptions(), WHISPERISH) == []
     assert plan_pieces(a, TranscribeOptions(), WHISPERISH) == [(0, len(a))]
+    # every piece carries the VAD's speech spans inside it, counted from its start
+    for p in pieces:
+        assert p.speech and all(0 <= s < e <= p[1] - p[0] for s, e in p.speech)
+    # none: one piece, its spans show the silence between the clips; fixed: windows without speech left out
+    (whole,) = plan_pieces(x, TranscribeOptions(segmentation="none").resolve(WHISPERISH), WHISPERISH)
+    assert whole == (0, len(x)) and len(whole.speech) == 2 and whole.speech[1][0] - whole.speech[0][1] > 29 * SR
+    fixed = plan_pieces(x, TranscribeOptions(segmentation="fixed", max_segment_s=10).resolve(WHISPERISH), WHISPERISH)
+    assert [p[0] for p in fixed] == [0, 30 * SR] and all(p.speech for p in fixed)
+    # no speech: no piece in any mode; a custom splitter's pieces carry no spans
+    for mode in ("none", "fixed"):
+        assert plan_pieces(np.zeros(40 * SR, np.float32), TranscribeOptions(segmentation=mode), WHISPERISH) == []
+    assert _plan(45, WHISPERISH)[0][0].speech is None
 
 
 class Fake(ASRModel):
@@ -158,7 +170,10 @@ def test_models_never_cut_and_the_pipeline_does(monkeypatch):
         return [Hypothesis([2], [0], [1]) for _ in pieces]
 
     monkeypatch.setattr(m, "_decode_pieces", fake_decode)
-    x = np.random.default_rng(0).standard_normal(70 * SR).astype(np.float32) * 0.01
+    from flashasr.audio import load_audio
+
+    speech = load_audio(AUDIO / "long" / "long-en-voxpopuli-000.ogg").samples  # 69.2 s: speech in every window
+    x = np.concatenate([speech, np.zeros(SR, np.float32)])[: 70 * SR]
     assert m.transcribe_waveform(x).duration == 70.0 and seen == [[70 * SR]]
     seen.clear()
     t = transcribe_samples(m, x, TranscribeOptions(segmentation="fixed", max_segment_s=30))
@@ -174,7 +189,12 @@ def test_transcribe_samples_checks_options_and_audio_first():
         transcribe_samples(m, np.full(SR, np.nan, np.float32), TranscribeOptions(segmentation="none"))
     assert e.value.code == "invalid_audio" and m.calls == []
     t = transcribe_samples(m, np.zeros(SR, np.float32), TranscribeOptions(segmentation="none", language="nl"))
-    assert (t.text, t.language, t.duration) == ("n16000", "nl", 1.0)
+    assert (t.text, t.language, t.duration) == ("", "nl", 1.0) and m.calls == []  # no speech: no model call
+    from flashasr.audio import load_audio
+
+    a = load_audio(AUDIO / "en" / "en-ls-61-70968-0002.wav").samples
+    t = transcribe_samples(m, a, TranscribeOptions(segmentation="none", language="nl"))
+    assert (t.text, t.language, t.language_probability) == (f"n{a.size}", "nl", 1.0)
 
 
 def test_engine_choice_is_one_place(monkeypatch):
