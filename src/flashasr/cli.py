@@ -193,6 +193,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `| head` closed stdout: stop quietly, as command-line tools do
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
+    for r in report.results:  # what the caller should know about a transcript: a damaged input, a cut loop
+        for w in r.warnings or ():
+            _err(f"warning: {r.item.display}: [{w.get('code')}] {w.get('message')}")
     for r in report.failed:
         msg = r.error_message or ""
         if msg.startswith(f"{r.item.display}: "):  # the line already names the file
