@@ -98,9 +98,10 @@ class LocalBackend:
         return await _within(coro, timeout)
 
     async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
-                                timeout: float | None = None) -> list:
-        """The pieces of one upload (see BatchScheduler.submit_pieces)."""
-        return await _within(self._scheduler().submit_pieces(samples, pieces, options), timeout)
+                                priority: int = OFFLINE, timeout: float | None = None) -> list:
+        """The pieces of one recording (see BatchScheduler.submit_pieces): an upload's, or a stream
+        final's (``priority=FINAL``)."""
+        return await _within(self._scheduler().submit_pieces(samples, pieces, options, priority=priority), timeout)
 
     async def metrics_text(self) -> bytes:
         return self.scheduler.metrics.text() if self.scheduler else b""
@@ -150,8 +151,8 @@ class RemoteBackend:
         return None if got is None else got[0]
 
     async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
-                                timeout: float | None = None) -> list:
-        return await self.client.transcribe(samples, options, pieces=pieces, timeout=timeout)
+                                priority: int = OFFLINE, timeout: float | None = None) -> list:
+        return await self.client.transcribe(samples, options, pieces=pieces, priority=priority, timeout=timeout)
 
     async def metrics_text(self) -> bytes:
         return await self.client.stats() if self.client.ready else b""

@@ -164,6 +164,9 @@ def _http_options(p: argparse.ArgumentParser) -> None:
                    help="longest decoded audio of an upload in seconds (400 audio_too_long)")
     g.add_argument("--body-timeout-s", type=_number(float, 0, above=True), default=30.0,
                    help="an upload whose body stalls this many seconds gets 408")
+    g.add_argument("--request-timeout-s", type=_number(float, 0, above=True), default=900.0,
+                   help="an upload's transcription that takes longer gets 504 (on a CPU a 60-minute upload "
+                        "needs more than the default)")
     g.add_argument("--cpu-threads", type=_number(int, 1), default=2,
                    help="CPU pool of each front end: container decode, resampling, VAD cutting of uploads")
     g.add_argument("--decode-workers", type=_number(int, 1), default=None,
@@ -220,5 +223,6 @@ def parse_args(argv: list[str]) -> ServeConfig:
         shm_threshold_bytes=a.shm_threshold_kb * 1024, engine_socket=a.engine_socket,
         cpu_threads=a.cpu_threads, decode_workers=a.decode_workers, partial_interval_ms=a.partial_interval_ms,
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
-        body_timeout_s=a.body_timeout_s, log_level=a.log_level, access_log=not a.no_access_log,
+        body_timeout_s=a.body_timeout_s, request_timeout_s=a.request_timeout_s, log_level=a.log_level,
+        access_log=not a.no_access_log,
     )
