@@ -9,16 +9,25 @@ Priorities (lower runs first):
   * ``PARTIAL`` (1): a stream's interim transcript; a newer partial of the same stream
     replaces a queued older one (``coalesce_key``), the older one resolves to ``None``;
   * ``OFFLINE`` (2): the pieces of uploads (:func:`flashasr.pipeline.plan_pieces` cut them in
-    the CPU pool), shared fairly among uploads by fair queuing over audio seconds: each piece gets
-    a virtual start tag -- the scheduler's virtual time when its upload arrived plus the audio of
-    the upload's earlier pieces -- and the piece with the smallest tag (then the oldest) leads the
-    next batch; the virtual time then moves to the end of that piece (its tag + its seconds).
-    Concurrent uploads thus get equal shares of the model's audio throughput: a short upload
-    waits for about one batch in flight, not for a 4-hour upload queued before it, and a long
-    upload keeps its share however many short ones arrive (the virtual time passes its next tag,
-    where it wins as the older: nothing starves). Single waveforms arriving together go oldest
-    first. The batch is the leader plus the pieces of equal options closest to its length
-    (little padding; ties in fair order).
+    the CPU pool), in two classes:
+
+    - *short requests* -- an upload (or waveform) of at most ``short_s`` seconds of audio (30 s:
+      one window) -- go first, oldest first: a short request waits for the model call running
+      and the short ones before it, never for the pieces of the long uploads in flight (with six
+      90 s uploads in flight a 3 s upload waited 9.8 s on the 2-core VM, one piece of each);
+    - *bulk*: the pieces of longer uploads, shared fairly among them by fair queuing over audio
+      seconds: each piece gets a virtual start tag -- the scheduler's virtual time when its upload
+      arrived plus the audio of the upload's earlier pieces -- and the piece with the smallest tag
+      (then the oldest) leads the next batch; the virtual time then moves to the end of what that
+      batch covered. Concurrent uploads thus get equal shares of the model's audio throughput,
+      and a long upload keeps its share however many others arrive (the virtual time passes its
+      next tag, where it wins as the older: nothing starves).
+
+    Under a flood of short requests bulk work still gets one model call in every
+    ``BULK_EVERY + 1`` (it never starves). A batch of short requests is the oldest one plus the
+    short ones of equal options closest to its length, its free rows filled with bulk pieces no
+    longer than its longest piece (no later answer); a bulk batch is its leader plus the pieces of
+    equal options closest to its length (little padding; ties in fair order).
 
 Items share a batch only when their options' ``decoding`` (language, task, word timestamps) is
 equal. Streaming batches run through :func:`flashasr.pipeline.transcribe_pieces` in one model
@@ -51,6 +60,8 @@ log = logging.getLogger("flashasr.serve")
 
 FINAL, PARTIAL, OFFLINE = 0, 1, 2
 KIND = {FINAL: "final", PARTIAL: "partial", OFFLINE: "offline"}
+SHORT_S = 30.0  # a request of at most this much audio is short: it goes before bulk pieces
+BULK_EVERY = 3  # bulk work waiting gets a model call after at most this many short-request calls
 
 
 @dataclass
@@ -64,6 +75,7 @@ class _Item:
     seq: int = 0
     tag: float = 0.0  # virtual start time in audio seconds (fair order among uploads; see the module docstring)
     speech: tuple | None = None  # the piece's VAD speech spans (Piece.speech), when known
+    short: bool = False  # a piece of a short request (see the module docstring)
 
     @property
     def group(self) -> tuple:
@@ -80,6 +92,7 @@ class _Run:
     seq: int
     run: object = None
     steps: int = 0
+    short: bool = False  # a batch of short requests (led by one)
 
     @property
     def live(self) -> bool:
@@ -92,14 +105,17 @@ class BatchScheduler:
     Args:
         model: the loaded model; ``transcribe_batch`` is used for batches of > 1.
         max_batch: most waveforms per model call.
+        short_s: requests of at most this many seconds of audio are short (see the module docstring).
         batch_wait_s: how long to wait for more offline work before running a partial batch.
         metrics: :class:`EngineMetrics` to update (queue depth, batch sizes, latencies).
     """
 
     def __init__(self, model, *, max_batch: int = 8, batch_wait_s: float = 0.002,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None, short_s: float = SHORT_S):
         self.model = model
         self.max_batch = max(1, int(max_batch))
+        self.short_s = float(short_s)
+        self._shorts_in_a_row = 0  # short-request calls since bulk work last had one
         self.batch_wait_s = batch_wait_s
         self.metrics = metrics or EngineMetrics(getattr(model, "device", "cpu"))
         self.sample_rate = int(getattr(model, "sample_rate", 16000))
@@ -139,11 +155,15 @@ class BatchScheduler:
         return sum(len(q) for q in self._queues.values()) + sum(len(r.items) for r in self._runs)
 
     def _enqueue(self, samples: np.ndarray, options: TranscribeOptions, priority: int,
-                 coalesce_key: str | None = None, tag: float | None = None, speech=None) -> _Item:
+                 coalesce_key: str | None = None, tag: float | None = None, speech=None,
+                 request_s: float | None = None) -> _Item:
         if samples.dtype != np.float32 or samples.ndim != 1:
             samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
+        if request_s is None:
+            request_s = samples.size / self.sample_rate
         it = _Item(samples, options, priority, coalesce_key, asyncio.get_running_loop().create_future(),
-                   time.perf_counter(), next(self._seq), self._vtime if tag is None else tag, speech)
+                   time.perf_counter(), next(self._seq), self._vtime if tag is None else tag, speech,
+                   short=request_s <= self.short_s)
         if priority == PARTIAL and coalesce_key is not None:
             old = self._partials.pop(coalesce_key, None)
             if old is not None and not old.fut.done():
@@ -204,9 +224,12 @@ class BatchScheduler:
         if samples.dtype != np.float32 or samples.ndim != 1:
             samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
         items, tag = [], self._vtime  # the upload's pieces follow each other in virtual time
+        pieces = list(pieces)
+        total = sum(b - a for a, b in pieces) / self.sample_rate  # the request's audio
         for p in pieces:
             a, b = p
-            items.append(self._enqueue(samples[a:b], options, priority, tag=tag, speech=getattr(p, "speech", None)))
+            items.append(self._enqueue(samples[a:b], options, priority, tag=tag, speech=getattr(p, "speech", None),
+                                       request_s=total))
             tag += (b - a) / self.sample_rate
         self._gauge()
         self._wake.set()
@@ -226,8 +249,9 @@ class BatchScheduler:
 
     def _pick(self) -> tuple[str, object]:
         """The next model call: ``("batch", items)`` of streaming work (or ``("none", None)``), or
-        ``("run", _Run)``: one step of an offline batch -- the started one or a new batch of queued
-        pieces, whichever is first in fair order."""
+        ``("run", _Run)``: one step of an offline batch -- a started one or a new batch of queued
+        pieces: short requests first (oldest first), then bulk in fair order (see the module
+        docstring)."""
         for p in (FINAL, PARTIAL):
             q = [it for it in self._queues[p] if not it.fut.done()]
             self._queues[p] = q
@@ -236,20 +260,45 @@ class BatchScheduler:
         q = [it for it in self._queues[OFFLINE] if not it.fut.done()]
         self._queues[OFFLINE] = q
         self._runs = [r for r in self._runs if r.live]
-        run = min(self._runs, key=lambda r: (r.tag, r.seq), default=None)
-        anchor = min(q, key=lambda it: (it.tag, it.seq), default=None)
+        short_runs = [r for r in self._runs if r.short]
+        bulk_runs = [r for r in self._runs if not r.short]
+        shorts = [it for it in q if it.short]
+        bulk = [it for it in q if not it.short]
+        bulk_waits = bool(bulk or bulk_runs)
+        if (short_runs or shorts) and not (bulk_waits and self._shorts_in_a_row >= BULK_EVERY):
+            self._shorts_in_a_row = self._shorts_in_a_row + 1 if bulk_waits else 0
+            if short_runs:
+                return "run", min(short_runs, key=lambda r: r.seq)
+            return "run", self._new_run(min(shorts, key=lambda it: it.seq), q, short=True)
+        self._shorts_in_a_row = 0
+        run = min(bulk_runs, key=lambda r: (r.tag, r.seq), default=None)
+        anchor = min(bulk, key=lambda it: (it.tag, it.seq), default=None)
         if anchor is None or (run is not None and (run.tag, run.seq) <= (anchor.tag, anchor.seq)):
             return ("run", run) if run is not None else ("none", None)
-        # a new batch: the anchor and the pieces of equal options closest to its length, ties in fair order
+        return "run", self._new_run(anchor, q, short=False)
+
+    def _new_run(self, anchor: _Item, q: list[_Item], short: bool) -> _Run:
+        """A new offline batch led by ``anchor``: a short request's takes the other short ones
+        closest to its length (then the oldest), then bulk pieces no longer than its longest piece;
+        a bulk one the pieces closest to the anchor's length (ties in fair order). All of equal
+        options."""
+        same = [it for it in q if it is not anchor and it.group == anchor.group]
         n = len(anchor.samples)
-        others = sorted((it for it in q if it is not anchor and it.group == anchor.group),
-                        key=lambda it: (abs(len(it.samples) - n), it.tag, it.seq))
-        batch = [anchor] + others[: self.max_batch - 1]
+        if short:
+            batch = [anchor] + sorted((it for it in same if it.short),
+                                      key=lambda it: (abs(len(it.samples) - n), it.seq))[: self.max_batch - 1]
+            longest = max(len(it.samples) for it in batch)
+            fill = sorted((it for it in same if not it.short and len(it.samples) <= longest),
+                          key=lambda it: (abs(len(it.samples) - n), it.tag, it.seq))
+            batch += fill[: self.max_batch - len(batch)]
+        else:
+            others = sorted((it for it in same if not it.short), key=lambda it: (abs(len(it.samples) - n), it.tag, it.seq))
+            batch = [anchor] + others[: self.max_batch - 1]
         chosen = set(id(it) for it in batch)
         self._queues[OFFLINE] = [it for it in q if id(it) not in chosen]
-        run = _Run(batch, anchor.tag, anchor.seq)
+        run = _Run(batch, anchor.tag, anchor.seq, short=short)
         self._runs.append(run)
-        return "run", run
+        return run
 
     def _take_streaming(self, p: int, q: list[_Item]) -> list[_Item]:
         """A batch of finals (filled up with partials) or of partials: oldest first."""
@@ -322,7 +371,8 @@ class BatchScheduler:
         if covered is None:
             covered = sum(len(it.samples) for it in run.items) / self.sample_rate
         run.tag += max(covered / max(1, len(run.items)), 1e-6)
-        self._vtime = max(self._vtime, run.tag)
+        if not run.short:  # short requests are outside the fair queue of bulk work
+            self._vtime = max(self._vtime, run.tag)
         if done:
             self._runs = [r for r in self._runs if r is not run]
 
