@@ -26,7 +26,7 @@ CUDA), for each file:
 Timings are the best and median of ``--repeats`` after one untimed warm-up of each door. Prints a
 table and writes ``bench/results/long_file_<gpu|cpu>.json`` (or ``--out``).
 Usage (H200): ``python bench/bench_long_file.py --cache-dir /tmp/long --server --cli``;
-smoke (CPU, small): ``python bench/bench_long_file.py --seconds 120 --model nemo-tiny --device cpu``.
+smoke (CPU, small): ``python bench/bench_long_file.py --seconds 120 --model ../shared/fixtures/parakeet/tiny-tdt/model.nemo --device cpu``.
 """
 
 from __future__ import annotations
@@ -219,14 +219,19 @@ def main() -> None:
     opts = TranscribeOptions()
     flashasr.transcribe(str(files[0]), model=model)  # engine warm-up (graphs, profiles)
     rows = {}
+    out = Path(a.out) if a.out else REPO / "bench" / "results" / f"long_file_{'gpu' if a.device.startswith('cuda') else 'cpu'}.json"
     for p in files:
         print(f"{p.name}: stages ...", flush=True)
         audio_s = load_audio_parallel(p).duration
         rows[p.name] = {"audio_s": round(audio_s, 2), "bytes": p.stat().st_size,
                         "stages": stages(p, model, opts, a.device, a.repeats)}
         print(f"{p.name}: API and job ...", flush=True)
-        rows[p.name]["api"] = api(p, model, a.repeats)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"partial": rows}, indent=1) + "\n")
         rows[p.name]["job_in_process"] = job(p, model, a.repeats)
+        out.write_text(json.dumps({"partial": rows}, indent=1) + "\n")
+        rows[p.name]["api"] = api(p, model, a.repeats)
+        out.write_text(json.dumps({"partial": rows}, indent=1) + "\n")
         _table({"results": {p.name: rows[p.name]}})
     result = {"benchmark": "long_file",
               "machine": {"host": platform.node(), "cpu": cpu_info(), "cores": os.cpu_count(), "gpu": _gpu(a.device)},

@@ -484,6 +484,7 @@ class NullModel(ASRModel):
     family = "parakeet"
     name = "null"
     device = "cpu"
+    speech_gate = False  # as Parakeet: the VAD runs only where a file must be cut
 
     def __init__(self, sample_rate: int, max_segment_seconds: float):
         self.sample_rate = sample_rate
@@ -634,6 +635,28 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
         f"{reps * corpus_s / 3600:.2f} h ({time.perf_counter() - t:.1f} s)")
     res.save()
 
+    # the decode worker processes, forked before the model makes this process large (as
+    # `flashasr transcribe` does); every job from disk below uses them
+    from flashasr.jobs import start_decode_pool
+
+    pool = start_decode_pool(args.device, args.workers, args.cpu_pool) if args.early_pool else None
+    d["conditions_pool"] = ("decode workers forked once before the model load, shared by every job"
+                            if pool is not None else "each job forks its own decode workers")
+    try:
+        return _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, inputs, left, cuda, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, inputs, left, cuda, pool) -> int:
+    import torch  # noqa: F401
+
+    from flashasr.jobs import run_job
+    from flashasr.jobs.gpumon import NvmlSampler
+    from flashasr.jobs.runner import default_batch_size, default_cpu_pool, default_workers
+    from flashasr.pipeline.engines import load_model
+
     # model
     t = time.perf_counter()
     if args.model == "null":  # the CPU path alone (pieces cut as for the GPU engine: 30 s)
@@ -708,7 +731,7 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
                           on_result=progress_cb(n_files, time.perf_counter() + seconds, state),
                           segmentation=args.segmentation,
                           cpu_pool=args.cpu_pool or default_cpu_pool(args.device),
-                          **kw)
+                          worker_pool=pool, **kw)
         hit = bool(tb.fired or state.get("stopped"))
         if rep is None:  # interrupted before the runner started its own bookkeeping
             d["phases"].append({"phase": name, "interrupted": True, "time_box_s": round(seconds, 1)})
@@ -741,30 +764,69 @@ def _run(args, res: Results, outs: list, tag: str | None, tmp_root: Path) -> int
         except Exception as e:
             res.error(f"warmup{b}", e)
 
-    # (a) from disk
+    # (a) from disk, then (c) the CPU path alone: the same inputs from disk with a model that costs
+    # nothing; once per --switch-intervals value (the interpreter's GIL switch interval; the first
+    # value's rows are the ones the analysis reads)
     a_rows = {}
-    for b in batch_sizes:
+    intervals = [float(v) for v in (args.switch_intervals or "").split(",") if v.strip()] or [None]
+    d["conditions"]["switch_intervals_s"] = [sys.getswitchinterval() if v is None else v for v in intervals]
+    for n_var, sw in enumerate(intervals):
+        if sw is not None:
+            sys.setswitchinterval(sw)
+        tag_sw = f", switch interval {sys.getswitchinterval() * 1e3:g} ms" if len(intervals) > 1 else ""
+        for b in batch_sizes:
+            if left() < 5:
+                log(f"a{b}: skipped, out of time")
+                continue
+            try:
+                rep = job(f"a: from disk, batch {b}{tag_sw}", [inputs_root], len(inputs), tmp_root / f"out_a{b}_{n_var}",
+                          b, cap(f"a{b}") / len(intervals))
+                if rep is not None and n_var == 0:
+                    a_rows[b] = (rep, d["phases"][-1])
+            except Exception as e:
+                res.error(f"a{b}", e)
+        if args.null_phase and left() > 5:
+            try:
+                # the CPU path of the GPU job: on CUDA the same VAD placement (batched on the GPU, the
+                # workers only decode) as with the real model
+                job(f"c: from disk, null model, batch {batch_sizes[0]}{tag_sw}", [inputs_root], len(inputs),
+                    tmp_root / f"out_null_{n_var}", batch_sizes[0], cap("null") / len(intervals),
+                    use_model=NullModel(sr, seg_max), vad_device=args.device if cuda else "cpu")
+            except Exception as e:
+                res.error("null", e)
+    if intervals[0] is not None:
+        sys.setswitchinterval(intervals[0])
+
+    # (a') the same from disk with other run_job settings (--a-variants "min_batch=128;min_batch=512")
+    for spec in [v.strip() for v in (args.a_variants or "").split(";") if v.strip()]:
+        kw = {}
+        for kv in spec.split(","):
+            k, _, v = kv.partition("=")
+            kw[k.strip()] = float(v) if "." in v else int(v)
         if left() < 5:
-            log(f"a{b}: skipped, out of time")
+            log(f"variant {spec}: skipped, out of time")
             continue
         try:
-            rep = job(f"a: from disk, batch {b}", [inputs_root], len(inputs), tmp_root / f"out_a{b}", b,
-                      cap(f"a{b}"))
-            if rep is not None:
-                a_rows[b] = (rep, d["phases"][-1])
+            job(f"a: from disk, batch {batch_sizes[0]}, {spec}", [inputs_root], len(inputs),
+                tmp_root / f"out_var_{len(d['phases'])}", batch_sizes[0], min(40.0, 0.25 * left()), **kw)
         except Exception as e:
-            res.error(f"a{b}", e)
+            res.error(f"variant {spec}", e)
 
-    # (c) the CPU path alone: the same inputs from disk with a model that costs nothing
-    if args.null_phase and left() > 5:
+    # (d) one format alone (e.g. mp3-44k): the stage costs per audio hour of that format through the
+    # whole path (issue #12: their sum for 44.1 kHz mp3)
+    for fmt_name in [f.strip() for f in (args.format_phases or "").split(",") if f.strip()]:
+        sel = [f for f in files if f.get("format") == fmt_name]
+        if not sel or left() < 5:
+            log(f"format phase {fmt_name}: skipped ({'no such files' if not sel else 'out of time'})")
+            continue
+        sel_s = sum(float(f.get("duration_s") or 0.0) for f in sel) or 1.0
+        fmt_root = tmp_root / f"inputs_{fmt_name}"
+        fmt_inputs = build_inputs(sel, fmt_root, max(1, math.ceil(args.format_phase_hours * 3600 / sel_s)))
         try:
-            # the CPU path of the GPU job: on CUDA the same VAD placement (batched on the GPU, the
-            # workers only decode) as with the real model
-            job(f"c: from disk, null model, batch {batch_sizes[0]}", [inputs_root], len(inputs),
-                tmp_root / "out_null", batch_sizes[0], cap("null"), use_model=NullModel(sr, seg_max),
-                vad_device=args.device if cuda else "cpu")
+            job(f"d: {fmt_name} only from disk, batch {batch_sizes[0]}", [fmt_root], len(fmt_inputs),
+                tmp_root / f"out_{fmt_name}", batch_sizes[0], min(30.0, 0.2 * left()))
         except Exception as e:
-            res.error("null", e)
+            res.error(f"format_{fmt_name}", e)
 
     # pre-decode the distinct files (also the single-thread stage costs per format)
     arrays = cost = None
@@ -1018,6 +1080,19 @@ def main(argv=None) -> int:
                         "model phase uses the same)")
     r.add_argument("--null-phase", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the inputs from disk with a model that costs nothing (the CPU path's ceiling)")
+    r.add_argument("--a-variants", default=None,
+                   help="more from-disk runs with other run_job keywords, ';'-separated, e.g. "
+                        "'min_batch=128;min_batch=512'")
+    r.add_argument("--format-phases", default=None,
+                   help="comma list of corpus formats (e.g. mp3-44k) each run alone from disk with the model, "
+                        "for its stage costs per audio hour")
+    r.add_argument("--format-phase-hours", type=float, default=0.5, help="audio hours of each format phase")
+    r.add_argument("--early-pool", action=argparse.BooleanOptionalAction, default=True,
+                   help="fork the decode workers once before the model load and share them between the jobs "
+                        "(as flashasr transcribe does); --no-early-pool: each job forks its own")
+    r.add_argument("--switch-intervals", default=None,
+                   help="comma list of GIL switch intervals in s (sys.setswitchinterval) to run parts a and c "
+                        "under, e.g. 0.005,0.0005 (default: the interpreter's, once)")
     r.add_argument("--smoke", action="store_true", help="CPU, tiny NeMo fixture, tiny inputs (< 60 s)")
     r.add_argument("--tag", default=None, help="result name: offline_e2e_<tag>.json (default gpu name / cpu)")
     r.add_argument("--json-out", default=None)

@@ -19,6 +19,7 @@ if [ -d .devdata ] && [ "$WHAT" != whisper ]; then
   timeout 500 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/test_engine_triton_norm.py \
     tests/test_engine_fuse.py tests/test_engine_fast_attention.py tests/test_engine_tdt.py tests/test_engine_features.py \
     tests/test_engine_profiles.py tests/test_engine_offline.py tests/test_engine_sweep.py tests/test_parakeet_gpu_asr.py \
+    tests/test_stream_graphs.py tests/test_stream_encoder.py \
     > "$OUT/gpu_tests_parakeet.txt" 2>&1
   tail -25 "$OUT/gpu_tests_parakeet.txt"
 fi

@@ -232,3 +232,38 @@ def test_default_workers(monkeypatch):
     assert par.default_workers() == 3
     monkeypatch.delenv("FLASHASR_DECODE_WORKERS")
     assert 1 <= par.default_workers() <= 16
+
+
+def _decode_in_daemon(path, q):
+    x = load_audio_parallel(path, workers=4).samples
+    q.put((len(x), float(x[:1000].sum())))
+
+
+def test_a_daemonic_process_decodes_sequentially(files, spy):
+    """A daemonic multiprocessing process (the server's front ends, the job's decode workers) may
+    not start the range processes: the decode is sequential there, with the same samples."""
+    import multiprocessing as mp
+
+    ref = load_audio(files["wav_16k"]).samples
+    q = mp.get_context("fork").Queue()
+    p = mp.get_context("fork").Process(target=_decode_in_daemon, args=(files["wav_16k"], q), daemon=True)
+    p.start()
+    n, head = q.get(timeout=120)
+    p.join(30)
+    assert p.exitcode == 0 and n == len(ref) and abs(head - float(ref[:1000].sum())) < 1e-4
+    assert spy == []  # the parent's spy is not the child's; and in this process nothing ran in parallel
+
+
+def test_a_job_of_one_long_file_decodes_its_ranges_in_processes(files, spy, tmp_path):
+    """run_job with fewer files than workers: the files in threads of the job's process, each file's
+    time ranges in load_audio_parallel's processes (a worker process may not start them); the same
+    output as a one-worker job (16 kHz WAV: bit-exact samples, so the hash model's text agrees)."""
+    from flashasr.jobs import run_job
+    from test_jobs import HashModel, _outputs
+
+    r4 = run_job([files["wav_16k"]], HashModel(), tmp_path / "o4", "json", workers=4, cpu_pool="process",
+                 segmentation="fixed")
+    assert r4.exit_code == 0 and r4.cpu_pool == "thread"
+    assert len(spy) == 1 and spy[0]["fallback"] is None and len(spy[0]["plan"].bounds) == 4
+    r1 = run_job([files["wav_16k"]], HashModel(), tmp_path / "o1", "json", workers=1, segmentation="fixed")
+    assert len(spy) == 1 and _outputs(tmp_path / "o4") == _outputs(tmp_path / "o1")

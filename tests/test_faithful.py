@@ -203,6 +203,14 @@ def test_repetition_guard_cuts_loops_and_says_so():
     assert t.text == "Thank you for watching. Bye." and [s.id for s in t.segments] == [0, 1]
     assert t.warnings[0]["code"] == "repetition_removed" and t.warnings[0]["copies"] == 6
     assert t.to_dict()["warnings"] == t.warnings
+    # ... for a model that invents text (a speech gate: Whisper); Parakeet-TDT's blanks invent
+    # nothing, so the same segments from it are speech and stay
+    from flashasr.models.parakeet.model import ParakeetASR
+    from flashasr.options import ModelCapabilities
+
+    tdt = ModelCapabilities(name="p", family="parakeet", window_s=60.0, speech_gate=ParakeetASR.speech_gate)
+    t = merge_pieces([(0.0, Transcript("".join(s.text for s in segs), "en", 30.0, segs))], 30.0, caps=tdt)
+    assert len(t.segments) == 7 and not t.warnings
 
 
 # ---------------------------------------------------------------------- 2. nothing lost
@@ -222,6 +230,34 @@ def test_speech_after_an_early_end_of_text_is_transcribed_at_every_door(files, s
         for mode, server in servers.items():
             both(_http(server, files["pair"], segmentation=seg)[0]["text"], (mode, seg))
     both(_final(servers["multi"], files["pair"]), "stream final")
+
+
+def test_the_ray_jobs_rows_carry_the_speech_spans_and_the_damage(files):
+    """``flashasr transcribe --ray``'s stages without a cluster: the CPU stage's rows carry each
+    piece's VAD speech spans and the file's damage warnings, the model stage hands the spans to
+    the model (both utterances of the pair) and the driver's collector puts the warnings in the
+    file's state."""
+    from flashasr.jobs.ray_job import ModelStage, _Collector, prepare_pieces
+    from flashasr.pipeline import plan_pieces
+
+    model = flashasr.load_model()
+    caps, opts = model.capabilities, flashasr.TranscribeOptions().resolve(model.capabilities)
+    batch = {"idx": np.array([0, 1]), "path": np.array([str(files["pair"]), str(files["cut.wav"])], dtype=object),
+             "options": np.array([json.dumps(opts.to_dict())] * 2, dtype=object)}
+    rows = prepare_pieces(batch, caps.to_dict())
+    (pair_piece,) = plan_pieces(load_audio(files["pair"]).samples, opts, caps)
+    first = [r for r in range(len(rows["idx"])) if rows["idx"][r] == 0]
+    assert len(first) == 1 and json.loads(rows["speech"][first[0]]) == [list(s) for s in pair_piece.speech]
+    cut = [r for r in range(len(rows["idx"])) if rows["idx"][r] == 1]
+    assert all(json.loads(rows["warnings"][r])[0]["code"] == "damaged_input" for r in cut)
+    assert json.loads(rows["warnings"][first[0]]) == []
+    stage = ModelStage.__new__(ModelStage)  # the actor's state without Ray and without loading twice
+    stage.model, stage.batch_size, stage._options, stage.cuda, stage.pid = model, 8, {}, False, 0
+    out = stage(rows)
+    text = " ".join(words(__import__("pickle").loads(out["result"][first[0]]).text))
+    assert "greasy wash water" in text and "because they have feathers and can fly" in text, text
+    st = _Collector([None, None], [opts, opts], None, None)._state(out, cut[0], 1, len(cut))
+    assert st.warnings[0]["code"] == "damaged_input" and st.warnings[0]["declared_s"] == pytest.approx(11.0, abs=0.01)
 
 
 # ---------------------------------------------------------------------- 3. language from speech

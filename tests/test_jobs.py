@@ -353,6 +353,38 @@ def test_process_pool_equals_thread_pool_and_reports_bad_files(synth_dir, tmp_pa
         run_job(items, HashModel(), None, cpu_pool="fibers")
 
 
+def test_one_decode_pool_serves_several_jobs(synth_dir, tmp_path, monkeypatch):
+    """start_decode_pool(): worker processes forked once (before a model would be loaded) serve
+    consecutive jobs with the outputs of a pool of their own; a worker that dies in one job is
+    replaced, its file fails alone, and the pool goes on serving the next job; a closed pool is
+    not used (the job forks its own)."""
+    from flashasr.jobs import start_decode_pool
+
+    d = tmp_path / "in"
+    import shutil
+
+    shutil.copytree(synth_dir, d)
+    _write_wav(d / "boom.wav", np.zeros(SR, np.float32))
+    _decode_kills_worker_on(monkeypatch, "boom.wav")  # before the fork: the workers inherit it
+    assert start_decode_pool("cpu", workers=2) is None  # a CPU job decodes in threads
+    pool = start_decode_pool("cpu", workers=2, cpu_pool="process")
+    try:
+        r1 = run_job([d], HashModel(), tmp_path / "o1", "json", workers=2, cpu_pool="process", worker_pool=pool)
+        assert {x.item.key for x in r1.failed} == {"boom"} and r1.failed[0].error_code == "decode_worker_died"
+        assert r1.workers == 2 and pool.deaths == 2 and not pool.closed
+        (d / "boom.wav").unlink()
+        r2 = run_job([d], HashModel(), tmp_path / "o2", "json", cpu_pool="process", worker_pool=pool)
+        own = run_job([d], HashModel(), tmp_path / "o3", "json", workers=2, cpu_pool="process")
+        assert r2.exit_code == 0 and len(r2.ok) == len(own.ok) == 8 and pool.deaths == 2
+        assert _outputs(tmp_path / "o2") == _outputs(tmp_path / "o3")
+        assert _outputs(tmp_path / "o1") == {k: v for k, v in _outputs(tmp_path / "o3").items()}
+    finally:
+        pool.close()
+    assert pool.closed
+    r4 = run_job([d], HashModel(), tmp_path / "o4", "json", workers=2, cpu_pool="process", worker_pool=pool)
+    assert r4.exit_code == 0 and _outputs(tmp_path / "o4") == _outputs(tmp_path / "o3")
+
+
 def test_batches_fill_up_beyond_the_decode_prefetch(tmp_path):
     """Batches are not capped by the number of files being decoded (2 x workers): decoded files
     wait (within max_buffered_audio_s) until a full batch is ready."""

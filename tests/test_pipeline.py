@@ -61,6 +61,78 @@ def test_plan_policy_table():
     assert plan_pieces(np.zeros(0, np.float32), TranscribeOptions(), WHISPERISH) == []
 
 
+def test_a_model_without_a_speech_gate_runs_the_vad_only_to_cut():
+    """caps.speech_gate=False (Parakeet): a recording that fits the window goes in whole with no
+    VAD call, even without speech; a longer one is cut by the VAD as before; needs_vad agrees
+    with what plan_pieces does (plan_many computes the probabilities of exactly those)."""
+    from dataclasses import replace
+
+    from flashasr.pipeline import needs_vad
+
+    ungated = replace(PARAKEETISH, speech_gate=False)
+    assert _plan(50, ungated, speech=False) == ([(0, 50 * SR)], [])
+    pieces, calls = _plan(70, ungated)
+    assert len(pieces) == 7 and calls == [(70 * SR, SR, 60.0, "vad")]
+    assert _plan(70, ungated, speech=False)[0] == []  # cutting still leaves non-speech out
+    assert _plan(50, PARAKEETISH, speech=False) == ([], [(50 * SR, SR, 60.0, "vad")])  # gated: as before
+    o = TranscribeOptions().resolve(ungated)
+    assert not needs_vad(50 * SR, o, ungated) and needs_vad(70 * SR, o, ungated)
+    assert needs_vad(50 * SR, TranscribeOptions().resolve(PARAKEETISH), PARAKEETISH)
+    from flashasr.models.parakeet.model import ParakeetASR
+    from flashasr.models.whisper.asr import WhisperASR
+
+    assert ParakeetASR.speech_gate is False and WhisperASR.speech_gate is True
+
+
+def test_an_ungated_model_gets_no_vad_pass_unless_it_must_be_cut(monkeypatch):
+    """Parakeet-TDT (no speech gate): a recording that fits its window gets no VAD pass in any
+    segmentation and goes in whole without speech spans; ``fixed`` windows of a longer one cover
+    it without the VAD; only a cut at pauses (vad, or none beyond the window) runs it, and its
+    pieces carry the spans. A gated model (Whisper) runs it in every mode."""
+    from dataclasses import replace
+
+    import flashasr.audio.vad as vad
+    from flashasr.pipeline import needs_vad
+
+    calls = []
+    real_spans, real_split = vad.asr_speech_spans, vad.split_for_asr
+
+    def spans(*a, **k):
+        calls.append("spans")
+        return real_spans(*a, **k)
+
+    def split(*a, **k):
+        calls.append(k.get("method", "vad"))
+        return real_split(*a, **k)
+
+    monkeypatch.setattr(vad, "asr_speech_spans", spans)
+    monkeypatch.setattr(vad, "split_for_asr", split)
+    ungated = replace(PARAKEETISH, speech_gate=False)
+    clip = __import__("flashasr.audio", fromlist=["load_audio"]).load_audio(AUDIO / "en" / "en-ls-61-70968-0002.wav").samples
+    x = np.concatenate([clip, np.zeros(40 * SR, np.float32)])  # 43 s: fits the 60 s window
+    for mode in ("vad", "none", "fixed"):
+        o = TranscribeOptions(segmentation=mode).resolve(ungated)
+        (p,) = plan_pieces(x, o, ungated)
+        assert p == (0, len(x)) and p.speech is None and not needs_vad(len(x), o, ungated)
+        (p,) = plan_pieces(np.zeros(50 * SR, np.float32), o, ungated)  # no speech: still whole, blanks decide
+        assert p == (0, 50 * SR)
+    long = np.zeros(150 * SR, np.float32)
+    o = TranscribeOptions(segmentation="fixed").resolve(ungated)
+    assert plan_pieces(long, o, ungated) == [(0, 60 * SR), (60 * SR, 120 * SR), (120 * SR, 150 * SR)]
+    assert not needs_vad(long.size, o, ungated) and calls == []
+    long[100 * SR: 100 * SR + clip.size] = clip
+    for mode in ("vad", "none"):
+        o = TranscribeOptions(segmentation=mode).resolve(ungated)
+        assert needs_vad(long.size, o, ungated)
+        (p,) = plan_pieces(long, o, ungated)
+        assert p[0] <= 100.5 * SR and p[1] >= 100 * SR + clip.size - SR // 2 and p.speech
+    assert calls == ["vad", "vad"]
+    calls.clear()
+    for mode in ("vad", "none", "fixed"):  # gated: the VAD every time
+        plan_pieces(x[: 20 * SR], TranscribeOptions(segmentation=mode).resolve(WHISPERISH), WHISPERISH)
+    assert calls.count("vad") == 1 and calls.count("spans") == 2
+
+
 def test_plan_with_the_real_vad():
     """clip, 30 s of silence, clip: two pieces around the speech; 5 s of silence: none."""
     from flashasr.audio import load_audio

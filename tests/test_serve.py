@@ -11,15 +11,19 @@ import asyncio
 import base64
 import io
 import json
+import re
 import resource
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
 from websockets.asyncio.client import connect
+
+import flashasr.serve.web
 
 from conftest import AUDIO
 from test_serve_util import CLIP, CLIP_WORDS, Server, pcm16, silence, wav_bytes, words
@@ -96,6 +100,90 @@ def test_models_health_ready_metrics(server, client):
                  "flashasr_engine_queue_depth", "flashasr_stage_seconds_bucket", "flashasr_active_streams"):
         assert name in m, name
     assert server.metric("flashasr_audio_seconds_total") > 0
+
+
+def test_status_json_and_server_timing(server):
+    """GET /status (open, like /metrics): model, limits, recent latency percentiles, audio done; an
+    upload's reply names its stages' times in Server-Timing (the web page's speed factor)."""
+    r = httpx.post(server.base + "/v1/audio/transcriptions", headers={"Authorization": f"Bearer {KEY}"},
+                   files={"file": ("a.wav", CLIP.read_bytes())}, data={"response_format": "verbose_json"}, timeout=60)
+    assert r.status_code == 200
+    timing = {name.strip(): float(dur.split("=")[1]) for name, dur in
+              (part.split(";") for part in r.headers["server-timing"].split(","))}
+    assert set(timing) == {"upload", "decode", "plan", "transcribe", "total"}
+    assert timing["total"] == pytest.approx(timing["decode"] + timing["plan"] + timing["transcribe"], abs=0.2)
+    assert min(timing.values()) >= 0 and timing["transcribe"] > 0
+    s = httpx.get(server.base + "/status").json()
+    assert s["status"] == "ready" and s["mode"] == "single" and s["model"]["name"] == "whisper-tiny.en"
+    assert s["model"]["languages"] == ["en"] and s["model"]["device"] == "cpu" and s["gpu_memory_bytes"] is None
+    assert s["limits"] == {"max_upload_mb": 2.0, "max_audio_s": 30.0, "api_key_required": True}
+    req = s["latency_ms"]["request"]
+    assert req["n"] >= 1 and 0 < req["p50_ms"] <= req["p95_ms"]
+    assert s["audio_seconds"]["offline"] >= 2.9
+    assert s["uploads_in_flight"] == 0 and s["engine"]["requests_active"] == 0
+
+
+def test_status_counts_streams_and_uploads_in_flight(server):
+    def status() -> dict:
+        return httpx.get(server.base + "/status").json()
+
+    before = status()
+    part = b"--b0und\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.wav\"\r\n\r\n"
+    slow = _raw(server, _head(len(part) + 100_000) + part + b"\0" * 1000)  # its body is still arriving
+    try:
+        t_end = time.monotonic() + 1.5  # (--body-timeout-s 2 ends it after 2 s)
+        while status()["uploads_in_flight"] != before["uploads_in_flight"] + 1:
+            assert time.monotonic() < t_end
+            time.sleep(0.05)
+    finally:
+        slow.close()
+
+    async def go():
+        async with connect(_ws_url(server, "/v1/realtime"), additional_headers={"Authorization": f"Bearer {KEY}"}):
+            await asyncio.sleep(0.2)
+            return status()["streams_live"]
+
+    assert asyncio.run(go()) == before["streams_live"] + 1
+    t_end = time.monotonic() + 5
+    while status()["streams_live"] != before["streams_live"]:
+        assert time.monotonic() < t_end
+        time.sleep(0.05)
+
+
+def test_web_page_and_its_files(server):
+    """GET / is the page (no key needed: it asks for one); its files under /ui/ only by name."""
+    r = httpx.get(server.base + "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert r.headers["cache-control"] == "no-cache" and httpx.head(server.base + "/").status_code == 200
+    static = Path(flashasr.serve.web.STATIC)
+    refs = set(re.findall(r'(?:src|href)="(/ui/[^"]+)"', r.text))
+    for p in static.glob("*.js"):
+        text = p.read_text(encoding="utf-8")
+        refs |= {"/ui/" + m for m in re.findall(r'from "\./([\w.-]+)"', text)}
+        refs |= set(re.findall(r'"(/ui/[\w.-]+)"', text))
+    assert {"/ui/app.js", "/ui/app.css", "/ui/pcm-worklet.js", "/ui/live.js"} <= refs
+    for ref in sorted(refs):
+        got = httpx.get(server.base + ref)
+        assert got.status_code == 200, ref
+        if ref.endswith(".js"):
+            assert got.headers["content-type"].startswith("text/javascript"), ref
+    for bad in ("/ui/nope.js", "/ui/..%2Fweb.py", "/ui/%2e%2e%2fapp.py"):
+        got = httpx.get(server.base + bad)
+        assert got.status_code == 404 and got.json()["error"]["code"] == "not_found", bad
+    # works offline: nothing from another host (CDN, fonts, scripts)
+    external = re.compile(r"""(src|href)\s*=\s*["']?(https?:)?//|@import|url\(\s*["']?(https?:)?//|from\s+["']https?:""")
+    for p in static.iterdir():
+        assert not external.search(p.read_text(encoding="utf-8")), p.name
+
+
+def test_latency_window_percentiles():
+    from flashasr.serve.metrics import LatencyWindow
+
+    w = LatencyWindow(size=100)
+    assert w.summary() == {"n": 0, "p50_ms": None, "p95_ms": None, "last_ms": None}
+    for v in range(1, 201):  # only the last 100 (0.101 .. 0.200 s) stay
+        w.add(v / 1000)
+    assert w.summary() == {"n": 100, "p50_ms": 150.0, "p95_ms": 195.0, "last_ms": 200.0}
 
 
 def test_auth(server):

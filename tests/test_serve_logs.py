@@ -232,6 +232,9 @@ def test_help_states_every_option_and_its_default():
     (["--mode", "both"], "--mode"), (["--engine", "fast"], "--engine"), (["--device", "gpu"], "--device"),
     (["--dtype", "int8"], "--dtype"), (["--log-level", "loud"], "--log-level"),
     (["--engine-socket", "/tmp/" + "s" * 200], "--engine-socket"),
+    (["--ssl-certfile", "/nonexistent/cert.pem"], "--ssl-certfile"),
+    (["--ssl-certfile", __file__], "--ssl-certfile"),  # not a certificate: refused while parsing, not at start-up
+    (["--ssl-keyfile", __file__], "--ssl-keyfile"),    # a key without its certificate
 ])
 def test_bad_values_exit_2_naming_the_option(args, option):
     r = _serve(*args)

@@ -87,6 +87,20 @@ def test_multi_stream_through_engine(multi):
     assert words(asyncio.run(go())) == CLIP_WORDS
 
 
+def test_multi_status_and_page(multi):
+    """/status in multi mode: the model from the engine's HELLO, the engine's figures over its socket."""
+    httpx.post(multi.base + "/v1/audio/transcriptions", files={"file": ("clip.wav", CLIP.read_bytes())},
+               headers={"Authorization": f"Bearer {KEY}"}, timeout=60).raise_for_status()
+    assert httpx.get(multi.base + "/").status_code == 200
+    for _ in range(50):  # new connections reach either front end; the one that served the upload counted it
+        s = httpx.get(multi.base + "/status").json()
+        if "request" in s["latency_ms"]:
+            break
+    assert s["status"] == "ready" and s["mode"] == "multi" and s["model"]["name"] == "whisper-tiny.en"
+    assert s["engine"]["requests_active"] == 0 and s["latency_ms"]["request"]["n"] >= 1
+    assert s["limits"]["api_key_required"] is True
+
+
 def test_garbage_on_engine_socket(multi):
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(10)

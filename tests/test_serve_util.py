@@ -30,7 +30,8 @@ def free_port() -> int:
 
 class Server:
     """A `python -m flashasr.serve.app` subprocess on 127.0.0.1 (killed by :meth:`stop`); its stdout
-    and stderr go to ``log_path``. ``port=0``: the server picks the port and its start-up line names it."""
+    and stderr go to ``log_path``. ``port=0``: the server picks the port and its start-up line names it.
+    With ``--ssl-certfile`` in ``args`` it speaks https (``base``; readiness polled without verifying)."""
 
     def __init__(self, tmp: Path, *args: str, ready_timeout: float = 150.0, port: int | None = None):
         self.port = free_port() if port is None else port
@@ -41,17 +42,18 @@ class Server:
                                       "--log-level", "info", *args], stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env)
         t_end = time.monotonic() + ready_timeout
+        scheme = "https" if "--ssl-certfile" in args else "http"
         while not self.port:
             assert self.proc.poll() is None, f"server exited early:\n{self.log()}"
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", self.log())
+            m = re.search(r"listening on https?://127\.0\.0\.1:(\d+)", self.log())
             self.port = int(m.group(1)) if m else 0
             assert time.monotonic() < t_end, f"no start-up line after {ready_timeout} s:\n{self.log()}"
             time.sleep(0.1)
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"{scheme}://127.0.0.1:{self.port}"
         while True:
             assert self.proc.poll() is None, f"server exited early:\n{self.log()}"
             try:
-                r = httpx.get(self.base + "/ready", timeout=2)
+                r = httpx.get(self.base + "/ready", timeout=2, verify=False)
                 if r.status_code == 200:
                     self.info = r.json()
                     break

@@ -19,6 +19,7 @@ from .formats import FORMATS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a command-line tool whose reader went away exits with
+RAY_DEFAULT = "default"  # `--ray` without an address: ray.init's own choice (RAY_ADDRESS, a local cluster, a new one)
 
 
 def _err(msg: str) -> None:
@@ -104,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the final table of files, audio, speed and stage costs on stderr (default: for several "
                         "inputs or with --output-dir)")
     t.add_argument("--quiet", "-q", action="store_true", help="no final summary table")
+    r = t.add_argument_group("Ray (a cluster: decode + VAD as CPU tasks, one model actor per GPU; docs/RAY.md)")
+    r.add_argument("--ray", nargs="?", const=RAY_DEFAULT, default=None, metavar="ADDRESS",
+                   help="run the job on a Ray cluster: ADDRESS is auto, local, HOST:PORT (ray start --head prints "
+                        "it) or ray://HOST:10001; without one, RAY_ADDRESS or a cluster started here, else a private "
+                        "local instance (put --ray after the inputs, or write --ray=ADDRESS); --workers then caps "
+                        "the decode tasks at once")
+    r.add_argument("--ray-actors", type=_positive_int, default=None,
+                   help="model actors (default: one per GPU of the cluster with --device cuda, else 1)")
+    r.add_argument("--ray-decode-cpus", type=_positive_float, default=None,
+                   help="CPUs each decode + VAD task asks for (default 0.5: two per core)")
 
     e = sub.add_parser("eval", help="WER on a manifest (optionally side by side with faster-whisper)",
                        description="Word error rate on a JSONL manifest with references.")
@@ -130,9 +141,8 @@ def _install_sigterm() -> None:
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
     """``flashasr transcribe``: see :func:`build_parser` for the options."""
-    from .jobs import InputError, expand_inputs, run_job
+    from .jobs import InputError, expand_inputs, start_decode_pool
     from .options import TranscribeOptions
-    from .pipeline import cached_model
 
     try:  # the one options object of this door, checked for syntax now and against the model below
         options = TranscribeOptions(language=args.language, task=args.task, word_timestamps=args.word_timestamps,
@@ -164,6 +174,23 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
             _err(f"error: [output_dir_invalid] cannot write outputs to --output-dir {args.output_dir}: "
                  f"{e.strerror or e}")
             return EXIT_USAGE
+    if args.ray is not None:
+        return _transcribe_ray(args, items, missing, options)
+    # decode workers forked while this process is small (forking them from one holding a CUDA context
+    # and the model took 0.9 s on the H200 machine); None when the job decodes in threads
+    pool = start_decode_pool(args.device, args.workers, args.cpu_pool, n_inputs=len(items))
+    try:
+        return _transcribe(args, items, missing, options, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _transcribe(args: argparse.Namespace, items: list, missing: list, options, pool) -> int:
+    """The rest of :func:`cmd_transcribe`: load the model, run the job, report."""
+    from .jobs import run_job
+    from .pipeline import cached_model
+
     try:
         model = cached_model(args.model, args.device, None, args.engine)  # in-process callers reuse a loaded model
     except FlashASRError as e:
@@ -186,13 +213,64 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     try:
         report = run_job(items, model, args.output_dir, args.format, options=options, batch_size=args.batch_size,
                          workers=args.workers, cpu_pool=args.cpu_pool, resume=args.resume, progress=args.progress,
-                         on_result=printer, keep_transcripts=False)
+                         on_result=printer, keep_transcripts=False, worker_pool=pool)
     except FlashASRError as e:
         _err(f"error: [{e.code}] {e}")
         return EXIT_USAGE
     except BrokenPipeError:  # `| head` closed stdout: stop quietly, as command-line tools do
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
+    return _report(args, items, missing, report)
+
+
+def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, options) -> int:
+    """``flashasr transcribe --ray``: join the cluster, run :func:`flashasr.jobs.ray_job.run_ray_job`,
+    report as the local job does (exit codes, ``failed:`` lines, the table)."""
+    from .jobs.ray_job import DEFAULT_DECODE_CPUS, probe_capabilities, run_ray_job
+    from .ray_cluster import connect
+
+    address = None if args.ray == RAY_DEFAULT else args.ray
+    try:
+        connect(address)
+    except FlashASRError as e:  # a malformed address, Ray missing, a cluster that cannot be joined
+        _err(f"error: [{e.code}] {e}")
+        return EXIT_USAGE
+    try:
+        caps = probe_capabilities(args.model, device=args.device, engine=args.engine)
+    except FlashASRError as e:
+        _err(f"error: [{e.code}] cannot load model {args.model or 'tiny.en'}: {e}")
+        return EXIT_USAGE
+    except Exception as e:  # noqa: BLE001 - e.g. a CUDA device asked for on a cluster without one
+        _err(f"error: [model_load_error] cannot load model {args.model or 'tiny.en'} on {args.device}: "
+             f"{type(e).__name__}: {e}")
+        return EXIT_USAGE
+    try:
+        options = options.resolve(caps)
+    except FlashASRError as e:
+        _err(f"error: [{e.code}] {e}")
+        return EXIT_USAGE
+    for name in caps.ignored(options):
+        _err(f"warning: model {caps.name} does not use --{name}; it is ignored")
+    printer = None if args.output_dir is not None else StdoutPrinter(items, args.format, args.word_timestamps)
+    _install_sigterm()  # after joining: ours, not Ray's
+    try:
+        report = run_ray_job(items, args.model, args.output_dir, args.format, address=address, device=args.device,
+                             engine=args.engine, capabilities=caps, options=options, batch_size=args.batch_size,
+                             actors=args.ray_actors, decode_cpus=args.ray_decode_cpus or DEFAULT_DECODE_CPUS,
+                             decode_tasks=args.workers, resume=args.resume, progress=args.progress,
+                             on_result=printer, keep_transcripts=False)
+    except FlashASRError as e:
+        _err(f"error: [{e.code}] {e}")
+        return EXIT_USAGE
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    return _report(args, items, missing, report)
+
+
+def _report(args: argparse.Namespace, items: list, missing: list, report) -> int:
+    """The end of a job on the command line: ``warning:`` and ``failed:`` lines, the interrupt line, the
+    table; the exit code."""
     for r in report.results:  # what the caller should know about a transcript: a damaged input, a cut loop
         for w in r.warnings or ():
             _err(f"warning: {r.item.display}: [{w.get('code')}] {w.get('message')}")

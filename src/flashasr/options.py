@@ -110,6 +110,10 @@ class ModelCapabilities:
         translates: ``task="translate"`` is possible (multilingual Whisper).
         prompts: the ``prompt`` option conditions the decoding (Whisper).
         temperature: the ``temperature`` option is used (Whisper).
+        speech_gate: a recording that fits one window goes to the model only when the VAD finds
+            speech in it (Whisper, which invents text on silence and noise); False: it goes in
+            whole without the VAD (Parakeet-TDT: its decoder emits blanks on non-speech), the VAD
+            runs only where a recording must be cut (:func:`flashasr.pipeline.plan_pieces`).
     """
 
     name: str = "model"
@@ -122,6 +126,7 @@ class ModelCapabilities:
     translates: bool = False
     prompts: bool = False
     temperature: bool = False
+    speech_gate: bool = True
 
     def ignored(self, options: "TranscribeOptions") -> list[str]:
         """Options set in ``options`` that this model does not use (accepted, without effect)."""

@@ -131,7 +131,10 @@ def take_array(name: str, dtype: str, length: int) -> np.ndarray:
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     try:
         size = max(1, dt.itemsize * int(length))
-        m = mmap.mmap(fd, size)
+        # all pages mapped in one call: the first pass over the samples (the model's check, the VAD)
+        # then takes no page faults (dev VM, 11 s of float32: 98 us here + 29 us for that first pass,
+        # against 55 + 173 us faulting page by page)
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
         os.close(fd)
         unlink_segment(name)

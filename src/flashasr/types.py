@@ -111,4 +111,25 @@ def warning(code: str, message: str, **fields) -> dict:
     return {"code": code, "message": message, **fields}
 
 
-__all__ = ["Word", "Segment", "Transcript", "warning", "asdict"]
+@dataclass
+class StreamResult:
+    """One chunked stream after a streaming step (:class:`flashasr.models.parakeet.streaming.ParakeetStreamer`).
+
+    Attributes:
+        text: the provisional hypothesis so far (SentencePiece decode of every token).
+        stable_text: its words that can no longer change: every word before the last word-start
+            piece (the last word may still grow). Append-only from step to step.
+        frames: encoder frames encoded so far (x 0.08 s for v2/v3); ``audio_s`` the same in seconds.
+        new_tokens: tokens decoded by this step.
+        tokens: all tokens so far.
+    """
+
+    text: str
+    stable_text: str
+    frames: int
+    audio_s: float
+    new_tokens: int
+    tokens: int
+
+
+__all__ = ["Word", "Segment", "Transcript", "StreamResult", "warning", "asdict"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -69,6 +70,10 @@ class DecodedAudio:
             ``"skipped 3 undecodable packets"``.
         declared_duration: seconds the container's header declares (None: unknown, or not
             recorded by the decode that made this object).
+        resample_cpu_s: CPU seconds spent in soxr (part of the decode's CPU time; the job
+            report's ``resample`` stage).
+        other_threads_cpu_s: CPU seconds of the decode spent in threads other than the caller's
+            (:func:`flashasr.audio.load_audio_parallel`'s ranges; 0 for a sequential decode).
     """
 
     samples: np.ndarray
@@ -79,6 +84,8 @@ class DecodedAudio:
     source_format: str
     warnings: list[str] = field(default_factory=list)
     declared_duration: float | None = None
+    resample_cpu_s: float = 0.0
+    other_threads_cpu_s: float = 0.0
 
     def __len__(self) -> int:
         return int(self.samples.shape[0])
@@ -212,6 +219,7 @@ class _Pipeline:
         self.rate_changes = 0
         self.nonfinite = 0
         self.in_seconds = 0.0
+        self.resample_cpu_s = 0.0  # thread CPU seconds inside soxr
         self._rs = None
 
     def _resampler(self, rate: int):
@@ -251,7 +259,9 @@ class _Pipeline:
         if self._rs is None:
             out.append(mono)
         else:
+            c0 = time.thread_time()
             y = self._rs.resample_chunk(mono, last=False)
+            self.resample_cpu_s += time.thread_time() - c0
             if y.shape[0]:
                 out.append(y)
         return out
@@ -259,7 +269,9 @@ class _Pipeline:
     def flush(self) -> list[np.ndarray]:
         if self._rs is None:
             return []
+        c0 = time.thread_time()
         y = self._rs.resample_chunk(np.zeros(0, np.float32), last=True)
+        self.resample_cpu_s += time.thread_time() - c0
         self._rs = None
         self.in_rate = None
         return [y] if y.shape[0] else []
@@ -351,6 +363,16 @@ def _frame_into(frame, out: np.ndarray, c: int, n: int, keep: list[int] | None =
             np.multiply(src, scale, out=dst, casting="unsafe")
         else:
             dst[...] = src
+
+
+def _joined(views: list[list], n: int) -> np.ndarray:
+    """Per channel, views of float32 frame planes -> one writable float32 [C, n] block."""
+    if len(views) == 1:
+        return np.frombuffer(bytearray().join(views[0]), np.float32, count=n).reshape(1, n)
+    out = np.empty((len(views), n), np.float32)
+    for ch, v in enumerate(views):
+        out[ch] = np.frombuffer(b"".join(v), np.float32, count=n)
+    return out
 
 
 def _codec_name(stream) -> str:
@@ -531,15 +553,18 @@ class _ContainerSource:
 
     def blocks(self) -> Iterator[tuple[np.ndarray, int]]:
         """Yields (float32 [C, n], rate): decoded frames gathered into blocks of ~0.5 s
-        (fewer, larger numpy/soxr calls; a frame is converted straight into its block)."""
+        (fewer, larger numpy/soxr calls). Float frames (``flt``/``fltp``, what the mp3, AAC,
+        Opus and Vorbis decoders give) are gathered as views of their planes and joined once per
+        block (one copy, no numpy call per frame: ~4 us less per frame, 180,000 frames per audio
+        hour of Opus); other formats are converted straight into their block."""
         import av
 
-        acc: np.ndarray | None = None
-        fill = 0
-        acc_rate = 0
+        acc: np.ndarray | None = None  # integer / packed multichannel frames, converted
+        views: list[list] | None = None  # float frames: per channel, views of the frames' planes
+        fill = cap = acc_rate = acc_ch = 0
         for frame in self._frames(av):
             try:
-                _, _, c, n = _frame_info(frame)
+                dtype, planar, c, n = _frame_info(frame)
             except KeyError:
                 self.bad_frames += 1
                 continue
@@ -550,16 +575,22 @@ class _ContainerSource:
                 self.frame_channels = c
             keep = _kept_channels(frame, c)
             ck = c if keep is None else len(keep)
-            if acc is not None and (rate != acc_rate or ck != acc.shape[0] or fill + n > acc.shape[1]):
-                yield acc[:, :fill], acc_rate
-                acc = None
-            if acc is None:
-                acc = np.empty((ck, max(n, rate // 2)), np.float32)
-                fill, acc_rate = 0, rate
-            _frame_into(frame, acc[:, fill:fill + n], c, n, keep)
+            fast = dtype == np.float32 and keep is None and (planar or c == 1)
+            if fill and (rate != acc_rate or ck != acc_ch or fill + n > cap or fast != (views is not None)):
+                yield _joined(views, fill) if views is not None else acc[:, :fill], acc_rate
+                fill = 0
+            if fill == 0:
+                acc_rate, acc_ch, cap = rate, ck, max(n, rate // 2)
+                acc, views = (None, [[] for _ in range(ck)]) if fast else (np.empty((ck, cap), np.float32), None)
+            if views is not None:
+                planes, nbytes = frame.planes, 4 * n
+                for ch in range(ck):
+                    views[ch].append(memoryview(planes[ch])[:nbytes])
+            else:
+                _frame_into(frame, acc[:, fill:fill + n], c, n, keep)
             fill += n
-        if acc is not None and fill:
-            yield acc[:, :fill], acc_rate
+        if fill:
+            yield _joined(views, fill) if views is not None else acc[:, :fill], acc_rate
 
     def _frames(self, av) -> Iterator[Any]:
         ctx = self.stream.codec_context
@@ -855,7 +886,7 @@ def load_audio(source: Any, *, sample_rate: int | None = None, target_rate: int 
                         duration=samples.shape[0] / d.out_rate,
                         source_sample_rate=int(d.src_rate), source_channels=int(d.src_channels),
                         source_format=d.format, warnings=warnings,
-                        declared_duration=d.declared)
+                        declared_duration=d.declared, resample_cpu_s=d.pipe.resample_cpu_s)
 
 
 def iter_audio(source: Any, *, target_rate: int = 16000, block_seconds: float = 30.0,

@@ -55,8 +55,12 @@ pre-roll, 312-sample pre-skip; mp3: bit reservoir of up to 511 bytes, 576-sample
 1024-sample overlap); ``C`` (0.25 s) is far beyond soxr HQ's filter length (a 10 ms context
 already joins 44.1 -> 16 kHz within rounding). Both cost < 1 % of a range of >= 10 s.
 
-Threads, not processes: PyAV's decode and soxr release the GIL, and threads write into the one
-output array without copying; measured in ``bench/results/decode_parallel_<host>.json``.
+Processes by default (:func:`default_pool_kind`): the ranges run in a forkserver pool and write
+into one shared-memory array. Threads (``FLASHASR_DECODE_POOL=thread``) write into an ordinary
+array, but PyAV's per-frame Python contends for the GIL: on the H200 machine an hour of mp3 took
+15.5 s in 16 threads, 6.4 s sequentially and 0.80 s in 16 processes
+(``bench/results/long_file_h200.json``). A daemonic process (the server's front ends in multi
+mode, the job runner's decode workers) may not start processes: there the decode is sequential.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -113,8 +118,13 @@ def default_workers() -> int:
 
 
 def default_pool_kind() -> str:
-    """``$FLASHASR_DECODE_POOL`` (``thread`` or ``process``) if set, else ``thread``."""
-    kind = os.environ.get("FLASHASR_DECODE_POOL", "").strip().lower() or "thread"
+    """``$FLASHASR_DECODE_POOL`` (``thread`` or ``process``) if set, else ``process``.
+
+    Processes by default: on the H200 machine (16 cores) an hour of 44.1 kHz stereo mp3 took 6.4 s
+    decoded sequentially, 15.5 s in 16 threads (PyAV's per-frame calls give the GIL up and wait up
+    to the 5 ms switch interval to get it back) and 0.80 s in 16 processes
+    (``bench/results/long_file_h200.json``)."""
+    kind = os.environ.get("FLASHASR_DECODE_POOL", "").strip().lower() or "process"
     if kind not in ("thread", "process"):
         raise AudioArgumentError(f"FLASHASR_DECODE_POOL must be 'thread' or 'process', got {kind!r}")
     return kind
@@ -147,6 +157,13 @@ def _shared_pool(n: int, kind: str = "thread") -> cf.Executor:
                 ex = cf.ThreadPoolExecutor(max_workers=size, thread_name_prefix="flashasr-range")
             got = _pools[kind] = (os.getpid(), size, ex)
         return got[2]
+
+
+def mp_daemonic() -> bool:
+    """Whether this is a daemonic :mod:`multiprocessing` process (it may not start processes)."""
+    import multiprocessing as mp
+
+    return bool(mp.current_process().daemon)
 
 
 def _drop_pool(ex: cf.Executor) -> None:
@@ -268,17 +285,19 @@ class _RangeOut:
         self.pos = hi
 
 
-def _decode_range(plan: _Plan, k: int, out: np.ndarray, abort: threading.Event) -> tuple[int, list[np.ndarray]]:
+def _decode_range(plan: _Plan, k: int, out: np.ndarray, abort: threading.Event):
     """Decode range ``k`` of ``plan`` into ``out``; returns (its output end index, excess
-    samples of the last range). Raises _Fallback when the join cannot be proven (or ``abort``
+    samples of the last range, this thread's CPU seconds for it, of which in soxr). Raises _Fallback when the join cannot be proven (or ``abort``
     is set: another range failed), AudioTooLongError past ``max_duration``."""
     import av
 
+    c0 = time.thread_time()
     try:
-        return _decode_range_tries(plan, k, out, abort, av)
+        end, tail, resample_s = _decode_range_tries(plan, k, out, abort, av)
     except BaseException:
         abort.set()
         raise
+    return end, tail, time.thread_time() - c0, resample_s
 
 
 def _decode_range_tries(plan: _Plan, k: int, out: np.ndarray, abort: threading.Event, av):
@@ -296,15 +315,15 @@ def _decode_range_tries(plan: _Plan, k: int, out: np.ndarray, abort: threading.E
         finally:
             src.close()
         if got is not None:
-            return got, sink.tail
+            return got[0], sink.tail, got[1]
         back *= 4  # the seek landed after p0: start earlier
     raise _Fallback(f"range {k}: seek did not land before its start")
 
 
 def _decode_span(plan: _Plan, src: _ContainerSource, av, k: int, p0: int, feed_end: int | None, back: int,
                  sink: _RangeOut, last: bool, abort: threading.Event) -> int | None:
-    """One attempt at range ``k``: None when the seek landed too close to ``p0`` (less than
-    half the pre-roll before it) or after it."""
+    """One attempt at range ``k``: (the output end index, soxr CPU seconds), or None when the
+    seek landed too close to ``p0`` (less than half the pre-roll before it) or after it."""
     rate, tb = plan.in_rate, plan.tb
     tb_num, tb_den, first = tb.numerator * rate, tb.denominator, plan.first  # integer math per frame
     if k > 0:
@@ -405,7 +424,7 @@ def _decode_span(plan: _Plan, src: _ContainerSource, av, k: int, p0: int, feed_e
         raise _Fallback(f"range {k}: channels partly cancel; the downmix depends on history")
     if sink.stop is not None and sink.pos != sink.stop:
         raise _Fallback(f"range {k}: wrote {sink.pos - sink.start} of {sink.stop - sink.start} samples")
-    return sink.pos
+    return sink.pos, pipe.resample_cpu_s
 
 
 def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_duration: float | None = None,
@@ -448,6 +467,10 @@ def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_dur
             or (target_rate is not None and target_rate <= 0) or (max_duration is not None and max_duration <= 0)):
         return load_audio(source, sample_rate=sample_rate, target_rate=target_rate, raw_format=raw_format,
                           channels=channels, max_duration=max_duration)
+    if pool is None or isinstance(pool, str):
+        pool = pool or default_pool_kind()
+        if pool == "process" and mp_daemonic():  # may not start processes: sequential
+            return load_audio(source, target_rate=target_rate, max_duration=max_duration)
     path = os.fspath(source)
     label = _label(source)
     plan, src = _plan(path, label, target_rate, int(workers), max_duration, min_duration)
@@ -464,7 +487,7 @@ def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_dur
             src.close()
 
 
-def _decode_range_shm(plan: _Plan, k: int, name: str, size: int) -> tuple[int, list[np.ndarray]]:
+def _decode_range_shm(plan: _Plan, k: int, name: str, size: int):
     """:func:`_decode_range` in a worker process: the output array is the shared-memory segment
     ``name`` of ``size`` float32 samples, made by the caller (no abort across processes)."""
     import mmap
@@ -529,6 +552,7 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None) -> 
     fallback = False
     error: BaseException | None = None
     end, tail = 0, []
+    cpu_s = resample_s = 0.0
     try:
         for i, f in enumerate(futures):
             try:
@@ -551,8 +575,10 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None) -> 
                             exc_info=True)
                 fallback = True
                 continue
+            cpu_s += got[2]
+            resample_s += got[3]
             if i == k - 1:
-                end, tail = got
+                end, tail = got[0], got[1]
     except BaseException:  # interrupted while waiting: stop the other ranges
         if abort is not None:
             abort.set()
@@ -578,7 +604,8 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None) -> 
     dur = samples.shape[0] / plan.out_rate
     return DecodedAudio(samples=samples, sample_rate=plan.out_rate, duration=dur,
                         source_sample_rate=plan.in_rate, source_channels=plan.channels,
-                        source_format=src.format, warnings=src.warnings(dur))
+                        source_format=src.format, warnings=src.warnings(dur), declared_duration=src.declared,
+                        resample_cpu_s=resample_s, other_threads_cpu_s=cpu_s)
 
 
 __all__ = ["load_audio_parallel", "default_workers", "default_pool_kind", "MIN_PARALLEL_S"]

@@ -76,9 +76,19 @@ class ParakeetGPUASR(ParakeetASR):
 
     def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
         """All pieces in one engine call (it sorts and packs them into profiles itself)."""
+        self.count_encoder_work([len(p) for p in pieces if len(p) >= self.engine.min_samples])
         out = self.engine.transcribe_arrays(pieces, checked=True)  # serialised by the engine's lock; checked by
         # ASRModel.transcribe_batch
+        self._count("features_upload", float(out.timings.get("host_prep", 0.0)))  # one thread: wall ~ CPU
         return [Hypothesis(list(it.token_ids), list(it.token_frames), list(it.token_durations)) for it in out.items]
+
+    def make_streamer(self, config=None):
+        """Chunked streaming partials on this GPU: a
+        :class:`~flashasr.engine.stream_graphs.GraphedStreamer` (one CUDA graph per tick of all
+        streams) on the engine's encoder (bf16, fused; the same weights as the offline path)."""
+        from .stream_graphs import GraphedStreamer
+
+        return GraphedStreamer(self, config)
 
     def memory_report(self) -> list[dict]:
         """Per captured encoder profile: its shape and the graph memory it added (see EncoderProfiles)."""

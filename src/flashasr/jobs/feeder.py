@@ -21,12 +21,11 @@ One file through :func:`prepare_file` (in a worker thread, or a forked worker pr
   per-frame Python and the VAD's framing hold. They are forked (as PyTorch's DataLoader does with
   a CUDA parent; spawn would re-import the caller's main module) with SIGINT blocked, so a Ctrl-C
   that lands inside fork's lock hooks is not swallowed; it is delivered at :meth:`DecodeFeeder.start`.
-* **A dying worker process** (killed, out of memory, a native crash) breaks the whole pool and every
-  file in flight fails with it, innocent or not. Those files become *suspects*: each gets one more
-  try ALONE in a fresh pool (nothing else in flight), so a second death names the culprit
-  (``decode_worker_died``) and never an innocent file. Each culprit explains up to two pool deaths;
-  after more than 3 unexplained deaths (an OOM killer, a broken environment) the feeder falls back
-  to threads.
+* **A dying worker process** (killed, out of memory, a native crash) is replaced at once
+  (:class:`~flashasr.jobs.procpool.ForkedWorkers`), which knows the file it was decoding: that
+  file gets one more try and, if it kills a worker again, fails alone (``decode_worker_died``);
+  the files queued behind it never started and simply go again. After more than 3 deaths that no
+  such file explains (an OOM killer, a broken environment) the feeder falls back to threads.
 
 Errors cross the process boundary as plain strings (:class:`DecodeFailure`), so any exception type
 does. All state lives on the :class:`DecodeFeeder` object, guarded by its ``lock``.
@@ -39,7 +38,6 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -56,7 +54,11 @@ class Prepared:
     """A decoded, planned file. ``samples`` float32 ``[N]`` at the model rate; ``pieces`` sample
     ranges from :func:`flashasr.pipeline.plan_pieces` (empty: no speech; None: not planned yet); ``t0``
     ``time.perf_counter()`` at the start of the decode (CLOCK_MONOTONIC: comparable across
-    processes on Linux); CPU and wall seconds of the stage."""
+    processes on Linux); CPU and wall seconds of the stage: ``decode_cpu_s`` (container decode,
+    downmix and resampling, of which ``resample_cpu_s`` in soxr), ``vad_cpu_s``,
+    ``transport_cpu_s`` (copying the samples into shared memory); ``warnings``: what the decode
+    tolerated (:meth:`flashasr.audio.DecodedAudio.damage`: a truncated or damaged file), None
+    when the decode does not say (a custom ``decode``)."""
 
     samples: np.ndarray
     pieces: list[tuple[int, int]] | None
@@ -64,6 +66,9 @@ class Prepared:
     decode_cpu_s: float
     vad_cpu_s: float
     wall_s: float
+    resample_cpu_s: float = 0.0
+    transport_cpu_s: float = 0.0
+    warnings: list[dict] | None = None
 
 
 @dataclass
@@ -125,6 +130,7 @@ def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
         samples = np.ascontiguousarray(np.asarray(wav.samples, dtype=np.float32).reshape(-1))
         if samples.size == 0:
             raise EmptyAudioError(f"{path}: the file holds no audio samples")
+        damage = wav.damage() if hasattr(wav, "damage") else None
         c1 = time.thread_time()
         pieces = plan_pieces(samples, options, caps, split=split) if plan else None
         c2 = time.thread_time()
@@ -132,22 +138,37 @@ def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
             from ..shm import put_array
 
             samples = put_array(samples)
+        c3 = time.thread_time()
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - reported per file
         return DecodeFailure(*error_of(e, Path(path)))
-    return Prepared(samples, pieces, t0, c1 - c0, c2 - c1, time.perf_counter() - t0)
+    return Prepared(samples, pieces, t0, c1 - c0 + float(getattr(wav, "other_threads_cpu_s", 0.0) or 0.0), c2 - c1,
+                    time.perf_counter() - t0, resample_cpu_s=float(getattr(wav, "resample_cpu_s", 0.0) or 0.0),
+                    transport_cpu_s=c3 - c2, warnings=damage)
+
+
+#: Scheduling niceness the decode worker processes add to their own (``os.nice``): when every core
+#: is busy, the main process -- the model thread feeding the GPU, the result, planner and writer
+#: threads -- runs first (H200, 15 workers on 16 cores: model calls inside a job took 1.83 s for
+#: what the engine does alone in 1.22 s; ``bench/results/offline_e2e_h200_pool.json``).
+WORKER_NICENESS = 5
 
 
 def worker_init() -> None:
-    """Decode worker process: one thread per library (the pool is the parallelism); Ctrl-C is
-    the parent's to handle."""
+    """Decode worker process: one thread per library (the pool is the parallelism), a lower
+    scheduling priority than the main process (:data:`WORKER_NICENESS`); Ctrl-C is the parent's to
+    handle."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the CLI's handler (a traceback when the pool stops us)
     for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[v] = "1"
+    try:
+        os.nice(int(os.environ.get("FLASHASR_DECODE_NICENESS", WORKER_NICENESS)))
+    except (OSError, ValueError, AttributeError):  # not permitted / not a number / no os.nice: as it is
+        pass
 
 
 def block_sigint() -> bool:
@@ -168,6 +189,59 @@ def unblock_sigint() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+class _ThreadWorkers:
+    """The thread backend of :class:`DecodeFeeder`: a :class:`~concurrent.futures.ThreadPoolExecutor`
+    running ``job(i)``, each result to ``on_result(i, result)`` from the finishing thread."""
+
+    def __init__(self, n: int, job: Callable[[int], object], *, on_result: Callable[[int, object], None]):
+        self.job, self.on_result = job, on_result
+        self.size = n
+        self.deaths = 0
+        self._pool = cf.ThreadPoolExecutor(max_workers=n, thread_name_prefix="flashasr-decode")
+        self._futures: set[cf.Future] = set()
+        self._lock = threading.Lock()
+
+    def room(self) -> int:
+        with self._lock:
+            return 2 * self.size - len(self._futures)
+
+    def submit(self, i: int, path: str = "") -> bool:
+        with self._lock:
+            f = self._pool.submit(self.job, i)
+            self._futures.add(f)
+        f.add_done_callback(lambda f, i=i: self._done(f, i))
+        return True
+
+    def _done(self, f: cf.Future, i: int) -> None:
+        with self._lock:
+            self._futures.discard(f)
+        if f.cancelled():
+            return
+        try:
+            got = f.result()
+        except BaseException as e:  # noqa: BLE001 - job() catches its errors; not a KeyboardInterrupt
+            got = DecodeFailure("internal_error", f"{type(e).__name__}: {e}")
+        self.on_result(i, got)
+
+    def close(self, *, kill: bool = False) -> None:
+        self._pool.shutdown(wait=not kill, cancel_futures=True)
+
+
+def _prepare_task(options: TranscribeOptions, caps: ModelCapabilities, plan: bool, decode_workers: int,
+                  path: str) -> Prepared | DecodeFailure:
+    """One file in a decode worker process (:class:`~flashasr.jobs.procpool.ForkedWorkers`):
+    :func:`prepare_file` with the module's decode and the pipeline's VAD, samples in shared memory."""
+    return prepare_file(path, options, caps, None, None, plan, True, decode_workers)
+
+
+def _drop_stale(got) -> None:
+    """A worker's answer for a file of a job that is over: free its shared-memory samples."""
+    if isinstance(got, Prepared) and isinstance(got.samples, tuple):
+        from ..shm import unlink_segment
+
+        unlink_segment(got.samples[0])
+
+
 class DecodeFeeder:
     """Decodes and plans the files of ``todo`` in a worker pool, ahead of the main thread.
 
@@ -176,24 +250,29 @@ class DecodeFeeder:
         todo: file numbers to prepare, in order.
         options, caps: the job's resolved options (segmentation, ``max_segment_s``) and the model's
             capabilities (rate, window), passed to :func:`prepare_file`.
-        workers: pool size; ``cpu_pool``: ``"thread"`` or ``"process"``.
+        workers: pool size; ``cpu_pool``: ``"thread"`` or ``"process"``
+            (:class:`~flashasr.jobs.procpool.ForkedWorkers`).
         max_buffered: decoded-but-unfinished audio (samples) above which no new decode starts.
         decode, split: :func:`prepare_file`'s hooks (threads only).
         plan: whether the workers plan the pieces (False: decode only, see :func:`prepare_file`).
         decode_workers: threads that decode one file (> 1 only when the job has fewer files than
             cores: many files already fill them), see :func:`prepare_file`.
+        pool: worker processes to use (``cpu_pool="process"``): a
+            :class:`~flashasr.jobs.procpool.ForkedWorkers` started earlier (before the caller grew:
+            a model, a CUDA context) and kept for later jobs; None forks ``workers`` processes now
+            and ends them at :meth:`shutdown`.
 
     The main thread calls :meth:`start` (inside its ``try``: a Ctrl-C held back while forking is
     raised there), then loops over :meth:`maintain`, :meth:`take_ready`, :meth:`release` (a file
     finished: its audio leaves the budget) and :meth:`wait`; :meth:`stop` on interrupt,
-    :meth:`shutdown` at the end. The pool is created (forked) in the constructor, before the job
+    :meth:`shutdown` at the end. Worker processes are forked in the constructor, before the job
     starts any thread of its own.
     """
 
     def __init__(self, paths: list[str], todo: Iterable[int], *, options: TranscribeOptions,
                  caps: ModelCapabilities, workers: int, cpu_pool: str, max_buffered: int,
                  decode: Callable | None = None, split: Callable | None = None, plan: bool = True,
-                 decode_workers: int = 1):
+                 decode_workers: int = 1, pool=None):
         self.paths = paths
         self.todo: deque[int] = deque(todo)
         self.options, self.caps = options, caps
@@ -201,137 +280,83 @@ class DecodeFeeder:
         self.decode_workers = max(1, int(decode_workers))
         self.workers = workers
         self.cpu_pool = cpu_pool
-        self.prefetch = max(2, 2 * workers)
         self.max_buffered = max_buffered
         self.lock = threading.RLock()
         self.wake = threading.Event()
-        self.futures: dict[cf.Future, int] = {}
+        self.in_flight: set[int] = set()
         self.ready: deque = deque()  # (file number, Prepared | DecodeFailure), not yet taken
         self.buffered = 0  # samples decoded and not yet released
         self.held = 0  # files decoded and not yet released
-        self.suspects: deque[int] = deque()  # in flight at a worker death: retried alone
-        self.solo: set[int] = set()  # a suspect decoding alone
+        self.died_once: set[int] = set()  # files whose worker died while decoding them
+        self.culprits = 0  # files that killed their worker twice
+        self.deaths = 0  # worker processes that died during this job
+        self.transport_cpu_s = 0.0  # CPU seconds mapping the workers' shared-memory samples here
         self.stopping = False
-        self.broken = False
-        self.restarts = 0
-        self.culprits = 0
         self.started = False
         self._feeding = threading.local()
-        self.pool = self._new_pool()
+        self._own_pool = pool is None
+        self.pool = self._new_pool(pool)
 
     # ------------------------------------------------------------------ the pool
-    def _new_pool(self) -> cf.Executor:
-        if self.cpu_pool != "process":
-            return cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="flashasr-decode")
-        import multiprocessing as mp
+    def _job(self, i: int) -> Prepared | DecodeFailure:
+        return prepare_file(self.paths[i], self.options, self.caps, self.decode, self.split, self.plan,
+                            self.cpu_pool == "process", self.decode_workers)
 
+    def _new_pool(self, pool=None):
+        if self.cpu_pool != "process":
+            return _ThreadWorkers(self.workers, self._job, on_result=self._completed)
         from ..shm import cleanup_stale_segments
+        from .procpool import ForkedWorkers
 
         cleanup_stale_segments()  # samples of workers that died in an earlier job (or pool)
-
-        # Ctrl-C held back while forking (a SIGINT landing inside fork's lock hooks was swallowed and
-        # the job ran on); a pending one is raised when start() (or a later replacement) unblocks it
-        masked = block_sigint()
-        try:
-            pool = cf.ProcessPoolExecutor(max_workers=self.workers, mp_context=mp.get_context("fork"),
-                                          initializer=worker_init)
-            pool.submit(int).result()  # fork every worker now
-        except BaseException:
-            if masked:
-                unblock_sigint()
-            raise
-        if masked and self.started:  # the first pool is unblocked by start(), inside the caller's try
-            unblock_sigint()
+        if pool is None:
+            # Ctrl-C held back while forking (a SIGINT landing inside fork's lock hooks was swallowed and
+            # the job ran on); a pending one is raised when start() unblocks it
+            masked = block_sigint()
+            try:
+                pool = ForkedWorkers(self.workers, init=worker_init)
+            except BaseException:
+                if masked:
+                    unblock_sigint()
+                raise
+        pool.attach(_prepare_task, (self.options, self.caps, self.plan, self.decode_workers),
+                    on_result=self._completed, on_death=self._died, on_stale=_drop_stale)
         return pool
-
-    def _replace_pool(self) -> None:
-        """After a worker process died: kill the broken pool's processes (a survivor would block
-        forever on its result pipe), then a fresh pool (threads after more than 3 deaths that no
-        culprit file explains)."""
-        with self.lock:
-            if not self.broken or self.futures:
-                return  # wait until every future of the broken pool has reported
-            old = self.pool
-            for proc in list(getattr(old, "_processes", {}).values() or []):
-                try:
-                    proc.kill()
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-            old.shutdown(wait=False, cancel_futures=True)
-            self.restarts += 1
-            if self.restarts - 2 * self.culprits > 3:
-                self.cpu_pool = "thread"
-            self.pool = self._new_pool()
-            self.broken = False
 
     # ------------------------------------------------------------------ feeding
     def _room(self) -> bool:
         """Whether another decode may start now (callers hold the lock)."""
-        if self.stopping or self.broken:
+        if self.stopping or not self.todo:
             return False
-        if self.solo:
-            return False  # a suspect is decoding: alone, so that a death names it
-        if self.suspects:
-            return not self.futures  # the next suspect starts once nothing else is in flight
-        return (bool(self.todo) and len(self.futures) < self.prefetch
-                and (self.buffered < self.max_buffered or (not self.held and not self.ready)))
+        return self.buffered < self.max_buffered or (not self.held and not self.ready)
 
     def refill(self) -> None:
-        """Start decodes while there is room (main thread and completion callbacks)."""
+        """Start decodes while there is room (main thread and the pool's result callbacks)."""
         if getattr(self._feeding, "busy", False):  # a decode finished inside our own submit: the loop goes on
             return
         self._feeding.busy = True
         try:
             with self.lock:
-                while self._room():
-                    self._submit_next()
+                while self._room() and self.pool.room() > 0:
+                    i = self.todo.popleft()
+                    self.in_flight.add(i)
+                    if not self.pool.submit(i, self.paths[i]):
+                        self.in_flight.discard(i)
+                        self.todo.appendleft(i)
+                        break
         finally:
             self._feeding.busy = False
 
-    def _submit_next(self) -> None:
-        suspect = bool(self.suspects)
-        queue = self.suspects if suspect else self.todo
-        i = queue.popleft()
-        try:
-            f = self.pool.submit(prepare_file, self.paths[i], self.options, self.caps, self.decode, self.split,
-                                 self.plan, self.cpu_pool == "process", self.decode_workers)
-        except BrokenProcessPool:  # replaced by the main thread (maintain)
-            queue.appendleft(i)
-            self.broken = True
-            self.wake.set()
-            return
-        except Exception as e:  # noqa: BLE001
-            self.ready.append((i, DecodeFailure(*error_of(e, Path(self.paths[i])))))
-            self.wake.set()
-            return
-        self.futures[f] = i
-        if suspect:
-            self.solo.add(i)
-        f.add_done_callback(self._on_done)
-
-    def _on_done(self, f: cf.Future) -> None:
+    def _completed(self, i: int, got) -> None:
+        """A worker's result for file ``i`` (in the pool's result thread)."""
         with self.lock:
-            i = self.futures.pop(f, None)
-            if i is None:
+            if i not in self.in_flight:  # a late answer for a file already given to another worker
+                if isinstance(got, Prepared) and isinstance(got.samples, tuple):
+                    self._take_shared(i, got)  # its segment's name goes; the memory with the array
                 return
-            try:
-                got = f.result()
-            except BrokenProcessPool:
-                self.broken = True
-                if i not in self.solo and not self.stopping:
-                    self.suspects.append(i)  # one more try, alone, in the fresh pool
-                    self.wake.set()
-                    return
-                self.culprits += 1
-                got = DecodeFailure("decode_worker_died",
-                                    f"{self.paths[i]}: the decode worker process died while decoding this file "
-                                    "(twice, the second time with no other file in flight); it was killed or "
-                                    "crashed")
-            except BaseException as e:  # noqa: BLE001 - a cancelled decode, ...
-                got = DecodeFailure(*error_of(e, Path(self.paths[i])))
+            self.in_flight.discard(i)
             if isinstance(got, Prepared) and isinstance(got.samples, tuple):
                 got = self._take_shared(i, got)
-            self.solo.discard(i)
             self.ready.append((i, got))
             if isinstance(got, Prepared):
                 self.buffered += got.samples.size
@@ -339,14 +364,54 @@ class DecodeFeeder:
         self.wake.set()
         self.refill()
 
+    def _died(self, held: list[int], closing: bool = False) -> None:
+        """A worker process died holding ``held`` (the file it was decoding first): that file gets
+        one more try and fails if it kills a worker again; the files queued behind it never started
+        and go back to the front of the queue. After more than 3 deaths that no such file explains
+        (an out-of-memory killer, a broken environment), the rest of the job decodes in threads.
+        ``closing``: the pool was ended on purpose (interrupt, switch to threads); nobody is blamed."""
+        with self.lock:
+            if not closing:
+                self.deaths += 1
+            for i in held:
+                self.in_flight.discard(i)
+            if self.stopping:
+                held = []  # interrupted: what was not decoded stays undone
+            elif held and not closing:
+                if held[0] in self.died_once:
+                    self.culprits += 1
+                    self.ready.append((held[0], DecodeFailure(
+                        "decode_worker_died",
+                        f"{self.paths[held[0]]}: the decode worker process died twice while decoding this file "
+                        "(killed or crashed)")))
+                    held = held[1:]
+                else:
+                    self.died_once.add(held[0])
+            self.todo.extendleft(reversed(held))
+            no_workers = getattr(self.pool, "room", lambda: 1)() <= 0 and getattr(self.pool, "spawn_failures", 0)
+            if not closing and self.cpu_pool == "process" and (self.deaths - 2 * self.culprits > 3 or no_workers):
+                self.cpu_pool = "thread"
+                old, self.pool = self.pool, _ThreadWorkers(self.workers, self._job, on_result=self._completed)
+                old.detach()  # what the old workers still hold comes back as stale answers
+                for i in list(self.in_flight):  # ... so it goes again, in threads
+                    self.in_flight.discard(i)
+                    self.todo.appendleft(i)
+                if self._own_pool:  # not from this thread: close() waits for it
+                    threading.Thread(target=old.close, daemon=True, name="flashasr-decode-close").start()
+        self.wake.set()
+        self.refill()
+
     def _take_shared(self, i: int, got: Prepared) -> Prepared | DecodeFailure:
         """A worker's shared-memory samples mapped here (no copy; the segment's name is gone)."""
         from ..shm import take_array
 
+        c0 = time.thread_time()
         try:
             got.samples = take_array(*got.samples)
         except OSError as e:
             return DecodeFailure("internal_error", f"{self.paths[i]}: decoded samples lost in transit: {e}")
+        finally:
+            self.transport_cpu_s += time.thread_time() - c0
         return got
 
     # ------------------------------------------------------------------ the main thread's calls
@@ -357,10 +422,7 @@ class DecodeFeeder:
         self.refill()
 
     def maintain(self) -> None:
-        """Replace a broken pool once all its futures reported, and feed the fresh one."""
-        if self.broken:
-            self._replace_pool()
-            self.refill()
+        """Nothing to do: a dead worker is replaced by its pool (kept for the conductor's loop)."""
 
     def take_ready(self) -> list[tuple[int, Prepared | DecodeFailure]]:
         """Prepared files (and failures) since the last call, in completion order."""
@@ -374,17 +436,18 @@ class DecodeFeeder:
         with self.lock:
             self.buffered -= n_samples
             self.held -= 1
+        self.refill()
 
     def nothing_coming(self) -> bool:
         """No decode in flight or ready, and none may start (inputs exhausted or the memory
         budget full): waiting for more pieces would only idle the model."""
         with self.lock:
-            return not self.futures and not self.ready and not self._room()
+            return not self.in_flight and not self.ready and not self._room()
 
     def exhausted(self) -> bool:
         """Every file was handed out and taken back (nothing in flight, queued or to retry)."""
         with self.lock:
-            return not (self.futures or self.ready or self.todo or self.suspects or self.broken)
+            return not (self.in_flight or self.ready or self.todo)
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for a decode to finish; False when the wait timed out."""
@@ -395,14 +458,17 @@ class DecodeFeeder:
         return self.wake.wait(timeout=timeout)
 
     def stop(self) -> None:
-        """Start nothing more; cancel the decodes not yet running (on interrupt)."""
+        """Start nothing more (on interrupt); the decodes running are abandoned at :meth:`shutdown`."""
         with self.lock:
             self.stopping = True
-            for f in list(self.futures):
-                f.cancel()
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        """End the job's decoding: a pool of its own is closed (killed after an interrupt), a
+        caller's pool is detached and kept."""
+        if self._own_pool or not hasattr(self.pool, "detach"):
+            self.pool.close(kill=self.stopping)
+        else:
+            self.pool.detach()
 
 
 __all__ = ["DecodeFeeder", "Prepared", "DecodeFailure", "prepare_file", "default_decode", "error_of",

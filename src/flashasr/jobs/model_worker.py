@@ -33,8 +33,11 @@ class ModelWorker:
         synchronize_cuda: ``torch.cuda.synchronize()`` after each call (accounting).
 
     Attributes:
-        busy_s: wall seconds inside model calls; ``in_flight``: batches submitted and not yet taken
-        back; ``batches_done``: batches finished so far.
+        busy_s: wall seconds inside model calls; ``cpu_s``: this thread's CPU seconds in them;
+        ``stage_cpu_s``: what the model says its host work went to during the job (its
+        ``stage_cpu_s`` counters, e.g. ``features_upload``, ``detokenize``; see
+        :class:`~flashasr.models.base.ASRModel`); ``in_flight``: batches submitted and not yet
+        taken back; ``batches_done``: batches finished so far.
     """
 
     def __init__(self, model, *, wake: threading.Event, synchronize_cuda: bool = False):
@@ -42,6 +45,8 @@ class ModelWorker:
         self.wake = wake
         self.synchronize_cuda = synchronize_cuda
         self.busy_s = 0.0
+        self.cpu_s = 0.0
+        self._stage0 = dict(getattr(model, "stage_cpu_s", None) or {})
         self.in_flight = 0
         self.batches_done = 0
         self.error: BaseException | None = None
@@ -94,7 +99,7 @@ class ModelWorker:
             if job is None:
                 return
             token, waves, options = job
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 outs = transcribe_pieces(self.model, waves, options, getattr(waves, "speech", None))
                 self._synchronize()
@@ -103,10 +108,16 @@ class ModelWorker:
                 self.wake.set()
                 return
             self.busy_s += time.perf_counter() - t0
+            self.cpu_s += time.thread_time() - c0
             with self._lock:
                 self._done.append((token, outs))
                 self.batches_done += 1
             self.wake.set()
+
+    @property
+    def stage_cpu_s(self) -> dict[str, float]:
+        now = getattr(self.model, "stage_cpu_s", None) or {}
+        return {k: v - self._stage0.get(k, 0.0) for k, v in now.items()}
 
     def _synchronize(self) -> None:
         if not self.synchronize_cuda:

@@ -63,6 +63,16 @@ class JobReport:
       CPU seconds how much of that time the threads actually ran (GIL or CPU contention).
     * ``workers``: decode/VAD workers (``cpu_pool``: threads or processes); ``batch_size``: the largest batch asked for;
       ``batch_pieces``: pieces per model call, in call order.
+    * ``stage_cpu_s``: CPU seconds per stage of the whole path, every process (the
+      issue-#12 accounting): ``decode`` (container decode + downmix, workers), ``resample``
+      (soxr, workers), ``vad`` (the Silero VAD: workers or the planner thread), ``transport``
+      (samples into shared memory in the workers and mapped in the main process), ``features_upload``
+      (the model's host-side batch preparation: padding into pinned memory, the copy to the GPU),
+      ``model`` (the rest of the model thread: launches, waits, decoding bookkeeping),
+      ``detokenize`` (token ids -> text, words, segments and times), ``merge_render`` (pieces ->
+      one transcript -> the output format), ``write`` (output files and journal lines), ``other``
+      (the rest of the main process: the conductor, the result thread, progress). Keys a model
+      does not report (features_upload, detokenize) stay 0 and their time is in ``model``.
     * ``nvml``: :class:`~flashasr.jobs.gpumon.NvmlSampler` result (NVML GPU utilisation over
       the job) on CUDA, else ``{"available": False, "reason": ...}``; None when not asked.
     """
@@ -86,6 +96,7 @@ class JobReport:
     batch_size: int = 0
     batch_pieces: list[int] = field(default_factory=list)
     nvml: dict | None = None
+    stage_cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> list[FileResult]:
@@ -117,6 +128,16 @@ class JobReport:
         if h <= 0:
             return {"decode": 0.0, "vad": 0.0, "model": 0.0}
         return {"decode": self.decode_cpu_s / h, "vad": self.vad_cpu_s / h, "model": self.model_cpu_s / h}
+
+    STAGES = ("decode", "resample", "vad", "transport", "features_upload", "model", "detokenize", "merge_render",
+              "write", "other")
+
+    def stage_cpu_per_audio_hour(self) -> dict[str, float]:
+        """:attr:`stage_cpu_s` per hour of audio, every stage of :attr:`STAGES`, plus ``sum``."""
+        h = self.audio_s / 3600.0
+        out = {k: (self.stage_cpu_s.get(k, 0.0) / h if h > 0 else 0.0) for k in self.STAGES}
+        out["sum"] = sum(out.values())
+        return out
 
     @property
     def model_busy_fraction(self) -> float:
@@ -179,6 +200,8 @@ class JobReport:
             "model_busy_s": round(self.model_busy_s, 3), "finish_s": round(self.finish_s, 3),
             "cpu_s": {"decode": round(self.decode_cpu_s, 3), "vad": round(self.vad_cpu_s, 3),
                       "model": round(self.model_cpu_s, 3)},
+            "stage_cpu_s": {k: round(self.stage_cpu_s.get(k, 0.0), 3) for k in self.STAGES},
+            "stage_cpu_s_per_audio_hour": {k: round(v, 2) for k, v in self.stage_cpu_per_audio_hour().items()},
             "workers": self.workers, "cpu_pool": self.cpu_pool, "batch_size": self.batch_size,
             "cpu_stage_utilisation": round(self.cpu_stage_utilisation, 3),
             "prepare_wall_s": round(self.prepare_wall_s, 3),
@@ -201,8 +224,13 @@ class JobReport:
             f"wall       {self.wall_s:.2f} s   speed factor {self.speed_factor:.1f}x real time",
             f"CPU s per audio hour   decode {c['decode']:.1f}   vad {c['vad']:.1f}   model+other {c['model']:.1f}",
         ]
+        if self.stage_cpu_s and self.audio_s > 0:
+            sc = self.stage_cpu_per_audio_hour()
+            lines.append("  by stage  " + "  ".join(f"{k.replace('_', ' ')} {sc[k]:.2f}" for k in self.STAGES
+                                                     if sc[k] >= 0.005 or k in ("decode", "model"))
+                         + f"  (sum {sc['sum']:.2f})")
         if self.workers and self.wall_s > 0:
-            lines.append(f"stages     {self.workers} decode {'processes' if self.cpu_pool == 'process' else 'threads'} {100 * self.cpu_pool_busy_fraction:.0f} % busy "
+            lines.append(f"stages     {self.workers} decode {_POOL_NAMES.get(self.cpu_pool, 'threads')} {100 * self.cpu_pool_busy_fraction:.0f} % busy "
                          f"({100 * self.cpu_stage_utilisation:.0f} % on CPU), "
                          f"model calls {100 * self.model_busy_fraction:.0f} % of wall, "
                          f"outputs {100 * self.finish_s / self.wall_s:.0f} %; bound by {self.bound_by()}")
@@ -217,5 +245,8 @@ class JobReport:
             lines.append(line)
         return "\n".join(lines)
 
+
+#: How the final table names the decode workers of each ``cpu_pool``.
+_POOL_NAMES = {"process": "processes", "thread": "threads", "ray": "Ray task slots"}
 
 __all__ = ["FileResult", "JobReport"]

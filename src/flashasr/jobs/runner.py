@@ -32,6 +32,7 @@ the defaults (:func:`default_workers`, :func:`default_batch_size`, :func:`defaul
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -82,6 +83,34 @@ def default_max_buffered_s(batch_size: int) -> float:
     is formed while another runs (with 30 min the decoders stalled and the engine got batches of
     ~135 pieces: H200, ``bench/results/offline_e2e_h200_fill.json``)."""
     return 14400.0 if int(batch_size) >= 64 else 1800.0
+
+
+#: The interpreter's GIL switch interval during a job with decode worker processes (CPython's
+#: default is 5 ms): a thread coming back from a system call or a CUDA wait -- the model thread,
+#: the decode-result thread, the writers -- waits up to this long for a thread running Python
+#: (H200, 3.03 h from disk: 3,400x at 0.5 ms against 2,838x at 5 ms; the null model 5,048x against
+#: 4,575x; ``bench/results/offline_e2e_h200_lean.json``).
+JOB_SWITCH_INTERVAL_S = 0.0005
+
+
+def start_decode_pool(device: str = "cpu", workers: int | None = None, cpu_pool: str | None = None,
+                      n_inputs: int | None = None):
+    """Fork the decode worker processes of :func:`run_job` now, to pass as its ``worker_pool`` (to
+    any number of jobs; ``close()`` it at the end), or None when the job would use threads anyway
+    (a CPU job; or ``n_inputs`` fewer than the workers: then each file's time ranges are decoded
+    by :func:`flashasr.audio.load_audio_parallel`'s processes).
+
+    Call it before loading the model: forking 15 workers from a process that holds a CUDA context
+    and a loaded model took 0.9 s on the H200 machine (``bench/results/profile_jobs_h200_lean.json``),
+    a few milliseconds from a small process. ``flashasr transcribe`` does so.
+    """
+    n = int(workers) if workers else default_workers(device)
+    if _pool_kind(cpu_pool, device, n, False) != "process" or (n_inputs is not None and n_inputs < n):
+        return None
+    from .feeder import worker_init
+    from .procpool import ForkedWorkers
+
+    return ForkedWorkers(n, init=worker_init)
 
 
 def _cuda_available() -> bool:
@@ -187,16 +216,21 @@ class _Conductor:
 
     def __init__(self, items: list[InputItem], file_opts: list, feeder: DecodeFeeder, batcher: Batcher,
                  model: ModelWorker, finisher: Finisher, report: JobReport, batch_wait_s: float, *,
-                 options: TranscribeOptions, caps: ModelCapabilities, vad_device: str, split: Callable | None):
+                 options: TranscribeOptions, caps: ModelCapabilities, vad_device: str, split: Callable | None,
+                 min_batch: int | None = None):
         self.items, self.file_opts = items, file_opts
         self.feeder, self.batcher, self.model, self.finisher = feeder, batcher, model, finisher
         self.report = report
         self.batch_wait_s = batch_wait_s
+        self.min_batch = max(1, min(batcher.batch_size, min_batch if min_batch else max(32, batcher.batch_size // 4)))
         self.options, self.caps, self.vad_device, self.split = options, caps, vad_device, split
         self.planner = None if vad_device == "cpu" else Planner(options, caps, vad_device=vad_device, wake=feeder.wake,
                                                                  split=split)
         self.batches: dict[int, list[tuple[int, int]]] = {}  # batch number -> its (file, piece) slots
         self._n = 0
+        self._resample_cpu_s = 0.0  # of the workers' decode CPU: soxr
+        self._transport_cpu_s = 0.0  # the workers' copies into shared memory
+        self.planner_cpu_s = 0.0
 
     def run(self) -> None:
         timed_out = False
@@ -226,17 +260,16 @@ class _Conductor:
 
     def _time_for_a_batch(self, timed_out: bool) -> bool:
         """A full batch; or, with the model idle: nothing more coming soon (no decode in flight or
-        ready and none may start, nothing being planned), a wait that timed out, or -- for the very
-        first batch of a large batch size only -- a quarter batch, at least 32 pieces (the GPU
-        starts early; later batches fill up while the
-        previous one runs: batches of 128 ran the engine at 8,232x, of 512 at 9,550x, H200,
+        ready and none may start, nothing being planned), a wait that timed out, or ``min_batch``
+        pieces pending (default a quarter batch, at least 32: the GPU starts early and never idles
+        while a batch fills; batches of 128 ran the engine at 8,232x, of 512 at 9,550x, H200,
         ``bench/results/offline_e2e_h200_shm.json``). A second batch only queues when full."""
         if self.batcher.full():
             return True
         if not self.model.idle:
             return False
         return ((self.feeder.nothing_coming() and not self._planning()) or timed_out
-                or (self.model.batches_done == 0 and len(self.batcher.pending) >= max(32, self.batcher.batch_size // 4)))
+                or len(self.batcher.pending) >= self.min_batch)
 
     def _submit(self) -> None:
         batch, options, waves = self.batcher.take_batch()
@@ -253,8 +286,10 @@ class _Conductor:
                 continue
             self.report.decode_cpu_s += p.decode_cpu_s
             self.report.vad_cpu_s += p.vad_cpu_s
+            self._resample_cpu_s += p.resample_cpu_s
+            self._transport_cpu_s += p.transport_cpu_s
             self.report.prepare_wall_s += p.wall_s
-            states.append(FileState(i, self.items[i], self.file_opts[i], p.samples, p.pieces, p.t0))
+            states.append(FileState(i, self.items[i], self.file_opts[i], p.samples, p.pieces, p.t0, p.warnings))
         if self.planner is not None:  # the workers only decoded: the planner thread cuts
             self.planner.submit([st for st in states if st.pieces is None])
         self._queue([st for st in states if st.pieces is not None])
@@ -265,6 +300,7 @@ class _Conductor:
     def stop(self) -> None:
         if self.planner is not None:
             self.planner.stop()
+            self.planner_cpu_s = self.planner.cpu_s
             self.report.vad_cpu_s += self.planner.cpu_s
 
     def _queue(self, states: list[FileState]) -> None:
@@ -300,6 +336,8 @@ def run_job(
     split_fn: Callable | None = None,
     gpu_monitor: bool | None = None,
     vad_device: str | None = None,
+    worker_pool=None,
+    min_batch: int | None = None,
     **changes,
 ) -> JobReport:
     """Transcribe many inputs with one model; the Python API behind ``flashasr transcribe``.
@@ -341,6 +379,11 @@ def run_job(
             the main process; the workers only decode); None: the model's device when it is CUDA,
             else ``"cpu"``. The same pieces either way for recordings up to 131 s
             (:func:`flashasr.pipeline.plan_many`).
+        min_batch: pieces pending at which an idle model gets a batch before it is full (default a
+            quarter of ``batch_size``, at least 32).
+        worker_pool: decode worker processes from :func:`start_decode_pool` (forked before the
+            model was loaded; kept after the job); None forks ``workers`` processes for this job
+            when it uses processes. With a pool, ``workers`` is its size.
     Returns:
         :class:`JobReport`; ``report.exit_code`` is non-zero when any input failed.
         On KeyboardInterrupt the job stops starting work, keeps the finished outputs
@@ -364,20 +407,22 @@ def run_job(
     summary = _open_summary(out_dir, resume)
     todo, file_opts, early = _triage(items, opts, caps, summary if resume else None, fmt)
 
-    n_workers = int(workers) if workers else default_workers(device)
-    report = JobReport(device=device, model=caps.name, batch_size=batch_size, workers=max(1, min(n_workers, len(todo))),
-                       cpu_pool=_pool_kind(cpu_pool, device, n_workers, decode_fn is not None or split_fn is not None))
+    n_workers, kind, decode_workers, worker_pool = _workers_plan(
+        workers, cpu_pool, device, len(todo), decode_fn is not None or split_fn is not None, worker_pool)
+    report = JobReport(device=device, model=caps.name, batch_size=batch_size, workers=n_workers, cpu_pool=kind)
     vad_device = _vad_device(vad_device, device, split_fn)
     finisher = Finisher(items, report=report, out_dir=out_dir, fmt=fmt, summary=summary, caps=caps, options=opts,
                         on_result=on_result, keep_transcripts=keep_transcripts)
     batcher = Batcher(batch_size)
     # forks the worker processes now, before this job starts any thread of its own
-    # fewer files than workers: the spare workers decode each file's time ranges (load_audio_parallel)
-    decode_workers = n_workers // len(todo) if 0 < len(todo) < n_workers else 1
     feeder = DecodeFeeder([str(it.path) for it in items], todo, options=opts, caps=caps, workers=report.workers,
                           cpu_pool=report.cpu_pool, max_buffered=int(max_buffered_audio_s * caps.sample_rate),
-                          decode=decode_fn, split=split_fn, plan=vad_device == "cpu", decode_workers=decode_workers)
+                          decode=decode_fn, split=split_fn, plan=vad_device == "cpu", decode_workers=decode_workers,
+                          pool=worker_pool)
     model_worker = sampler = conductor = None
+    switch = sys.getswitchinterval()
+    if report.cpu_pool == "process":
+        sys.setswitchinterval(JOB_SWITCH_INTERVAL_S)
     try:
         finisher.open_progress(progress)
         finisher.start_writer()
@@ -389,12 +434,13 @@ def run_job(
         model_worker = ModelWorker(model, wake=feeder.wake, synchronize_cuda=device.startswith("cuda"))
         feeder.start()  # a Ctrl-C held back while forking is raised here, inside the try
         conductor = _Conductor(items, file_opts, feeder, batcher, model_worker, finisher, report, batch_wait_s,
-                               options=opts, caps=caps, vad_device=vad_device, split=split_fn)
+                               options=opts, caps=caps, vad_device=vad_device, split=split_fn, min_batch=min_batch)
         conductor.run()
     except KeyboardInterrupt:
         report.interrupted = True
         feeder.stop()
     finally:
+        sys.setswitchinterval(switch)
         unblock_sigint()  # whatever happened before the loop started
         if conductor is not None:
             conductor.stop()  # the planner thread
@@ -404,7 +450,7 @@ def run_job(
         try:
             finisher.close()  # every finished file handed over is written
         finally:
-            _account(report, finisher, batcher, feeder, model_worker, t_job, cpu_job)
+            _account(report, finisher, batcher, feeder, model_worker, conductor, t_job, cpu_job)
             if sampler is not None:
                 report.nvml = sampler.stop()
             if summary is not None:
@@ -413,6 +459,21 @@ def run_job(
                 except OSError:
                     pass
     return report
+
+
+def _workers_plan(workers, cpu_pool, device: str, n_files: int, custom_hooks: bool, pool):
+    """(workers, pool kind, decode workers per file, the caller's pool to use or None) for a job of
+    ``n_files`` files. Fewer files than workers: the spare workers decode each file's time ranges
+    (:func:`flashasr.audio.load_audio_parallel`, in processes of its own), the files themselves in
+    threads of this process (a worker process may not start processes)."""
+    n = int(workers) if workers else default_workers(device)
+    kind = _pool_kind(cpu_pool, device, n, custom_hooks)
+    decode_workers = n // n_files if 0 < n_files < n else 1
+    if decode_workers > 1:
+        kind = "thread"
+    if kind == "process" and pool is not None and not pool.closed:
+        return pool.size, kind, decode_workers, pool
+    return max(1, min(n, n_files)), kind, decode_workers, None
 
 
 def _vad_device(vad_device: str | None, device: str, split_fn) -> str:
@@ -427,7 +488,7 @@ def _vad_device(vad_device: str | None, device: str, split_fn) -> str:
 
 
 def _account(report: JobReport, finisher: Finisher, batcher: Batcher, feeder: DecodeFeeder,
-             model_worker: ModelWorker | None, t_job: float, cpu_job: float) -> None:
+             model_worker: ModelWorker | None, conductor: "_Conductor | None", t_job: float, cpu_job: float) -> None:
     """The final figures of the report (see :class:`JobReport` for each)."""
     report.results = [r for r in finisher.results if r is not None]
     report.wall_s = time.perf_counter() - t_job
@@ -440,6 +501,20 @@ def _account(report: JobReport, finisher: Finisher, batcher: Batcher, feeder: De
     # process pool: the main process's CPU time holds no decode/VAD
     in_process = 0.0 if report.cpu_pool == "process" else report.decode_cpu_s + report.vad_cpu_s
     report.model_cpu_s = max(0.0, total_cpu - in_process)
+    resample = conductor._resample_cpu_s if conductor is not None else 0.0
+    planner = conductor.planner_cpu_s if conductor is not None else 0.0
+    model_cpu = model_worker.cpu_s if model_worker is not None else 0.0
+    ms = model_worker.stage_cpu_s if model_worker is not None else {}
+    upload, detok = ms.get("features_upload", 0.0), ms.get("detokenize", 0.0)
+    st = {"decode": max(0.0, report.decode_cpu_s - resample), "resample": resample, "vad": report.vad_cpu_s,
+          "transport": (conductor._transport_cpu_s if conductor is not None else 0.0) + feeder.transport_cpu_s,
+          "features_upload": upload, "model": max(0.0, model_cpu - upload - detok), "detokenize": detok,
+          "merge_render": finisher.merge_render_cpu_s, "write": finisher.write_cpu_s}
+    main_measured = planner + feeder.transport_cpu_s + model_cpu + finisher.merge_render_cpu_s + finisher.write_cpu_s
+    if report.cpu_pool != "process":  # the workers' shared-memory copies run only in processes
+        in_process = report.decode_cpu_s + report.vad_cpu_s - planner
+    st["other"] = max(0.0, total_cpu - in_process - main_measured)
+    report.stage_cpu_s = st
 
 
-__all__ = ["run_job", "default_batch_size", "default_workers", "default_cpu_pool", "FileResult", "JobReport"]
+__all__ = ["run_job", "start_decode_pool", "default_batch_size", "default_workers", "default_cpu_pool", "FileResult", "JobReport"]

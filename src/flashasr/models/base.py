@@ -64,6 +64,8 @@ class ASRModel(ABC):
         multilingual: whether ``language=None`` triggers language detection.
         translates: ``task="translate"`` supported (multilingual Whisper).
         device: torch device string the weights live on.
+        stage_cpu_s: None, or cumulative host CPU seconds of this model's own stages since it was
+            built (Parakeet: ``features_upload``, ``detokenize``), read by the job report.
     """
 
     name: str = "model"
@@ -76,6 +78,8 @@ class ASRModel(ABC):
     prompts: bool = False  # the prompt option conditions the decoding
     uses_temperature: bool = False  # the temperature option is used
     uses_speech: bool = False  # transcribe_batch's speech spans steer the decoding (Whisper)
+    speech_gate: bool = True  # pieces that fit one window still need the VAD to find speech first
+    stage_cpu_s: dict | None = None
     device: str = "cpu"
 
     def languages(self) -> frozenset | None:
@@ -91,7 +95,7 @@ class ASRModel(ABC):
                                  window_s=float(self.max_segment_seconds), long_form=bool(self.long_form),
                                  languages=self.languages(), multilingual=bool(self.multilingual),
                                  translates=bool(self.translates), prompts=bool(self.prompts),
-                                 temperature=bool(self.uses_temperature))
+                                 temperature=bool(self.uses_temperature), speech_gate=bool(self.speech_gate))
 
     def transcribe_batch(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions | None = None, *,
                          speech: Sequence | None = None, **changes) -> list[Transcript]:

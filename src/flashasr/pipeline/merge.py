@@ -7,7 +7,9 @@ It is also where the whole recording is seen at once, so two rules of issue #17 
   probability (one piece of noise that looked Welsh does not label an English recording);
 * the segment half of the repetition guard (:mod:`flashasr.repetition`): a segment text that
   comes back more than three times in a row (Whisper's windows inventing the same sentence on
-  music) is kept once, and ``warnings`` say so.
+  music) is kept once, and ``warnings`` say so. It acts for a model that invents text on
+  non-speech (``caps.speech_gate``: Whisper), not for Parakeet-TDT, whose decoder emits blanks
+  there: four pieces in a row that each say "Thank you." are then speech, and kept.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def merge_pieces(parts: Sequence[tuple[float, Transcript]], duration: float, *,
             possibly empty) or leaves it None.
         model: model name for ``Transcript.model`` (default: ``caps.name``, else the first piece's).
         caps: the model's capabilities: a model of one language (English-only Whisper) reports it
-            also when no piece was transcribed (a recording without speech), as its pieces would.
+            also when no piece was transcribed (a recording without speech), as its pieces would;
+            ``speech_gate`` False (Parakeet-TDT): no segment repetition guard (module docstring).
         warnings: the recording's own (a damaged input: :attr:`Transcript.warnings`), first.
     Returns:
         one :class:`Transcript`: ``text`` is the pieces' stripped texts joined by one space
@@ -78,7 +81,10 @@ def merge_pieces(parts: Sequence[tuple[float, Transcript]], duration: float, *,
                 words=[_shift(w, offset, duration) for w in s.words],
             ))
         words.extend(_shift(w, offset, duration) for w in (t.words or []))
-    kept, words = _drop_repeated_segments(segments, words, notes)
+    if caps is None or caps.speech_gate:
+        kept, words = _drop_repeated_segments(segments, words, notes)
+    else:
+        kept = set(range(len(segments)))
     for k, (_, t) in enumerate(parts):
         mine = [i for i, o in enumerate(owner) if o == k]
         left = [i for i in mine if i in kept]

@@ -7,9 +7,14 @@ Input: float32 samples ``[N]`` at the model's rate, resolved
 ``start / rate`` to become global -- each carrying ``speech``: the Silero VAD's speech spans inside
 it (sample ranges from the piece's start). ``W`` below is ``min(options.max_segment_s, caps.window_s)``.
 
-Every mode runs the VAD (:func:`flashasr.audio.vad.asr_speech_spans`) and leaves out what holds no
+For a model with a speech gate (``caps.speech_gate``: Whisper, which invents text on non-speech)
+every mode runs the VAD (:func:`flashasr.audio.vad.asr_speech_spans`) and leaves out what holds no
 speech: a recording without speech has no piece (an empty transcript, no model call), whatever the
-segmentation. The modes differ in how speech is cut:
+segmentation. A model without one (Parakeet-TDT: its decoder emits blanks on non-speech, NeMo
+gates nothing) gets no VAD pass unless a recording longer than ``W`` must be cut at pauses: a
+recording that fits goes in whole and ``fixed`` windows cover ``[0, N)``, their pieces without
+speech spans (``speech`` None); the VAD costs ~8 CPU-s per audio hour (below). The modes differ in
+how speech is cut (for a gated model):
 
 ==============  =====================================================================
 segmentation    pieces
@@ -101,9 +106,25 @@ def piece_limit_s(options: TranscribeOptions, caps: ModelCapabilities) -> float:
 
 def needs_vad(n_samples: int, options: TranscribeOptions, caps: ModelCapabilities) -> bool:
     """Whether :func:`plan_pieces` runs the VAD on a recording of ``n_samples`` (so a caller can
-    compute the speech probabilities beforehand, many recordings at once): for any recording that
-    is not empty, in every segmentation (the pieces carry the speech spans)."""
-    return n_samples > 0
+    compute the speech probabilities beforehand, many recordings at once). A model with a speech
+    gate (``caps.speech_gate``: Whisper) needs it for every recording that is not empty, in every
+    segmentation (the pieces carry the speech spans); one without (Parakeet-TDT) only where a
+    recording longer than ``W`` is cut at pauses (``vad``, or ``none`` without a long-form
+    procedure)."""
+    if n_samples == 0:
+        return False
+    if caps.speech_gate:
+        return True
+    fits = n_samples <= int(piece_limit_s(options, caps) * caps.sample_rate)
+    method = options.segmentation
+    return not fits and (method == "vad" or (method == "none" and not caps.long_form))
+
+
+def _split_pieces(split: Splitter, samples: np.ndarray, sr: int, limit: float, method: str) -> list[Piece]:
+    """A custom splitter's ranges clipped to the recording, empty ones dropped (no speech spans)."""
+    n = int(samples.shape[0])
+    got = [(max(0, int(a)), min(n, int(b))) for a, b in split(samples, sr, limit, method)]
+    return [Piece(a, b) for a, b in got if b > a]
 
 
 def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapabilities, *,
@@ -131,6 +152,13 @@ def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapa
     method = options.segmentation
     if method == "none" and not (caps.long_form or fits):
         method = "vad"
+    if not needs_vad(n, options, caps):  # no speech gate, no cut at pauses: the VAD has nothing to decide
+        if fits or method == "none":
+            return [Piece(0, n)]
+        if split is not None:
+            return _split_pieces(split, samples, sr, limit, method)
+        step = max(1, int(limit * sr))
+        return [Piece(a, min(n, a + step)) for a in range(0, n, step)]  # fixed: windows covering [0, N)
     try:
         from ..audio.vad import asr_speech_spans, split_for_asr
     except ImportError:  # no VAD here: cut at quiet frames, no speech spans
@@ -138,8 +166,7 @@ def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapa
     if split is not None:
         if method == "none":
             return [Piece(0, n)]
-        got = [(max(0, int(a)), min(n, int(b))) for a, b in split(samples, sr, limit, method)]
-        got = [Piece(a, b) for a, b in got if b > a]
+        got = _split_pieces(split, samples, sr, limit, method)
         return [Piece(0, n)] if got and fits else got
     if method == "vad":
         ranges, spans = split_for_asr(samples, sr, max_segment_s=limit, method="vad", probs=probs, with_speech=True)

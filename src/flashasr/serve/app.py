@@ -6,8 +6,10 @@ module              role
 :mod:`.app`         the app: lifespan (CPU pool, backend), error JSON, request counting and the
                     access log, routers
 :mod:`.context`     what the doors share: config, metrics, CPU pool, backend, model capabilities
-:mod:`.routes`      HTTP routes (``/health``, ``/ready``, ``/metrics``, ``/v1/models``,
+:mod:`.routes`      HTTP routes (``/health``, ``/ready``, ``/metrics``, ``/status``, ``/v1/models``,
                     ``/v1/audio/transcriptions``, ``/v1/audio/translations``), the API key check
+:mod:`.status`      ``/status``: the front end's and engine's figures as one JSON object
+:mod:`.web`         the web page for people: ``GET /`` and its files under ``/ui/`` (``static/``)
 :mod:`.offline`     the serving layer of uploads: options, decode, plan (VAD), pieces through
                     the backend, merge, reply
 :mod:`.protocol`    requests into objects: the upload form, Realtime session updates, the
@@ -47,13 +49,14 @@ from .errors import APIError, error_body
 from .metrics import FrontendMetrics
 from .process import main as _serve_main
 from .routes import http_router
+from .web import web_router
 from .websocket import websocket_router
 
 log = logging.getLogger("flashasr.serve")
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 HTTP_ENDPOINTS = ("/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models", "/health", "/ready",
-                  "/metrics")
+                  "/metrics", "/status", "/")
 
 
 def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
@@ -104,6 +107,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     app.include_router(http_router(ctx))
+    app.include_router(web_router())
     app.include_router(websocket_router(ctx))
     app.add_middleware(_RequestLog, metrics=metrics, access_log=cfg.access_log)
     return app
@@ -148,8 +152,9 @@ def _prestarted_pool(n: int, name: str) -> ThreadPoolExecutor:
 
 
 class _RequestLog:
-    """ASGI middleware, one pass per HTTP request: ``flashasr_requests_total{endpoint, status}`` and,
-    when ``access_log``, one INFO line on ``flashasr.serve.access``:
+    """ASGI middleware, one pass per HTTP request: ``flashasr_requests_total{endpoint, status}``,
+    ``flashasr_http_requests_inflight{endpoint}`` while it runs and, when ``access_log``, one INFO
+    line on ``flashasr.serve.access``:
     ``127.0.0.1:50412 "POST /v1/audio/transcriptions" 200 812.4 ms`` (client, method, path without
     the query, status (499: the client left first), time to the end of the response)."""
 
@@ -163,6 +168,10 @@ class _RequestLog:
             return await self.app(scope, receive, send)
         status = 0
         t0 = time.perf_counter()
+        path = scope.get("path", "")
+        endpoint = path if path in HTTP_ENDPOINTS else "other"
+        inflight = self.metrics.http_inflight.labels(endpoint)
+        inflight.inc()
 
         async def _send(msg):
             nonlocal status
@@ -173,8 +182,8 @@ class _RequestLog:
         try:
             await self.app(scope, receive, _send)
         finally:
-            path = scope.get("path", "")
-            self.metrics.requests.labels(path if path in HTTP_ENDPOINTS else "other", str(status or 499)).inc()
+            inflight.dec()
+            self.metrics.requests.labels(endpoint, str(status or 499)).inc()
             if self.access_log:
                 access_log.info('%s "%s %s" %d %.1f ms', _peer(scope), scope.get("method", ""), path, status or 499,
                                 (time.perf_counter() - t0) * 1000)
@@ -183,7 +192,14 @@ class _RequestLog:
 def main(argv: list[str] | None = None) -> int:
     """``flashasr serve`` (the CLI dispatches here): :func:`.process.main` serving :func:`create_app`.
     Returns the exit status."""
-    return _serve_main(argv, create_app)
+    return _serve_main(argv, create_app, _run_ray)
+
+
+def _run_ray(cfg: ServeConfig, make_app) -> int:
+    """``--ray``: :func:`.ray_serve.run_ray` (imported only then: Ray is an optional extra)."""
+    from .ray_serve import run_ray
+
+    return run_ray(cfg, make_app)
 
 
 __all__ = ["create_app", "error_response", "main"]

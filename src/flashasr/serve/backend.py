@@ -1,11 +1,14 @@
 """Where transcription runs: in this process (single mode) or in the engine process (multi mode).
 
 Both backends expose the same coroutines -- :meth:`transcribe` (one waveform, a stream's partial
-or final: float32 [N] 16 kHz samples -> :class:`~flashasr.types.Transcript`) and
+or final: float32 [N] 16 kHz samples -> :class:`~flashasr.types.Transcript`),
 :meth:`transcribe_pieces` (the pieces of one upload, cut by :func:`flashasr.pipeline.plan_pieces`:
--> one Transcript per piece) -- with the request's :class:`~flashasr.options.TranscribeOptions`,
-and ``ready``, ``info``, ``capabilities`` (the model's :class:`~flashasr.options.ModelCapabilities`,
-None until it is loaded) and ``metrics_text``.
+-> one Transcript per piece) and :meth:`stream_chunk` (a stream's new audio for its chunked
+partial -> :class:`~flashasr.models.parakeet.streaming.StreamResult`; :meth:`stream_close` drops
+its state) -- with the request's :class:`~flashasr.options.TranscribeOptions`, and ``ready``,
+``info`` (``stream_partials``: ``"chunked"`` when the model has a streamer, else ``"reencode"``),
+``capabilities`` (the model's :class:`~flashasr.options.ModelCapabilities`, None until it is
+loaded) and ``metrics_text``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 
 import numpy as np
 
+from ..errors import FlashASRError
 from ..options import ModelCapabilities, TranscribeOptions
 from .config import ServeConfig
 from .errors import APIError
@@ -63,9 +67,11 @@ class LocalBackend:
                 self.on_fatal()
             return
         m = self.model
-        self.scheduler = BatchScheduler(m, max_batch=self.cfg.batch_limit, batch_wait_s=self.cfg.batch_wait_ms / 1000)
+        streamer = make_streamer(m, self.cfg)
+        self.scheduler = BatchScheduler(m, max_batch=self.cfg.batch_limit, batch_wait_s=self.cfg.batch_wait_ms / 1000,
+                                        streamer=streamer, stream_batch=self.cfg.stream_batch)
         self.scheduler.start()
-        self.info = model_info(m, self.cfg)
+        self.info = model_info(m, self.cfg, streamer)
         if self.cfg.gc_freeze:
             gc.collect()
             gc.freeze()  # start-up and warm-up objects leave the GC's scans
@@ -94,14 +100,38 @@ class LocalBackend:
     async def transcribe(self, samples: np.ndarray, options: TranscribeOptions, *, priority: int = OFFLINE,
                          coalesce_key: str | None = None, timeout: float | None = None):
         """One waveform; None when a partial was superseded (see BatchScheduler.submit)."""
-        coro = self._scheduler().submit(samples, options, priority=priority, coalesce_key=coalesce_key)
-        return await _within(coro, timeout)
+        sched = self._scheduler()
+        return await self._counted(sched, sched.submit(samples, options, priority=priority, coalesce_key=coalesce_key),
+                                   timeout)
 
     async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
                                 priority: int = OFFLINE, timeout: float | None = None) -> list:
         """The pieces of one recording (see BatchScheduler.submit_pieces): an upload's, or a stream
         final's (``priority=FINAL``)."""
-        return await _within(self._scheduler().submit_pieces(samples, pieces, options, priority=priority), timeout)
+        sched = self._scheduler()
+        return await self._counted(sched, sched.submit_pieces(samples, pieces, options, priority=priority), timeout)
+
+    async def stream_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False,
+                           timeout: float | None = None):
+        """A stream's new audio through the chunked streamer (see BatchScheduler.submit_chunk)."""
+        sched = self._scheduler()
+        return await self._counted(sched, sched.submit_chunk(key, samples, options, new=new), timeout)
+
+    def stream_close(self, key: str) -> None:
+        """Drop a stream's chunked state (no reply; idempotent)."""
+        if self.scheduler is not None:
+            self.scheduler.close_stream(key)
+
+    @staticmethod
+    async def _counted(sched: BatchScheduler, coro, timeout: float | None):
+        """``coro`` counted in ``flashasr_engine_requests_active`` while it runs (as the engine
+        process counts its requests in multi mode)."""
+        active = sched.metrics.active
+        active.inc()
+        try:
+            return await _within(coro, timeout)
+        finally:
+            active.dec()
 
     async def metrics_text(self) -> bytes:
         return self.scheduler.metrics.text() if self.scheduler else b""
@@ -154,6 +184,13 @@ class RemoteBackend:
                                 priority: int = OFFLINE, timeout: float | None = None) -> list:
         return await self.client.transcribe(samples, options, pieces=pieces, priority=priority, timeout=timeout)
 
+    async def stream_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False,
+                           timeout: float | None = None):
+        return await self.client.stream_chunk(key, samples, options, new=new, timeout=timeout)
+
+    def stream_close(self, key: str) -> None:
+        self.client.stream_close(key)
+
     async def metrics_text(self) -> bytes:
         return await self.client.stats() if self.client.ready else b""
 
@@ -165,11 +202,36 @@ async def _within(coro, timeout: float | None):
         raise APIError("transcription timed out", status=504, code="timeout") from None
 
 
-def model_info(model, cfg: ServeConfig) -> dict:
-    """What ``/ready``, ``/v1/models`` and the engine's HELLO say about the loaded model."""
+def model_info(model, cfg: ServeConfig, streamer=None) -> dict:
+    """What ``/ready``, ``/v1/models`` and the engine's HELLO say about the loaded model
+    (``stream_partials``: how the streams' partials are computed, see :func:`make_streamer`)."""
     caps = model.capabilities
-    return {"model": caps.name, "family": caps.family, "sample_rate": caps.sample_rate, "pid": os.getpid(),
-            "device": cfg.device, "translates": caps.translates, "capabilities": caps.to_dict()}
+    info = {"model": caps.name, "family": caps.family, "sample_rate": caps.sample_rate, "pid": os.getpid(),
+            "device": cfg.device, "translates": caps.translates, "capabilities": caps.to_dict(),
+            "stream_partials": "chunked" if streamer is not None else "reencode"}
+    if streamer is not None:
+        info["stream_chunk"] = {"left_frames": streamer.L, "chunk_frames": streamer.C,
+                                "frame_s": streamer.frame_seconds, "slots": streamer.pool.capacity}
+    return info
+
+
+def make_streamer(model, cfg: ServeConfig):
+    """The chunked streamer for the model's partials, or None (re-encoded partials): ``--stream-partials
+    reencode``, or a model without one (Whisper: its encoder takes fixed 30 s windows with absolute
+    positions, nothing to cache per frame), or a model whose configuration the streamer refuses."""
+    if cfg.stream_partials == "reencode" or not hasattr(model, "make_streamer"):
+        if cfg.stream_partials == "chunked":
+            log.warning("--stream-partials chunked: %s has no chunked streaming; partials re-encode",
+                        getattr(model, "name", "the model"))
+        return None
+    try:
+        streamer = model.make_streamer(cfg.streaming_config())
+    except FlashASRError as e:
+        log.warning("chunked streaming partials unavailable (%s); partials re-encode", e)
+        return None
+    if cfg.warmup:
+        streamer.warmup()
+    return streamer
 
 
 def load_and_warm(cfg: ServeConfig):

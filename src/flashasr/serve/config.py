@@ -31,7 +31,8 @@ class ServeConfig:
     api_key: str | None = None          # Bearer key; None: no authentication
     max_upload_mb: float = 1024.0       # request body limit, enforced while the body streams in
     max_audio_s: float = 14400.0        # longest decoded audio accepted (4 h)
-    mode: str = "single"                # "single": one process; "multi": engine process + front-end worker(s)
+    mode: str = "single"                # "single": one process; "multi": engine process + front-end worker(s);
+    #                                     "ray": ingress + model replicas on Ray Serve (--ray)
     workers: int = 1                    # front-end worker processes (multi mode)
     # engine / batching
     max_batch: int | None = None        # waveforms per model call; None: 1 on CPU, 8 on CUDA (see batch_limit)
@@ -43,7 +44,7 @@ class ServeConfig:
     engine_socket: str | None = None    # Unix socket path of the engine (multi mode); None: private temp dir
     # CPU pool for container decode / resampling (threads that release the GIL)
     cpu_threads: int = 2
-    decode_workers: int | None = None   # threads decoding one long upload (None: CPU count, max 16)
+    decode_workers: int | None = None   # processes decoding one long upload's time ranges (None: CPU count, max 16)
     # timeouts
     body_timeout_s: float = 30.0        # longest gap between two body chunks of an upload
     request_timeout_s: float = 900.0    # longest an engine request may take before 504
@@ -52,11 +53,27 @@ class ServeConfig:
     # streaming
     partial_interval_ms: float = 500.0  # cadence of partial transcripts per stream (0: no partials)
     max_utterance_s: float = 30.0       # utterance buffer cap: a longer utterance is committed (final) early
+    stream_partials: str = "auto"       # "auto"/"chunked": chunked encoder for Parakeet partials; "reencode": today's
+    stream_left_s: float = 10.24        # chunked partials: left context kept per layer (seconds, 80 ms frames)
+    stream_chunk_frames: int | None = None  # chunked partials: most new encoder frames per stream and step
+    stream_slots: int = 64              # chunked partials: stream states allocated at start (the pool doubles)
+    stream_max_slots: int = 8192        # chunked partials: most live streams with chunked state
+    stream_batch: int = 512             # chunked partials: most streams in one batched step
     vad_threshold: float = 0.5
     vad_prefix_padding_ms: int = 300
     vad_silence_duration_ms: int = 500
     log_level: str = "warning"
     access_log: bool = True             # one INFO line per HTTP request on ACCESS_LOGGER, whatever log_level says
+    # TLS (https:// and wss://; browsers give a page on another host the microphone only over https)
+    ssl_certfile: str | None = None     # PEM certificate (chain); None: plain HTTP
+    ssl_keyfile: str | None = None      # PEM private key (None: in ssl_certfile)
+    # Ray Serve (``--ray``; mode "ray"): the cluster address ("default": ray.init's own choice), model
+    # replicas between min and max (None: one per GPU of the cluster on CUDA, else min), the requests a
+    # replica holds before the autoscaler adds one (None: 4 x batch_limit)
+    ray: str | None = None
+    ray_min_replicas: int = 1
+    ray_max_replicas: int | None = None
+    ray_target_ongoing: float | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -72,6 +89,17 @@ class ServeConfig:
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 1024 * 1024)
+
+    def streaming_config(self):
+        """The :class:`~flashasr.models.parakeet.streaming.StreamingConfig` of chunked partials."""
+        from ..models.parakeet.streaming import StreamingConfig
+
+        left = int(round(self.stream_left_s / 0.08))
+        kw = dict(left_frames=left, slots=self.stream_slots, max_slots=max(self.stream_slots, self.stream_max_slots),
+                  idle_s=max(60.0, self.ws_idle_timeout_s + 30.0), max_batch=self.stream_batch)
+        if self.stream_chunk_frames:
+            return StreamingConfig(chunk_frames=int(self.stream_chunk_frames), **kw)
+        return StreamingConfig.for_cadence(self.partial_interval_ms or 500.0, **kw)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,6 +138,12 @@ def _device(text: str) -> str:
     return text
 
 
+def _pem_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
 def _socket_path(text: str) -> str:
     if len(os.fsencode(text)) > UNIX_PATH_MAX:
         raise argparse.ArgumentTypeError(f"a Unix socket path has at most {UNIX_PATH_MAX} bytes, "
@@ -135,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     _http_options(p)
     _engine_options(p)
     _stream_options(p)
+    _ray_options(p)
     return p
 
 
@@ -170,13 +205,19 @@ def _http_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=_number(int, 1), default=2,
                    help="CPU pool of each front end: container decode, resampling, VAD cutting of uploads")
     g.add_argument("--decode-workers", type=_number(int, 1), default=None,
-                   help="threads that decode one long upload (>= 60 s) in time ranges, joined sample-exactly "
-                        "(default: env FLASHASR_DECODE_WORKERS, else the CPU count, at most 16; 1: sequential)")
+                   help="processes that decode one long upload (>= 60 s) in time ranges, joined sample-exactly, "
+                        "in single mode (a front end of --mode multi decodes sequentially; default: env "
+                        "FLASHASR_DECODE_WORKERS, else the CPU count, at most 16; 1: sequential)")
     g.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="warning",
                    help="level of the server's log messages on stderr (info adds uvicorn's connection lines "
                         "and one line per client that leaves mid-upload); the access log has its own switch")
     g.add_argument("--no-access-log", action="store_true", help="no access log (default: one line per HTTP "
                    "request on stderr at any --log-level: client, method, path, status, duration)")
+    g.add_argument("--ssl-certfile", type=_pem_file, default=None, help="PEM certificate (chain): serve https:// "
+                   "and wss:// (default: plain http; browsers allow the web page's microphone only over https "
+                   "or on localhost)")
+    g.add_argument("--ssl-keyfile", type=_pem_file, default=None, help="PEM private key of --ssl-certfile "
+                   "(default: the key is in the certificate file)")
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
@@ -207,22 +248,87 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                    help="utterance buffer cap of a stream; a longer utterance is committed early")
     g.add_argument("--ws-idle-timeout-s", type=_number(float, 0, above=True), default=300.0,
                    help="a WebSocket without any message for this many seconds is closed")
+    g.add_argument("--stream-partials", choices=("auto", "chunked", "reencode"), default="auto",
+                   help="how partials are computed: chunked = encode only the new audio with cached per-layer "
+                        "state (cost per stream flat in utterance length; Parakeet-TDT; auto picks it where the "
+                        "model has it), reencode = re-transcribe the utterance so far (Whisper always). Finals "
+                        "re-encode the whole utterance either way")
+    g.add_argument("--stream-left-s", type=_number(float, 0), default=10.24,
+                   help="chunked partials: left context per layer in seconds (GPU memory per stream grows with it)")
+    g.add_argument("--stream-chunk-frames", type=_number(int, 1, high=256), default=None,
+                   help="chunked partials: most new 80 ms encoder frames per stream and step (default: the partial "
+                        "cadence in frames, rounded up)")
+    g.add_argument("--stream-slots", type=_number(int, 1), default=64,
+                   help="chunked partials: stream states allocated at start (doubled when full; on a GPU set it "
+                        "to the streams expected, growing re-captures the step's graphs)")
+    g.add_argument("--stream-max-slots", type=_number(int, 1), default=8192,
+                   help="chunked partials: most live streams with chunked state (more: their partials are skipped)")
+    g.add_argument("--stream-batch", type=_number(int, 1), default=512,
+                   help="chunked partials: most streams in one batched step")
+
+
+def _ray_address(text: str) -> str:
+    from ..ray_cluster import check_address
+    from ..errors import FlashASRError
+
+    if text == "default":  # the flag alone (argparse converts the const too)
+        return text
+    try:
+        return check_address(text)
+    except FlashASRError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _ray_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Ray Serve (a cluster; docs/RAY.md)")
+    g.add_argument("--ray", nargs="?", const="default", default=None, type=_ray_address, metavar="ADDRESS",
+                   help="serve on a Ray cluster: --workers ingress replicas (HTTP, WebSocket, decode, VAD) in front "
+                        "of autoscaled model replicas (one GPU each); ADDRESS: auto, local, HOST:PORT or "
+                        "ray://HOST:10001 (without one: RAY_ADDRESS, a cluster started here, else a local instance; "
+                        "default: not on Ray)")
+    g.add_argument("--ray-min-replicas", type=_number(int, 1), default=1, help="model replicas at least")
+    g.add_argument("--ray-max-replicas", type=_number(int, 1), default=None,
+                   help="model replicas at most (default: one per GPU of the cluster on CUDA, else the minimum)")
+    g.add_argument("--ray-target-ongoing", type=_number(float, 0, above=True), default=None,
+                   help="requests a model replica holds (queued or running) before the autoscaler adds one "
+                        "(default: four times the largest batch)")
 
 
 def parse_args(argv: list[str]) -> ServeConfig:
     """Parse ``flashasr serve`` options into a :class:`ServeConfig` (bad values: exit status 2)."""
     p = build_parser()
     a = p.parse_args(argv)
-    if a.mode == "single" and a.workers != 1:
+    if a.ray is None and a.mode == "single" and a.workers != 1:
         p.error("argument --workers: more than 1 needs --mode multi (one engine process shared by the workers)")
+    if a.ssl_keyfile and not a.ssl_certfile:
+        p.error("argument --ssl-keyfile: needs --ssl-certfile (the certificate it belongs to)")
+    if a.ssl_certfile:
+        _check_tls(p, a.ssl_certfile, a.ssl_keyfile)
     return ServeConfig(
         host=a.host, port=a.port, model=a.model, device=a.device, dtype=a.dtype, engine=a.engine,
         api_key=a.api_key or os.environ.get("FLASHASR_API_KEY") or None,
-        max_upload_mb=a.max_upload_mb, max_audio_s=a.max_audio_s, mode=a.mode, workers=a.workers,
+        max_upload_mb=a.max_upload_mb, max_audio_s=a.max_audio_s, mode="ray" if a.ray else a.mode,
+        workers=a.workers,
         max_batch=a.max_batch, batch_wait_ms=a.batch_wait_ms, warmup=not a.no_warmup, gc_freeze=not a.no_gc_freeze,
         shm_threshold_bytes=a.shm_threshold_kb * 1024, engine_socket=a.engine_socket,
         cpu_threads=a.cpu_threads, decode_workers=a.decode_workers, partial_interval_ms=a.partial_interval_ms,
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
+        stream_partials=a.stream_partials, stream_left_s=a.stream_left_s, stream_chunk_frames=a.stream_chunk_frames,
+        stream_slots=a.stream_slots, stream_max_slots=a.stream_max_slots, stream_batch=a.stream_batch,
         body_timeout_s=a.body_timeout_s, request_timeout_s=a.request_timeout_s, log_level=a.log_level,
         access_log=not a.no_access_log,
+        ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile, ray=a.ray, ray_min_replicas=a.ray_min_replicas,
+        ray_max_replicas=a.ray_max_replicas, ray_target_ongoing=a.ray_target_ongoing,
     )
+
+
+def _check_tls(p: argparse.ArgumentParser, certfile: str, keyfile: str | None) -> None:
+    """Load the certificate and key once while parsing, so a wrong pair or a bad file stops the
+    command with exit 2 naming the option, not a traceback after start-up."""
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, OSError, ValueError) as e:
+        p.error(f"argument --ssl-certfile: cannot use {certfile!r}{f' with {keyfile!r}' if keyfile else ''} "
+                f"as a TLS certificate and key: {e}")

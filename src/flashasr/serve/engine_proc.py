@@ -10,6 +10,7 @@ successful connection (and its ``HELLO``) means "ready". :class:`EngineSuperviso
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import multiprocessing as mp
@@ -21,7 +22,7 @@ import socket
 from ..errors import FlashASRError
 from ..options import TranscribeOptions
 from ..pipeline.plan import Piece
-from .backend import load_and_warm, model_info
+from .backend import load_and_warm, make_streamer, model_info
 from .config import ServeConfig
 from .ipc import Conn, Frame, FramingError, MsgType, encode, transcript_to_wire, unpack_audio
 from .metrics import EngineMetrics
@@ -37,20 +38,29 @@ class EngineServer:
         self.model = model
         self.cfg = cfg
         self.metrics = EngineMetrics(cfg.device)
+        streamer = make_streamer(model, cfg)
         self.scheduler = BatchScheduler(model, max_batch=cfg.batch_limit, batch_wait_s=cfg.batch_wait_ms / 1000,
-                                        metrics=self.metrics)
-        self.hello = model_info(model, cfg)
+                                        metrics=self.metrics, streamer=streamer, stream_batch=cfg.stream_batch)
+        self.hello = model_info(model, cfg, streamer)
 
     async def handle(self, conn: Conn) -> None:
         tasks: dict[int, asyncio.Task] = {}
+        streams: set[str] = set()  # chunked streams this front end opened: dropped with the connection
         try:
             await conn.send(encode(MsgType.HELLO, 0, self.hello))
             while True:
                 f = await conn.recv_frame()
                 if f.type == MsgType.TRANSCRIBE:
+                    if isinstance(f.meta.get("stream"), str):
+                        streams.add(f.meta["stream"])
                     t = asyncio.get_running_loop().create_task(self._transcribe(f, conn))
                     tasks[f.req_id] = t
                     t.add_done_callback(lambda _t, rid=f.req_id: tasks.pop(rid, None))
+                elif f.type == MsgType.STREAM_CLOSE:
+                    key = f.meta.get("stream")
+                    if isinstance(key, str):
+                        streams.discard(key)
+                        self.scheduler.close_stream(key)
                 elif f.type == MsgType.CANCEL:
                     t = tasks.pop(f.req_id, None)
                     if t:
@@ -68,6 +78,8 @@ class EngineServer:
         finally:
             for t in list(tasks.values()):
                 t.cancel()
+            for key in streams:
+                self.scheduler.close_stream(key)
             conn.close()
 
     async def _transcribe(self, f: Frame, conn: Conn) -> None:
@@ -98,6 +110,11 @@ class EngineServer:
         samples = unpack_audio(f)
         f.payload = b""
         options = TranscribeOptions.from_dict(m.get("options")).resolve(self.model.capabilities)
+        if m.get("stream") is not None:
+            if not isinstance(m["stream"], str):
+                raise FramingError("'stream' must be a string key")
+            r = await self.scheduler.submit_chunk(m["stream"], samples, options, new=bool(m.get("new")))
+            return {"stream_result": dataclasses.asdict(r)}
         if m.get("pieces") is not None:
             pieces = _check_pieces(m["pieces"], samples.size, m.get("speech"))
             got = await self.scheduler.submit_pieces(samples, pieces, options, priority=int(m.get("priority", OFFLINE)))

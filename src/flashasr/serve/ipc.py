@@ -38,6 +38,10 @@ type            direction            metadata
                                      ``{"superseded": true}`` for a replaced partial
 ``ERROR``       engine -> front end  ``{"code", "message", "status", "param"}``
 ``CANCEL``      front end -> engine  the client went away: drop the request's work
+``STREAM_CLOSE`` front end -> engine ``{"stream": key}``: drop a chunked stream's state (no reply);
+                                     a TRANSCRIBE with ``"stream": key`` (and ``"new": true`` on
+                                     its first) is that stream's new audio; its RESULT is
+                                     ``{"stream_result": {...}}`` (a StreamResult)
 ``STATS``       both ways            ``STATS_REPLY``: the engine's Prometheus text as payload
 ``PING``        both ways            ``PONG``
 ==============  ===================  ==============================================================
@@ -59,7 +63,7 @@ import numpy as np
 
 from ..options import TranscribeOptions
 from ..shm import create_segment, open_segment, unlink_segment
-from ..types import Segment, Transcript, Word
+from ..types import Segment, StreamResult, Transcript, Word
 from .errors import APIError, EngineUnavailable
 
 log = logging.getLogger("flashasr.serve")
@@ -82,6 +86,7 @@ class MsgType(enum.IntEnum):
     STATS_REPLY = 7
     PING = 8
     PONG = 9
+    STREAM_CLOSE = 10
 
 
 class Flag(enum.IntFlag):
@@ -585,6 +590,31 @@ class EngineClient:
         if f.meta.get("superseded"):
             return None
         return [transcript_from_wire(d) for d in f.meta["transcripts"]]
+
+    async def stream_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False,
+                           timeout: float | None = None):
+        """A chunked stream's new audio through the engine's streamer -> its StreamResult (raises
+        EngineUnavailable, or the engine's error as an APIError)."""
+        flags, meta, payload, shm = pack_audio(samples, self.shm_threshold, self._pool)
+        meta.update(options=options.to_dict(), priority=1, stream=str(key), new=bool(new))
+        f = None
+        try:
+            f = await self._request(MsgType.TRANSCRIBE, meta, payload, flags, timeout)
+        finally:
+            release_audio(shm, replied=f is not None)
+        if f.type == MsgType.ERROR:
+            m = f.meta
+            raise APIError(m.get("message", "engine error"), status=int(m.get("status", 500)),
+                           code=m.get("code", "internal_error"), param=m.get("param"))
+        return StreamResult(**f.meta["stream_result"])
+
+    def stream_close(self, key: str) -> None:
+        """Tell the engine to drop a chunked stream's state (fire and forget; a lost connection
+        drops every state of this front end anyway)."""
+        c = self._conn
+        if c is not None and not c.closed:
+            t = asyncio.get_running_loop().create_task(c.send(encode(MsgType.STREAM_CLOSE, 0, {"stream": str(key)})))
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def stats(self, timeout: float = 2.0) -> bytes:
         """Prometheus text exposition of the engine's metrics (empty if unavailable)."""

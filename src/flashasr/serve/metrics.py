@@ -2,9 +2,17 @@
 
 In multi-process mode the engine's registry lives in the engine process; a front end
 fetches its text exposition over the IPC socket and appends it to ``/metrics``.
+
+Besides the histograms (fixed buckets, for Prometheus), the front end keeps the last
+:data:`RECENT` latencies of each stage (:class:`LatencyWindow`): exact p50/p95 of recent work for
+``GET /status`` and the web page's server panel.
 """
 
 from __future__ import annotations
+
+import math
+import threading
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -27,9 +35,52 @@ class FrontendMetrics:
                               "Requests sent to the engine and not answered yet", registry=r)
         self.engine_restarts = Gauge("flashasr_engine_restarts", "Times the engine process was restarted "
                                      "(multi mode, supervising process only)", registry=r)
+        self.http_inflight = Gauge("flashasr_http_requests_inflight", "HTTP requests received and not answered "
+                                   "yet, by endpoint", ["endpoint"], registry=r)
+        self.recent: dict[str, LatencyWindow] = {}
+
+    def observe(self, stage: str, seconds: float) -> None:
+        """One latency of ``stage`` (seconds): the ``flashasr_stage_seconds`` histogram and the recent window."""
+        self.stage.labels(stage).observe(seconds)
+        w = self.recent.get(stage)
+        if w is None:
+            w = self.recent.setdefault(stage, LatencyWindow())
+        w.add(seconds)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+RECENT = 256  # latencies kept per stage for the recent percentiles
+
+
+class LatencyWindow:
+    """The last ``size`` latencies of one stage (seconds), with exact percentiles over them.
+
+    Thread-safe (observations come from the event loop; readers may be elsewhere).
+    """
+
+    def __init__(self, size: int = RECENT):
+        self._values: deque = deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._values.append(float(seconds))
+
+    def summary(self) -> dict:
+        """``{"n", "p50_ms", "p95_ms", "last_ms"}`` over the window (nearest-rank percentiles; the
+        ``*_ms`` values are None while the window is empty)."""
+        with self._lock:
+            vals = list(self._values)
+        if not vals:
+            return {"n": 0, "p50_ms": None, "p95_ms": None, "last_ms": None}
+        s = sorted(vals)
+
+        def rank(q: float) -> float:
+            return round(s[max(0, math.ceil(q * len(s)) - 1)] * 1000, 1)
+
+        return {"n": len(s), "p50_ms": rank(0.50), "p95_ms": rank(0.95), "last_ms": round(vals[-1] * 1000, 1)}
 
 
 class EngineMetrics:

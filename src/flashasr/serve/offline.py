@@ -7,7 +7,8 @@
                                                                     │
     file ──load_audio──► float32 [N] 16 kHz ──plan_pieces──► [(start, end)] sample ranges
          (CPU pool;                           (CPU pool: Silero VAD; never the model thread)
-          a long upload: load_audio_parallel, its time ranges on the decode threads)
+          a long upload: load_audio_parallel, its time ranges in decode processes;
+          sequential in a multi-mode front end, which may not start processes)
                                                                     │
     backend.transcribe_pieces ──► Transcript per piece ──merge_pieces──► Transcript ──► reply
          (scheduler: pieces of many uploads batched, uploads take turns piece by piece)
@@ -28,6 +29,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
@@ -66,7 +68,8 @@ class UploadTranscriber:
         await self._refuse_task_early(request, task)
         t0 = time.perf_counter()
         with await self._read(request) as up:
-            m.stage.labels("upload").observe(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            m.observe("upload", t1 - t0)
             if up.file is None:
                 raise APIError("missing 'file' part (multipart field 'file' with a filename)", param="file")
             if up.file_size == 0:
@@ -74,37 +77,44 @@ class UploadTranscriber:
             req = parse_upload(up, task)
             caps = ctx.capabilities()
             opts = req.options.resolve(caps)
-            t1 = time.perf_counter()
             wav, damage = await asyncio.get_running_loop().run_in_executor(ctx.pool, self._decode, up,
                                                                            caps.sample_rate)
-        m.stage.labels("decode").observe(time.perf_counter() - t1)
+        timing = StageTimes(upload=t1 - t0, decode=time.perf_counter() - t1)
+        m.observe("decode", timing.decode)
         for w in damage:  # the server's log says it too (stderr)
             log.warning("upload %r: %s", up.filename, w["message"])
         samples = wav.samples
         del wav  # the samples are all this request keeps of its decode
-        transcript = await _unless_client_leaves(request, self.transcribe(samples, opts, caps, warnings=damage))
+        transcript = await _unless_client_leaves(request, self.transcribe(samples, opts, caps, timing=timing,
+                                                                          warnings=damage))
         if transcript is None:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        m.observe("request", time.perf_counter() - t1)
         m.audio_seconds.labels("offline").inc(transcript.duration)
-        return respond(transcript, req, ignored=caps.ignored(opts))
+        return respond(transcript, req, ignored=caps.ignored(opts), timing=timing)
 
     async def transcribe(self, samples, options: TranscribeOptions, caps: ModelCapabilities, *,
-                         priority: int = OFFLINE, pool=None, warnings=()) -> Transcript:
+                         priority: int = OFFLINE, pool=None, warnings=(),
+                         timing: "StageTimes | None" = None) -> Transcript:
         """Plan (CPU pool), transcribe the pieces (backend), merge: float32 ``[N]`` at
         ``caps.sample_rate`` and resolved ``options`` -> the recording's Transcript
         (``duration = N / sample_rate``). ``priority``: the scheduler's (a stream's final:
         ``FINAL``); ``pool``: where to plan (default the CPU pool); ``warnings``: the recording's
-        own (a damaged upload), first in the transcript's."""
+        own (a damaged upload), first in the transcript's; ``timing``, when given, gets the plan
+        and transcribe times."""
         ctx, m = self.ctx, self.ctx.metrics
         t0 = time.perf_counter()
         pieces = await asyncio.get_running_loop().run_in_executor(pool or ctx.pool, self._plan, samples, options, caps)
         t1 = time.perf_counter()
-        m.stage.labels("plan").observe(t1 - t0)
+        m.observe("plan", t1 - t0)
         parts = []
         if pieces:
             parts = await ctx.backend.transcribe_pieces(samples, pieces, options, priority=priority,
                                                         timeout=ctx.cfg.request_timeout_s)
-        m.stage.labels("transcribe").observe(time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        m.observe("transcribe", t2 - t1)
+        if timing is not None:
+            timing.plan, timing.transcribe = t1 - t0, t2 - t1
         sr = caps.sample_rate
         return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, parts)], samples.size / sr, options=options,
                             caps=caps, warnings=warnings)
@@ -190,14 +200,39 @@ def _upload_path(f, size: int) -> str | None:
     return path if os.path.isfile(path) else None
 
 
-def respond(transcript: Transcript, req: UploadRequest, ignored: list[str] = ()) -> Response:
+@dataclass
+class StageTimes:
+    """Seconds an upload spent in each stage: receiving the body, container decode, planning (VAD
+    cutting) and transcription (the pieces through the backend)."""
+
+    upload: float = 0.0
+    decode: float = 0.0
+    plan: float = 0.0
+    transcribe: float = 0.0
+
+    def server_timing(self) -> str:
+        """The W3C ``Server-Timing`` header value: each stage's ``dur`` in milliseconds, and
+        ``total``: decode + plan + transcribe (the server's work after the body arrived)."""
+        total = self.decode + self.plan + self.transcribe
+        parts = [f"{k};dur={v * 1000:.1f}" for k, v in
+                 (("upload", self.upload), ("decode", self.decode), ("plan", self.plan),
+                  ("transcribe", self.transcribe), ("total", total))]
+        return ", ".join(parts)
+
+
+def respond(transcript: Transcript, req: UploadRequest, ignored: list[str] = (),
+            timing: StageTimes | None = None) -> Response:
     """The reply in the requested shape: SSE events with ``stream=true``, else ``response_format``.
     ``ignored``: request options the model does not use, named in an ``X-Flashasr-Ignored`` header;
     the codes of the transcript's warnings (a damaged input, a repetition cut) are in an
-    ``X-Flashasr-Warnings`` header whatever the format (``verbose_json`` holds them in full)."""
+    ``X-Flashasr-Warnings`` header whatever the format (``verbose_json`` holds them in full);
+    ``timing``: the stages' times in a ``Server-Timing`` header (read by browsers' developer tools and
+    the web page: the request's speed factor)."""
     headers = {"X-Flashasr-Ignored": ", ".join(ignored)} if ignored else {}
     if transcript.warnings:
         headers["X-Flashasr-Warnings"] = ", ".join(dict.fromkeys(w["code"] for w in transcript.warnings))
+    if timing is not None:
+        headers["Server-Timing"] = timing.server_timing()
     if req.stream:
         return StreamingResponse(sse_events(transcript), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **headers})
@@ -246,4 +281,4 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-__all__ = ["UploadTranscriber", "respond", "drain"]
+__all__ = ["UploadTranscriber", "StageTimes", "respond", "drain"]

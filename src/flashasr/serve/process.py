@@ -10,7 +10,8 @@
   :class:`~.backend.RemoteBackend` over the engine's Unix socket (:mod:`.ipc`).
 
 Each process runs one event loop (uvloop when installed); the soft fd limit is lifted to the hard
-one (thousands of WebSockets). One line on stderr says where the server listens; log records
+one (thousands of WebSockets). With ``--ssl-certfile`` uvicorn serves https:// and wss:// on the same
+socket. One line on stderr says where the server listens; log records
 follow at ``--log-level``, and each front end's access log at INFO unless ``--no-access-log``.
 """
 
@@ -50,7 +51,7 @@ async def _serve(cfg: ServeConfig, app, sock: socket.socket) -> int:
 
     ucfg = uvicorn.Config(app, loop="none", lifespan="on", log_level=cfg.log_level, access_log=False,
                           ws_max_size=16 << 20, timeout_keep_alive=30, backlog=4096,
-                          timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=5, ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile)
     server = uvicorn.Server(ucfg)
     status = {"code": 0}
 
@@ -120,16 +121,22 @@ def _announce(cfg: ServeConfig, sock) -> None:
 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"flashasr serve: listening on http://{shown}:{port} (model {cfg.model or 'tiny.en'}, "
+    scheme = "https" if cfg.ssl_certfile else "http"
+    print(f"flashasr serve: listening on {scheme}://{shown}:{port} (model {cfg.model or 'tiny.en'}, "
           f"{cfg.mode} mode); /ready answers 200 once the model is loaded and warmed; Ctrl-C stops",
           file=sys.stderr, flush=True)
 
 
-def run(cfg: ServeConfig, make_app) -> int:
+def run(cfg: ServeConfig, make_app, run_ray=None) -> int:
     """Serve ``make_app(cfg, backend_factory=None)`` (:func:`~.app.create_app`) until SIGINT/SIGTERM
-    in the configured process layout; returns the exit status (0, or :data:`EXIT_MODEL_FAILED`)."""
+    in the configured process layout (mode ``ray``: ``run_ray(cfg, make_app)``); returns the exit
+    status (0, or :data:`EXIT_MODEL_FAILED`)."""
     _configure_logging(cfg)
     _raise_fd_limit()
+    if cfg.mode == "ray":  # ingress + model replicas on Ray Serve (run_ray: flashasr.serve.ray_serve.run_ray)
+        if run_ray is None:
+            raise ValueError("mode 'ray' needs run_ray (flashasr.serve.app.main passes it)")
+        return run_ray(cfg, make_app)
     if cfg.mode == "single":
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
         _announce(cfg, sock)
@@ -220,13 +227,13 @@ def _run_multi(cfg: ServeConfig, make_app) -> int:
             os.rmdir(tmpdir)
 
 
-def main(argv: list[str] | None, make_app) -> int:
-    """``flashasr serve`` with these arguments (None: ``sys.argv[1:]``), serving ``make_app``.
-    Returns the exit status."""
+def main(argv: list[str] | None, make_app, run_ray=None) -> int:
+    """``flashasr serve`` with these arguments (None: ``sys.argv[1:]``), serving ``make_app``
+    (``run_ray``: the runner of ``--ray``). Returns the exit status."""
     import sys
 
     cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        return run(cfg, make_app)
+        return run(cfg, make_app, run_ray)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         return 130

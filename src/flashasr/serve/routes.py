@@ -6,12 +6,13 @@ route                               answered by
 ``GET /health``                     the process is alive
 ``GET /ready``                      the backend: 200 once the model is loaded and warmed
 ``GET /metrics``                    front-end + engine Prometheus text
+``GET /status``                     :class:`~.status.StatusReporter`: the same figures as one JSON object
 ``GET /v1/models``                  the loaded model's name
 ``POST /v1/audio/transcriptions``   :class:`~.offline.UploadTranscriber`, task ``transcribe``
 ``POST /v1/audio/translations``     :class:`~.offline.UploadTranscriber`, task ``translate``
 ==================================  ====================================================
 
-The WebSocket routes are in :mod:`.websocket`.
+The WebSocket routes are in :mod:`.websocket`, the web page (``GET /``) in :mod:`.web`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from .context import ServeContext
 from .errors import APIError
 from .offline import UploadTranscriber
+from .status import StatusReporter
 
 
 def check_auth(api_key: str | None, headers, subprotocols=(), query=None) -> None:
@@ -54,6 +56,7 @@ def http_router(ctx: ServeContext) -> APIRouter:
     """The HTTP routes of one front end."""
     router = APIRouter()
     uploads = UploadTranscriber(ctx)
+    status = StatusReporter(ctx)
 
     @router.get("/health")
     async def health():
@@ -76,6 +79,11 @@ def http_router(ctx: ServeContext) -> APIRouter:
     async def metrics():
         text = ctx.metrics.text() + await ctx.backend.metrics_text()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @router.get("/status")
+    async def status_json():
+        """Model, streams, requests in flight, recent latency percentiles, GPU memory (:mod:`.status`)."""
+        return await status()
 
     @router.get("/v1/models")
     async def models(request: Request):

@@ -39,6 +39,12 @@ running, never for a whole upload (an upload with ``segmentation=none`` is one p
 its seek loop runs one window per step). A started batch stays in the fair queue with its tag moved
 on by the audio its step covered, so a short upload that arrives meanwhile goes before the rest of
 a long one. A batch whose step raises is redone piece by piece (one bad piece fails alone).
+
+Chunked streaming partials (:meth:`BatchScheduler.submit_chunk`, when a ``streamer`` is given:
+:class:`flashasr.models.parakeet.streaming.ParakeetStreamer`) are ``PARTIAL`` items of their own
+group: the new audio of many streams, one batched ``streamer.step`` per model call (up to
+``stream_batch`` streams), never coalesced away (each carries audio the stream's state needs; a
+stream has at most one in flight, its next one carries everything that arrived meanwhile).
 """
 
 from __future__ import annotations
@@ -76,10 +82,12 @@ class _Item:
     tag: float = 0.0  # virtual start time in audio seconds (fair order among uploads; see the module docstring)
     speech: tuple | None = None  # the piece's VAD speech spans (Piece.speech), when known
     short: bool = False  # a piece of a short request (see the module docstring)
+    stream: str | None = None  # a chunked streaming partial: the stream's key (its batch is one streamer step)
+    stream_new: bool = False   # ... and the first chunk of that stream (its state is created)
 
     @property
     def group(self) -> tuple:
-        return self.options.decoding
+        return ("stream",) if self.stream is not None else self.options.decoding
 
 
 @dataclass
@@ -108,11 +116,17 @@ class BatchScheduler:
         short_s: requests of at most this many seconds of audio are short (see the module docstring).
         batch_wait_s: how long to wait for more offline work before running a partial batch.
         metrics: :class:`EngineMetrics` to update (queue depth, batch sizes, latencies).
+        streamer: a :class:`~flashasr.models.parakeet.streaming.ParakeetStreamer` of ``model``
+            for :meth:`submit_chunk` (None: chunked partials are refused).
+        stream_batch: most streams in one streamer step.
     """
 
     def __init__(self, model, *, max_batch: int = 8, batch_wait_s: float = 0.002,
-                 metrics: EngineMetrics | None = None, short_s: float = SHORT_S):
+                 metrics: EngineMetrics | None = None, short_s: float = SHORT_S, streamer=None,
+                 stream_batch: int = 256):
         self.model = model
+        self.streamer = streamer
+        self.stream_batch = max(1, int(stream_batch))
         self.max_batch = max(1, int(max_batch))
         self.short_s = float(short_s)
         self._shorts_in_a_row = 0  # short-request calls since bulk work last had one
@@ -242,6 +256,30 @@ class BatchScheduler:
                 self._forget(it)
             self._gauge()
 
+    async def submit_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False):
+        """Queue a stream's new audio (float32 [n]) for the next streamer step (``new``: its first
+        chunk); returns its :class:`~flashasr.models.parakeet.streaming.StreamResult`. Raises its
+        error (:class:`~flashasr.models.parakeet.streaming.StreamError`: closed or lost stream, no slot)."""
+        if self.streamer is None:
+            from ..models.parakeet.streaming import StreamError
+
+            raise StreamError("this model has no chunked streaming partials")
+        it = self._enqueue(samples, options, PARTIAL)
+        it.stream, it.stream_new = key, bool(new)
+        self._gauge()
+        self._wake.set()
+        try:
+            return await it.fut
+        finally:
+            self._forget(it)
+            self._gauge()
+
+    def close_stream(self, key: str) -> None:
+        """Drop a stream's chunked state, on the model thread after the work already handed to it
+        (a chunk still queued was cancelled by its awaiter first)."""
+        if self.streamer is not None:
+            self._exec.submit(self.streamer.close, key)
+
     # ---------------------------------------------------------------- internal
     def _gauge(self) -> None:
         for p, q in self._queues.items():
@@ -301,10 +339,11 @@ class BatchScheduler:
         return run
 
     def _take_streaming(self, p: int, q: list[_Item]) -> list[_Item]:
-        """A batch of finals (filled up with partials) or of partials: oldest first."""
+        """A batch of finals (filled up with partials) or of partials: oldest first (chunked
+        partials: up to ``stream_batch`` streams in one streamer step)."""
         anchor = q[0]
         others = [it for it in q if it is not anchor and it.group == anchor.group]
-        batch = [anchor] + others[: self.max_batch - 1]
+        batch = [anchor] + others[: (self.stream_batch if anchor.stream else self.max_batch) - 1]
         chosen = set(id(it) for it in batch)
         self._queues[p] = [it for it in q if id(it) not in chosen]
         if p == FINAL and len(batch) < self.max_batch:  # streaming work shares the batch: partials fill it
@@ -319,7 +358,10 @@ class BatchScheduler:
         return batch
 
     def _infer(self, batch: list[_Item]) -> list:
-        """One model call for the batch (model thread); per item a Transcript or its exception."""
+        """One model call for the batch (model thread); per item a Transcript (a StreamResult for
+        chunked partials) or its exception."""
+        if batch[0].stream is not None:
+            return self.streamer.step([(it.stream, it.samples, it.stream_new) for it in batch])
         return transcribe_pieces(self.model, [it.samples for it in batch], batch[0].options,
                                  [it.speech for it in batch])
 

@@ -7,8 +7,16 @@ emits OpenAI Realtime transcription events through an ``emit`` coroutine:
 * ``input_audio_buffer.speech_started`` / ``speech_stopped`` (server VAD),
 * ``input_audio_buffer.committed`` (end of speech, manual commit, or the utterance cap),
 * ``conversation.item.input_audio_transcription.delta``: partials at a configurable cadence
-  of new audio. Each partial re-transcribes the utterance so far; only words on which two
-  consecutive hypotheses agree are emitted (local agreement), so deltas concatenate,
+  of new audio, computed one of two ways (deltas concatenate either way, no word is retracted):
+
+  - *chunked* (Parakeet-TDT, the default where the model has it): only the audio that arrived
+    since the last partial is sent; the model's streamer encodes it with the stream's cached
+    per-layer state and carries its decoder state (:mod:`flashasr.models.parakeet.streaming`),
+    so a partial costs the same whatever the utterance's length. The hypothesis only grows;
+    a delta carries the words that became complete (a later word has started),
+  - *reencode* (Whisper; ``--stream-partials reencode``): each partial re-transcribes the
+    utterance so far; only words on which two consecutive hypotheses agree are emitted
+    (local agreement),
 * ``conversation.item.input_audio_transcription.completed``: the final. It re-runs the
   model on the *whole* utterance through the pipeline of uploads (``finalize``: the VAD's speech
   spans planned off the event loop, the pieces at the scheduler's ``FINAL`` priority, the merger's
@@ -21,7 +29,7 @@ emits OpenAI Realtime transcription events through an ``emit`` coroutine:
 
 Cost per stream is bounded: the utterance buffer holds at most ``max_utterance_s`` (a longer
 utterance is committed early), audio before speech is a ring of ``prefix_padding_ms`` + 1 s,
-and everything of an utterance is dropped once its final is queued.
+and everything of an utterance is dropped once its final is queued (its chunked state too).
 """
 
 from __future__ import annotations
@@ -165,11 +173,14 @@ class StreamSession:
             checked against the model; a ``session.update`` replaces it whole (:attr:`options`).
         finalize: ``await finalize(audio, options) -> Transcript``: how a final is made (the server
             passes the upload pipeline at ``FINAL`` priority); None: one ``backend.transcribe`` call.
+        chunked: partials through ``backend.stream_chunk`` / ``stream_close`` (the model's
+            chunked streamer) instead of re-transcribing the utterance so far.
     """
 
     def __init__(self, backend, emit, *, input_rate: int = 24000, vad=None, options: TranscribeOptions | None = None,
                  partial_interval_ms: float = 500.0, max_utterance_s: float = 30.0,
-                 prefix_padding_ms: int = 300, metrics=None, full_partials: bool = False, finalize=None):
+                 prefix_padding_ms: int = 300, metrics=None, full_partials: bool = False, finalize=None,
+                 chunked: bool = False):
         self.id = f"sess_{uuid.uuid4().hex[:16]}"
         self.backend = backend
         self.emit = emit
@@ -198,6 +209,12 @@ class StreamSession:
         self._final_chain: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.closed = False
+        self.chunked = chunked
+        self._unsent: list[np.ndarray] = []  # chunked: audio of the utterance not sent to its stream yet
+        self._unsent_n = 0
+        self._stream_key: str | None = None  # chunked: the utterance's stream (state in the model's streamer)
+        self._stream_sent = False            # ... it got its first chunk
+        self._stream_dead = False            # ... its partials stopped (no slot, state lost): the final still comes
 
     @property
     def language(self) -> str | None:
@@ -222,16 +239,31 @@ class StreamSession:
         self._last_partial_n = 0
         self._prev_hyp, self._emitted = [], []
         self.item_id = self._new_item()
+        self._end_stream()
+        self._stream_key = f"{self.id}/{self.item_id}" if self.chunked else None
 
     def _append_utt(self, x: np.ndarray) -> None:
         if x.size:
             self._buf.append(x)
             self._buf_n += x.size
+            if self._stream_key is not None:
+                self._unsent.append(x)
+                self._unsent_n += x.size
 
     def _take_utt(self) -> np.ndarray:
         a = np.concatenate(self._buf) if self._buf else np.zeros(0, np.float32)
         self._buf, self._buf_n = [], 0
         return a
+
+    def _end_stream(self) -> None:
+        """The utterance's chunked state is no longer needed (committed, cleared, closed)."""
+        if self._stream_key is not None and self._stream_sent:
+            try:
+                self.backend.stream_close(self._stream_key)
+            except Exception as e:  # noqa: BLE001 - the engine drops states of lost connections itself
+                log.debug("stream close failed: %s", e)
+        self._stream_key, self._stream_sent, self._stream_dead = None, False, False
+        self._unsent, self._unsent_n = [], 0
 
     # ----------------------------------------------------------------- input
     async def append_pcm16(self, data: bytes) -> None:
@@ -306,6 +338,7 @@ class StreamSession:
         if self._partial_task is not None:
             self._partial_task.cancel()
             self._partial_task = None
+        self._end_stream()
         if self.vad is not None and reason == "client" and self.in_speech:
             self._start_utt(start + audio.size)  # speech goes on: later audio is a new item (VAD still open)
         await self.emit({"type": "input_audio_buffer.committed", "previous_item_id": self.prev_item,
@@ -326,6 +359,7 @@ class StreamSession:
         if self._partial_task is not None:
             self._partial_task.cancel()
             self._partial_task = None
+        self._end_stream()
         await self.emit({"type": "input_audio_buffer.cleared"})
 
     async def drain(self, timeout: float = 60.0) -> None:
@@ -337,6 +371,7 @@ class StreamSession:
         self.closed = True
         for t in list(self._tasks):
             t.cancel()
+        self._end_stream()
 
     # ---------------------------------------------------------------- partials
     def _maybe_partial(self) -> None:
@@ -344,15 +379,62 @@ class StreamSession:
                 or self._buf_n - self._last_partial_n < self.partial_interval):
             return
         self._last_partial_n = self._buf_n
+        if self._stream_key is not None:
+            if self._stream_dead:
+                return
+            audio = np.concatenate(self._unsent) if self._unsent else np.zeros(0, np.float32)
+            self._unsent, self._unsent_n = [], 0
+            new, self._stream_sent = not self._stream_sent, True
+            self._partial_task = self._spawn(self._chunk_partial(self.item_id, self._stream_key, audio, new,
+                                                                 self._buf_start + self._buf_n))
+            return
         audio = np.concatenate(self._buf)
         self._partial_task = self._spawn(self._partial(self.item_id, audio))
+
+    async def _chunk_partial(self, item: str, key: str, audio: np.ndarray, new: bool, audio_end: int) -> None:
+        """A chunked partial: the stream's new audio through the model's streamer; its hypothesis
+        only grows, so every word before the last started one is final for the deltas."""
+        try:
+            t0 = time.perf_counter()
+            r = await self.backend.stream_chunk(key, audio, self.options, new=new)
+            if self.metrics is not None:
+                self.metrics.observe("partial", time.perf_counter() - t0)
+            if item != self.item_id or self.closed:
+                return
+            if self.full_partials:
+                await self.emit({"type": "conversation.item.input_audio_transcription.partial", "item_id": item,
+                                 "content_index": 0, "transcript": r.text.strip(),
+                                 "audio_end_ms": self._ms(audio_end)})
+            await self._release_words(item, _words(r.stable_text), audio_end)
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 - no slot, lost state, engine gone: no more partials, the final decides
+            log.debug("chunked partial failed: %s", e)
+            if item == self.item_id:
+                self._stream_dead = True
+        finally:
+            if self._partial_task is asyncio.current_task():
+                self._partial_task = None
+                if item == self.item_id and not self.closed:
+                    self._maybe_partial()
+
+    async def _release_words(self, item: str, words: list[str], audio_end: int) -> None:
+        """Send the words of ``words`` after those already sent as one delta; a list that does not
+        extend what was sent (it should always extend it) sends nothing: deltas never retract."""
+        n = len(self._emitted)
+        if len(words) <= n or any(_norm(a) != _norm(b) for a, b in zip(self._emitted, words)):
+            return
+        self._emitted = list(words)
+        await self.emit({"type": "conversation.item.input_audio_transcription.delta", "item_id": item,
+                         "content_index": 0, "delta": (" " if n else "") + " ".join(words[n:]),
+                         "audio_end_ms": self._ms(audio_end)})
 
     async def _partial(self, item: str, audio: np.ndarray) -> None:
         try:
             t0 = time.perf_counter()
             t = await self.backend.transcribe(audio, self.options, priority=PARTIAL, coalesce_key=self.id)
             if self.metrics is not None:
-                self.metrics.stage.labels("partial").observe(time.perf_counter() - t0)
+                self.metrics.observe("partial", time.perf_counter() - t0)
             if t is None or item != self.item_id or self.closed:
                 return
             if self.full_partials:
@@ -367,12 +449,8 @@ class StreamSession:
                 agree += 1
             self._prev_hyp = hyp
             if agree > len(self._emitted):
-                emitted_before = bool(self._emitted)
-                new = hyp[len(self._emitted):agree]
-                self._emitted = hyp[:agree]
-                await self.emit({"type": "conversation.item.input_audio_transcription.delta", "item_id": item,
-                                 "content_index": 0, "delta": (" " if emitted_before else "") + " ".join(new),
-                                 "audio_end_ms": self._ms(self._buf_start + audio.size)})
+                await self._release_words(item, self._emitted + hyp[len(self._emitted):agree],
+                                          self._buf_start + audio.size)
         except asyncio.CancelledError:
             pass
         except Exception as e:  # noqa: BLE001 - a failed partial is not fatal; the final decides
@@ -402,7 +480,7 @@ class StreamSession:
             except BaseException:  # noqa: BLE001
                 pass
         if self.metrics is not None:
-            self.metrics.stage.labels("final").observe(time.perf_counter() - t0)
+            self.metrics.observe("final", time.perf_counter() - t0)
             self.metrics.audio_seconds.labels("stream").inc(audio.size / SR)
         if err is not None:
             from .errors import error_body

@@ -274,7 +274,8 @@ def websocket_router(ctx: ServeContext) -> APIRouter:
         return StreamSession(ctx.backend, emit, input_rate=rate, vad=LazyVad(turn_detection) if turn_detection else None,
                              options=options, partial_interval_ms=partial_interval_ms,
                              max_utterance_s=cfg.max_utterance_s, prefix_padding_ms=cfg.vad_prefix_padding_ms,
-                             metrics=ctx.metrics, full_partials=full_partials, finalize=finalize)
+                             metrics=ctx.metrics, full_partials=full_partials, finalize=finalize,
+                             chunked=ctx.backend.info.get("stream_partials") == "chunked")
 
     @router.websocket("/v1/realtime")
     async def realtime(ws: WebSocket):

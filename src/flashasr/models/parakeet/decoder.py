@@ -228,19 +228,67 @@ def greedy_tdt_label_looping(encoder_output: torch.Tensor, encoded_lengths: torc
     Args and returns: as :func:`greedy_tdt_reference`.
     """
     enc = _as_btd(encoder_output, channels_first, joint)
-    B, T, _ = enc.shape
-    dev = enc.device
-    limit = int(max_symbols) if max_symbols is not None else None
     with torch.no_grad():
-        f_all = joint.project_encoder(enc)  # [B, T, J]
+        hyps, _ = label_looping_chunk(joint.project_encoder(enc), encoded_lengths, predictor, joint, durations,
+                                      blank_id, max_symbols, carry=None)
+    return hyps
+
+
+@dataclass
+class DecoderCarry:
+    """The decoding state one chunk hands to the next (batched, on the decoder's device).
+
+    ``time [B]`` long: frames to skip at the start of the next chunk (a TDT duration that jumped
+    past the end of this one); ``gp [B, J]``: the joint's projection of the predictor output for
+    the last label (the start symbol at first); ``state``: the predictor's ``(h, c)``, each
+    ``[L, B, H]``. NeMo keeps the same in ``BatchedLabelLoopingState`` (``time_jumps``,
+    predictor states and outputs) for chunked decoding.
+    """
+
+    time: torch.Tensor
+    gp: torch.Tensor
+    state: State
+
+    @classmethod
+    def start(cls, batch: int, predictor: TDTPredictor, joint: TDTJoint, blank_id: int,
+              device=None) -> "DecoderCarry":
+        """The state before the first frame: time 0, the start symbol (blank) from the zero state."""
+        dev = device or joint.enc.weight.device
+        with torch.no_grad():
+            g, state = predictor.step(torch.full((batch,), blank_id, dtype=torch.long, device=dev), None)
+            gp = joint.project_predictor(g)
+        return cls(torch.zeros(batch, dtype=torch.long, device=dev), gp, state)
+
+
+def label_looping_chunk(f_all: torch.Tensor, encoded_lengths: torch.Tensor, predictor: TDTPredictor,
+                        joint: TDTJoint, durations: Sequence[int], blank_id: int, max_symbols: int | None = 10,
+                        *, carry: DecoderCarry | None = None) -> tuple[list[Hypothesis], DecoderCarry]:
+    """Label looping over one chunk of joint-projected encoder frames, from a carried state.
+
+    Args:
+        f_all: ``[B, T, J]`` ``joint.project_encoder`` of the chunk's encoder frames.
+        encoded_lengths: ``[B]`` valid frames of each row in this chunk.
+        carry: the state after the previous chunk (None: :meth:`DecoderCarry.start`).
+    Returns:
+        per row a :class:`Hypothesis` with frames relative to the chunk's first frame, and the
+        carry for the next chunk. Decoding a sequence chunk by chunk gives exactly the tokens,
+        frames (offset by each chunk's start) and durations of decoding it whole: the decisions
+        at a frame depend only on that frame and the carried state, a duration that jumps past a
+        chunk's end continues in the next one (``carry.time``), and the max-symbols count never
+        spans chunks (a chunk is left only once decoding has moved past its last frame).
+    """
+    B, T, _ = f_all.shape
+    dev = f_all.device
+    limit = int(max_symbols) if max_symbols is not None else None
+    if carry is None:
+        carry = DecoderCarry.start(B, predictor, joint, blank_id, dev)
+    with torch.no_grad():
         lengths = encoded_lengths.to(device=dev, dtype=torch.long).clamp(max=T)
         dur_values = torch.as_tensor([int(d) for d in durations], dtype=torch.long, device=dev)
         rows = torch.arange(B, device=dev)
         last_index = (lengths - 1).clamp(min=0)
-
-        g, state = predictor.step(torch.full((B,), blank_id, dtype=torch.long, device=dev), None)
-        gp = joint.project_predictor(g)
-        time = torch.zeros(B, dtype=torch.long, device=dev)
+        gp, state = carry.gp, carry.state
+        time = carry.time.to(dev).clone()
         last_frame = torch.full((B,), -1, dtype=torch.long, device=dev)
         run = torch.zeros(B, dtype=torch.long, device=dev)
         rec_labels, rec_frames, rec_durs, rec_found = [], [], [], []
@@ -285,9 +333,9 @@ def greedy_tdt_label_looping(encoder_output: torch.Tensor, encoded_lengths: torc
                 force = found & (dur == 0) & (run >= limit)
                 time = time + force.long()
             active = time < lengths
-
+        out_carry = DecoderCarry(time - lengths, gp, state)
         if not rec_labels:
-            return [Hypothesis() for _ in range(B)]
+            return [Hypothesis() for _ in range(B)], out_carry
         labels = torch.stack(rec_labels, 1).cpu()
         frames = torch.stack(rec_frames, 1).cpu()
         durs = torch.stack(rec_durs, 1).cpu()
@@ -296,7 +344,8 @@ def greedy_tdt_label_looping(encoder_output: torch.Tensor, encoded_lengths: torc
     for b in range(B):
         m = found[b]
         out.append(Hypothesis(labels[b][m].tolist(), frames[b][m].tolist(), durs[b][m].tolist()))
-    return out
+    return out, out_carry
 
 
-__all__ = ["Hypothesis", "TDTPredictor", "TDTJoint", "greedy_tdt_reference", "greedy_tdt_label_looping"]
+__all__ = ["Hypothesis", "TDTPredictor", "TDTJoint", "greedy_tdt_reference", "greedy_tdt_label_looping",
+           "DecoderCarry", "label_looping_chunk"]

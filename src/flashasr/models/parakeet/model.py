@@ -14,6 +14,7 @@ which also merges the pieces' transcripts. See docs/PARAKEET.md.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -128,6 +129,7 @@ class ParakeetASR(ASRModel):
     """
 
     family = "parakeet"
+    speech_gate = False  # the TDT decoder emits blanks on non-speech: no VAD for pieces that fit (NeMo gates nothing)
 
     def __init__(self, cfg: ParakeetConfig, net: ParakeetModule, tokenizer, *, device: str = "cpu",
                  dtype=None, name: str = "parakeet-tdt"):
@@ -148,6 +150,7 @@ class ParakeetASR(ASRModel):
         self.max_symbols_per_step = cfg.max_symbols
         self.frame_seconds = cfg.frame_seconds
         self.multilingual = _looks_multilingual(tokenizer)
+        self.work = {"encoder_frames": 0, "encoder_calls": 0}  # offline encoder work (see count_encoder_work)
         try:
             net.to(device=device)
         except (RuntimeError, AssertionError) as e:
@@ -256,6 +259,30 @@ class ParakeetASR(ASRModel):
         return fn(enc, enc_lengths, self.predictor, self.joint, self.durations, self.blank_id,
                   self.max_symbols_per_step)
 
+    def encoder_frames_of(self, n_samples: int) -> int:
+        """Encoder frames of a waveform of ``n_samples`` (host integer arithmetic, NeMo's lengths:
+        ``len // 160`` feature frames, then ``floor((L - 1) / 2) + 1`` per subsampling stage)."""
+        pre = self.preprocessor
+        L = max(0, (int(n_samples) + 2 * (pre.n_fft // 2) - pre.n_fft) // pre.hop_length)
+        for _ in range(self.encoder.pre_encode.stages):
+            L = (L - 1) // 2 + 1 if L > 0 else 0
+        return L
+
+    def count_encoder_work(self, lengths) -> None:
+        """Add the encoder frames of one encoder call over waveforms of ``lengths`` samples to
+        :attr:`work` (``encoder_frames``: valid frames through the Conformer layers, the cost that
+        grows with audio; ``encoder_calls``). Read by the streaming cost test and benchmarks."""
+        self.work["encoder_frames"] += sum(self.encoder_frames_of(n) for n in lengths)
+        self.work["encoder_calls"] += 1
+
+    def make_streamer(self, config=None):
+        """A :class:`~flashasr.models.parakeet.streaming.ParakeetStreamer` for chunked streaming
+        partials of this model (``config``: a
+        :class:`~flashasr.models.parakeet.streaming.StreamingConfig`; None: the defaults)."""
+        from .streaming import ParakeetStreamer
+
+        return ParakeetStreamer(self, config)
+
     def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
         order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))
         hyps: list[Hypothesis | None] = [None] * len(pieces)
@@ -270,6 +297,7 @@ class ParakeetASR(ASRModel):
             if not run:
                 continue
             audio, lengths = self._pad_batch([pieces[i] for i in run])
+            self.count_encoder_work([len(pieces[i]) for i in run])
             enc, enc_len = self.encode(audio, lengths)
             for i, h in zip(run, self.decode(enc, enc_len)):
                 hyps[i] = h
@@ -293,8 +321,17 @@ class ParakeetASR(ASRModel):
             pieces.append(w)
             shifts.append(left)
         hyps = self._decode_pieces(pieces)
-        return [self.transcript_of(h, len(w) / sr, offset=-left / sr, options=options)
-                for h, w, left in zip(hyps, waveforms, shifts)]
+        c0 = time.thread_time()
+        out = [self.transcript_of(h, len(w) / sr, offset=-left / sr, options=options)
+               for h, w, left in zip(hyps, waveforms, shifts)]
+        self._count("detokenize", time.thread_time() - c0)
+        return out
+
+    def _count(self, stage: str, cpu_s: float) -> None:
+        """Add to :attr:`stage_cpu_s` (this model's own host stages, read by the job report)."""
+        if self.stage_cpu_s is None:
+            self.stage_cpu_s = {}
+        self.stage_cpu_s[stage] = self.stage_cpu_s.get(stage, 0.0) + cpu_s
 
     def transcript_of(self, hyp: Hypothesis, duration: float, *, offset: float = 0.0,
                       options: TranscribeOptions | None = None) -> Transcript:

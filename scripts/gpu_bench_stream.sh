@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 13 (streaming at scale) on the H200: bench/bench_stream_scale.py with the Parakeet-TDT 0.6B-v3
+# shapes (random weights, joint calibrated on real speech at load; ParakeetGPUASR + GraphedStreamer).
+#
+# HERE (the CPU machine, repository root, PyPI reachable), once:
+#   bash scripts/gpu_bench_stream.sh prepare
+#     .whl/        wheels the serving path needs, for the device's CPython 3.12, pinned to the versions
+#                  installed here (fastapi/starlette/uvicorn/uvloop/websockets/httpx stack, pydantic,
+#                  prometheus-client, python-multipart, soxr, silero-vad, sentencepiece, PyYAML); a wheel
+#                  the device already has is simply shadowed by the same version
+#     .devstream/  shared/fixtures (Parakeet YAMLs + the tiny NeMo fixture) and the 16 kHz WAV clips of
+#                  shared/audio/en (the device has no audio decoder; about 9 MiB)
+# DEVICE (carry [".whl", ".devstream"]; one call per phase, each <= 575 s):
+#   bash scripts/gpu_bench_stream.sh cost       # device s per stream-s for 5/30/120 s utterances, counted
+#                                               # encoder work, chunked vs re-encoded partials; drift
+#   bash scripts/gpu_bench_stream.sh scale500   # 1,000 / 2,000 streams at a 500 ms cadence, manual commits
+#                                               # and server VAD, then the most streams held (+1,000 steps)
+#   bash scripts/gpu_bench_stream.sh scale1000  # the same at a 1 s cadence (aim >= 4,000)
+# Env: WORKERS (front ends, 6), CLIENTS (client processes, 8), PACKET (ms, 20), LEFT (left context s, 5.12:
+# 6.4 MB of state per stream, 8,000 streams = 51 GB), STREAMS, MAXSTREAMS, BUDGET.
+# JSON: bench/results/stream_scale_h200_<phase>.json (and under $OUT).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = prepare ]; then
+  set -e
+  SHARED="${FLASHASR_SHARED:-../shared}"
+  pins=()
+  for p in fastapi starlette uvicorn uvloop websockets httpx httpcore h11 anyio sniffio idna certifi pydantic \
+           pydantic_core annotated-types typing_extensions typing-inspection prometheus_client python-multipart \
+           soxr silero-vad sentencepiece PyYAML; do
+    v=$(python -m pip show "$p" 2>/dev/null | awk '/^Version:/{print $2}')
+    [ -n "$v" ] && pins+=("$p==$v") || echo "not installed here, left out: $p"
+  done
+  mkdir -p .whl
+  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d .whl "${pins[@]}"
+  rm -rf .devstream && mkdir -p .devstream/shared/audio/en
+  cp -r "$SHARED/fixtures" .devstream/shared/fixtures
+  cp "$SHARED"/audio/en/*.wav .devstream/shared/audio/en/
+  cp "$SHARED/audio/manifest.jsonl" .devstream/shared/audio/
+  du -sh .whl .devstream
+  exit 0
+fi
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench PYTHONUNBUFFERED=1 FLASHASR_SHARED=$PWD/.devstream/shared
+nproc; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+MODEL=random:parakeet-tdt-0.6b-v3
+COMMON=(--model $MODEL --device cuda --clips .devstream/shared/audio/en --clip-min-s 4 --clip-max-s 12
+        --left-s "${LEFT:-5.12}" --stream-batch 512 --budget-s "${BUDGET:-560}")
+case "${1:-cost}" in
+  cost)
+    timeout 575 python3 -W ignore bench/bench_stream_scale.py --name stream_scale_h200_cost --phases cost,drift \
+      "${COMMON[@]}" --cost-streams 256 --reencode-streams 32 --cadences 500,1000 \
+      --drift-left-s 2.56,5.12,10.24 --drift-clips 16 --drift-models "$FLASHASR_SHARED/fixtures/parakeet/tiny-tdt/model.nemo" ;;
+  scale500|scale1000)
+    CAD=${1#scale}
+    timeout 575 python3 -W ignore bench/bench_stream_scale.py --name stream_scale_h200_$1 --phases scale \
+      "${COMMON[@]}" --mode multi --workers "${WORKERS:-6}" --client-procs "${CLIENTS:-8}" --max-batch 256 \
+      --packet-ms "${PACKET:-20}" --cadences "$CAD" --streams "${STREAMS:-1000,2000}" --vad both --utterances 2 \
+      --find-max --max-step 1000 --max-streams "${MAXSTREAMS:-8000}" ;;
+  *) echo "usage: $0 prepare | cost | scale500 | scale1000"; exit 2 ;;
+esac
+ls -la "${OUT:-.}"

@@ -1,0 +1,642 @@
+"""Chunked streaming encoder for Parakeet-TDT partial transcripts (plain PyTorch, CPU or GPU).
+
+Each streaming partial used to re-encode the whole utterance so far (cost quadratic in its
+length). Here every live stream keeps per-layer state and each step encodes only the NEW audio,
+as NeMo's cache-aware streaming does (``ConformerEncoder.cache_aware_stream_step``: attention
+keys/values of the last frames and the depthwise-conv state per layer), applied to the offline-
+trained model for provisional partials. The final of an utterance still re-encodes it offline
+(exact); this path never produces finals.
+
+One step for a batch of streams at different positions (per-stream state in slots of a
+:class:`StatePool`; shapes fixed by the chunk ``C`` and the left context ``L``)::
+
+    samples (host) --pre-emphasis, window of sub*(C+1) feature frames (sub = 8, the subsampling)-->
+    log-mel [B, F, M] --running per-feature mean/std of the stream's frames so far (float64 sums)-->
+    dw_striding subsampling of the window (left/right time masks) -> C+1 frames, the first dropped
+    --> for each Conformer layer: FF, rel-pos attention of the C new frames over [L cached | C new]
+        keys/values, conv module over [k-1)/2 cached | C new] steps, FF, norm; caches shifted
+    --> joint encoder projection --> TDT label looping from the carried decoder state
+
+What is exact, and what is not (tests/test_stream_encoder.py checks each exact claim):
+
+* A feature frame is computed once its 512 samples have arrived: equal to the offline log-mel of
+  the whole stream at that frame (the STFT is local).
+* An encoder frame is produced once its subsampling receptive field (feature frames ``8v-7 ..
+  8v+7``) exists: the windowed subsampling (overlap of one encoder frame's 8 feature frames,
+  output 0 dropped, first window masked on the left) equals the subsampling of the whole stream.
+* The first chunk equals the offline encoder on the same (normalised) features; a whole
+  utterance in one flushed step equals the offline encoder on its audio (features included).
+* Later chunks: frames never see the future beyond their chunk (attention and the depthwise
+  conv's right half get zeros there), the past only through the last ``L`` frames, and features
+  are normalised with the statistics of the stream so far. This is NOT the offline computation:
+  partials drift from the final; the drift is measured (``bench/bench_stream_scale.py``,
+  ``docs/SERVING.md``). The computation equals a block-masked offline encoder (each chunk's
+  frames attend to ``[chunk start - L, chunk end)``, conv inputs beyond the chunk are zero),
+  which the tests use as the exact reference.
+* The TDT decoder's state is carried across chunks (:class:`~.decoder.DecoderCarry`); decoding
+  chunk by chunk gives exactly the tokens of decoding the same encoder frames whole.
+
+Cost per step and row: ``C`` encoder frames through the Conformer layers (attention over at most
+``L + C`` keys), ``8 (C + 1)`` feature frames through the subsampling (one frame of overlap), the
+decoder over ``C`` frames: constant in the utterance's length. Memory per stream: ``2 x n_layers
+x L x d_model`` cached keys/values + ``n_layers x (k-1)/2 x d_model`` conv state, plus a few
+hundred samples and the tokens so far.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import FlashASRError, UnsupportedModelError
+from ...types import StreamResult
+from .decoder import DecoderCarry, label_looping_chunk
+from .encoder import relative_positions
+from .tokenizer import WORD_MARKER
+
+_MASK_VALUE = -10000.0
+_NORM_EPS = 1e-5
+
+
+class StreamError(FlashASRError):
+    """A streaming partial request that cannot be served (closed or evicted stream, no slot)."""
+
+    code = "stream_unavailable"
+    status = 409
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """Shape of the chunked streaming step.
+
+    Attributes:
+        left_frames: ``L``, encoder frames of left context kept per layer (80 ms each; 128 = 10.24 s).
+        chunk_frames: ``C``, most new encoder frames of one stream per step (a request with more
+            is run as several consecutive steps). Pick the partial cadence in frames: every
+            step computes ``C`` frames per row, so a larger ``C`` is padding.
+        slots: initial number of stream slots (the pool doubles when full, up to ``max_slots``).
+        max_slots: most live streams (a new stream beyond it gets :class:`StreamError`).
+        idle_s: a stream not stepped for this long is dropped (its front end went away).
+        max_batch: most streams in one device step (the GPU's largest graph bucket; more rows run
+            as several launches).
+    """
+
+    left_frames: int = 128
+    chunk_frames: int = 7
+    slots: int = 16
+    max_slots: int = 4096
+    idle_s: float = 300.0
+    max_batch: int = 512
+
+    def __post_init__(self):
+        for name in ("left_frames", "chunk_frames", "slots", "max_slots", "max_batch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "left_frames" else 1):
+                raise FlashASRError(f"StreamingConfig.{name} must be an integer >= "
+                                    f"{0 if name == 'left_frames' else 1}, got {v!r}", code="invalid_request")
+        if not (isinstance(self.idle_s, (int, float)) and self.idle_s > 0):
+            raise FlashASRError(f"StreamingConfig.idle_s must be > 0, got {self.idle_s!r}", code="invalid_request")
+
+    @staticmethod
+    def for_cadence(partial_interval_ms: float, **kw) -> "StreamingConfig":
+        """``chunk_frames`` = the cadence in 80 ms encoder frames, rounded up (500 ms: 7, 1 s: 13)."""
+        c = max(1, int(math.ceil(float(partial_interval_ms) / 80.0 - 1e-9)))
+        return StreamingConfig(chunk_frames=c, **kw)
+
+
+class StatePool:
+    """Per-stream state on the model's device, one slot per live stream plus one scratch slot
+    (index ``capacity``) that padding rows read and write.
+
+    Tensors (``S`` = capacity + 1): ``k``, ``v`` ``[n_layers, S, H, L, d_k]`` (attention keys/values
+    of the last ``L`` frames, right-aligned: slot ``L-1`` is the frame just before the next chunk),
+    ``conv`` ``[n_layers, S, K, d]`` (the conv module's GLU outputs of the last ``K = left pad``
+    steps), ``cache_len [S]`` (valid cached frames), ``stat_sum``/``stat_sq [S, M]`` float64 and
+    ``stat_n [S]`` (log-mel statistics of the frames so far), ``dec_time [S]``, ``dec_gp [S, J]``,
+    ``dec_state`` (predictor ``(h, c)``, each ``[layers, S, H]``): the decoder carry.
+    """
+
+    def __init__(self, model, cfg: StreamingConfig, capacity: int, device, dtype):
+        enc = model.encoder
+        layer0 = enc.layers[0]
+        att = layer0.self_attn
+        self.n_layers = len(enc.layers)
+        self.H, self.dk = att.h, att.d_k
+        self.d = enc.d_model
+        self.K = int(layer0.conv.padding[0])
+        self.L = int(cfg.left_frames)
+        self.M = int(model.preprocessor.cfg.features)
+        self.device, self.dtype = device, dtype
+        self.capacity = 0
+        self.ceiling = 1 << 62  # lowered when growing ran out of memory
+        self._sos = DecoderCarry.start(1, model.predictor, model.joint, model.blank_id, device)
+        self.free: list[int] = []
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        S, old = capacity + 1, self.capacity
+        nl, dev = self.n_layers, self.device
+        z = lambda *shape, dt=self.dtype: torch.zeros(*shape, dtype=dt, device=dev)  # noqa: E731
+        new = {"k": z(nl, S, self.H, self.L, self.dk), "v": z(nl, S, self.H, self.L, self.dk),
+               "conv": z(nl, S, self.K, self.d), "cache_len": z(S, dt=torch.long),
+               "stat_sum": z(S, self.M, dt=torch.float64), "stat_sq": z(S, self.M, dt=torch.float64),
+               "stat_n": z(S, dt=torch.float64), "dec_time": z(S, dt=torch.long),
+               "dec_gp": self._sos.gp.expand(S, -1).clone(),
+               "dec_h": self._sos.state[0].expand(-1, S, -1).clone(),
+               "dec_c": self._sos.state[1].expand(-1, S, -1).clone()}
+        if old:  # keep the live slots (the old scratch slot is dropped)
+            for name, t in new.items():
+                src = getattr(self, name)
+                if name in ("k", "v", "conv"):
+                    t[:, :old] = src[:, :old]
+                elif name in ("dec_h", "dec_c"):
+                    t[:, :old] = src[:, :old]
+                else:
+                    t[:old] = src[:old]
+        for name, t in new.items():
+            setattr(self, name, t)
+        self.free += list(range(capacity - 1, old - 1, -1))
+        self.capacity = capacity
+        self.version = getattr(self, "version", 0) + 1  # tensors replaced: captured graphs are stale
+
+    @property
+    def scratch(self) -> int:
+        return self.capacity
+
+    def acquire(self, max_slots: int) -> int:
+        """A fresh slot (state reset); grows the pool by doubling up to ``max_slots``.
+
+        Raises:
+            StreamError: ``max_slots`` streams are live.
+        """
+        if not self.free:
+            if self.capacity >= min(max_slots, self.ceiling):
+                raise StreamError(f"all {self.capacity} streaming slots are in use")
+            try:
+                self._alloc(min(max_slots, max(1, self.capacity * 2)))
+            except RuntimeError as e:  # out of (device) memory: stay at this size from now on
+                self.ceiling = self.capacity
+                raise StreamError(f"no memory for more than {self.capacity} streaming slots ({e})") from None
+        s = self.free.pop()
+        self.reset(s)
+        return s
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    @torch.no_grad()
+    def reset(self, s: int) -> None:
+        self.conv[:, s].zero_()
+        self.cache_len[s] = 0
+        self.stat_sum[s].zero_()
+        self.stat_sq[s].zero_()
+        self.stat_n[s] = 0
+        self.dec_time[s] = 0
+        self.dec_gp[s] = self._sos.gp[0]
+        self.dec_h[:, s] = self._sos.state[0][:, 0]
+        self.dec_c[:, s] = self._sos.state[1][:, 0]
+
+    def bytes_per_stream(self) -> int:
+        per = self.k[:, 0].numel() + self.v[:, 0].numel() + self.conv[:, 0].numel()
+        return per * self.k.element_size() + 2 * self.M * 8
+
+
+@dataclass
+class _Stream:
+    """Host side of one stream: its slot, frames done and the samples not yet behind it."""
+
+    key: str
+    slot: int
+    frames: int = 0              # encoder frames produced (v)
+    received: int = 0            # samples received
+    x: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    x_start: int = 0             # absolute index of x[0]
+    tokens: list = field(default_factory=list)
+    word_start: int = 0          # index of the last token that starts a word
+    last_used: float = 0.0
+
+
+class ParakeetStreamer:
+    """Chunked streaming partials for a :class:`~flashasr.models.parakeet.model.ParakeetASR`.
+
+    Args:
+        model: the loaded model (any device; its encoder dtype is used for the caches).
+        config: :class:`StreamingConfig`.
+
+    Thread-safety: :meth:`step` and :meth:`close` may be called from different threads (a lock
+    serialises them); the server calls both on its model thread.
+
+    Counters (``counters``): ``encoder_frames`` (valid new frames through the Conformer layers),
+    ``subsampling_frames`` (encoder frames out of the subsampling, one overlap frame per row and
+    step included), ``feature_frames`` (log-mel frames computed), ``padded_frames`` (rows x C x
+    steps actually computed, padding included), ``steps``, ``rows``, ``audio_s`` (samples received).
+    """
+
+    def __init__(self, model, config: StreamingConfig | None = None):
+        self.model = model
+        self.cfg = config or StreamingConfig()
+        pre = model.preprocessor
+        pc = pre.cfg
+        if pc.normalize not in ("per_feature", None, "none"):
+            raise UnsupportedModelError(f"chunked streaming needs per_feature (or no) feature normalisation, "
+                                        f"not {pc.normalize!r}")
+        enc = model.encoder
+        if not enc.layers:
+            raise UnsupportedModelError("chunked streaming needs at least one Conformer layer")
+        self.hop, self.n_fft, self.win = pre.hop_length, pre.n_fft, pre.win_length
+        self.sub = int(enc.cfg.subsampling_factor)
+        self.preemph = pc.preemph
+        self.normalize = pc.normalize == "per_feature"
+        self.C, self.L = int(self.cfg.chunk_frames), int(self.cfg.left_frames)
+        self.window_frames = self.sub * (self.C + 1)                     # feature frames per window
+        self.window_samples = self.hop * (self.window_frames - 1) + self.n_fft
+        self.device = next(enc.parameters()).device
+        self.dtype = next(enc.parameters()).dtype
+        self.pool = StatePool(model, self.cfg, self.cfg.slots, self.device, self.dtype)
+        self.streams: dict[str, _Stream] = {}
+        self._closed: dict[str, float] = {}  # recently closed keys (refused if they come back)
+        self._lock = threading.RLock()
+        self._pe = relative_positions(0, enc.d_model, self.device, left=self.L + self.C - 1,
+                                      right=self.C - 1)
+        self.counters = {k: 0 for k in ("encoder_frames", "subsampling_frames", "feature_frames",
+                                        "padded_frames", "steps", "rows")}
+        self.counters["audio_s"] = 0.0
+        self.frame_seconds = float(model.frame_seconds)
+        self._piece_starts_word: dict[int, bool] = {}  # token id -> its piece begins a word
+
+    # ------------------------------------------------------------------ public
+    def close(self, key: str) -> None:
+        """Drop a stream's state (its utterance was committed or cleared); idempotent."""
+        with self._lock:
+            st = self.streams.pop(key, None)
+            if st is not None:
+                self.pool.release(st.slot)
+            self._closed[key] = time.monotonic()
+            if len(self._closed) > 4 * self.cfg.max_slots:
+                for k in list(self._closed)[: len(self._closed) // 2]:
+                    del self._closed[k]
+
+    def live(self) -> int:
+        return len(self.streams)
+
+    def warmup(self, steps: int = 4) -> None:
+        """Run a throwaway stream of low noise through a few steps (first-call costs paid now: the
+        server warms up before it says ready). Leaves no state behind."""
+        rng = np.random.default_rng(0)
+        chunk = self.hop * self.sub * self.C
+        key = "__warmup__"
+        saved = dict(self.counters)
+        for _ in range(steps):
+            self.step([(key, (rng.standard_normal(chunk) * 1e-3).astype(np.float32))])
+        with self._lock:
+            self.close(key)
+            self._closed.pop(key, None)
+            self.counters.update(saved)  # the counters count the streams' work only
+
+    @torch.no_grad()
+    def step(self, requests: Sequence[tuple[str, np.ndarray]], *, flush: bool = False) -> list:
+        """Feed new audio to streams and encode/decode what became complete.
+
+        Args:
+            requests: ``(key, samples)`` or ``(key, samples, new)``: a stream key and its new
+                float32 16 kHz samples (``[n]``, may be empty); an unknown key opens a stream,
+                unless ``new`` is False (its state was lost: :class:`StreamError`). A key appears
+                at most once per call.
+            flush: treat the audio as ended (zero padding, as the offline encoder on the same
+                audio): every remaining frame is encoded. Used by tests and benchmarks; the
+                server's finals re-encode offline instead.
+        Returns:
+            per request a :class:`StreamResult`, or the exception that request raised
+            (:class:`StreamError` for a closed stream or no slot; ``AudioError`` for samples
+            that are not finite floats); the other requests are unaffected.
+        """
+        with self._lock:
+            self._evict_idle()
+            out: list = [None] * len(requests)
+            todo: list[tuple[int, _Stream]] = []
+            seen = set()
+            for i, req in enumerate(requests):
+                key, samples, new = req if len(req) == 3 else (*req, None)
+                try:
+                    if key in seen:
+                        raise StreamError(f"stream {key!r} appears twice in one step")
+                    seen.add(key)
+                    a = self._check(key, samples)
+                    st = self._open(key, new)
+                    self._append(st, a)
+                    todo.append((i, st))
+                except FlashASRError as e:
+                    out[i] = e
+            work = {id(st): self._frames_to_do(st, flush) for _, st in todo}
+            before = {id(st): len(st.tokens) for _, st in todo}
+            while True:
+                rows = [(st, work[id(st)]) for _, st in todo if work[id(st)][0] > 0]
+                if not rows:
+                    break
+                plan = []
+                for st, (n, f_end) in rows:
+                    k = min(n, self.C)
+                    last = k == n
+                    plan.append((st, k, f_end if (flush and last) else None))
+                    work[id(st)] = (n - k, f_end)
+                self._run_rows(plan)
+            for i, st in todo:
+                out[i] = self._result(st, len(st.tokens) - before[id(st)])
+            return out
+
+    # ------------------------------------------------------------------ host side
+    def _open(self, key: str, new: bool | None) -> _Stream:
+        st = self.streams.get(key)
+        if st is None:
+            if key in self._closed:
+                raise StreamError(f"stream {key!r} was closed")
+            if new is False:
+                raise StreamError(f"stream {key!r} is unknown here (its state was lost: evicted, or the engine "
+                                  f"restarted)")
+            st = _Stream(key, self.pool.acquire(self.cfg.max_slots))
+            self.streams[key] = st
+        st.last_used = time.monotonic()
+        return st
+
+    def _evict_idle(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, s in self.streams.items() if now - s.last_used > self.cfg.idle_s]:
+            self.close(key)
+
+    @staticmethod
+    def _check(key: str, samples) -> np.ndarray:
+        from ..base import as_waveform
+
+        return as_waveform(samples, f"stream {key}") if len(samples) else np.zeros(0, np.float32)
+
+    def _append(self, st: _Stream, a: np.ndarray) -> None:
+        if a.size:
+            st.x = np.concatenate([st.x, a]) if st.x.size else a.copy()
+            st.received += a.size
+            self.counters["audio_s"] += a.size / float(self.model.sample_rate)
+
+    def _frames_to_do(self, st: _Stream, flush: bool) -> tuple[int, int]:
+        """``(new encoder frames, valid feature frames of the stream)``."""
+        N, half = st.received, self.n_fft // 2
+        if flush:
+            f_end = int(self.model.preprocessor.output_lengths(torch.tensor([N]))[0])
+            v_end = int(self.model.encoder.output_lengths(torch.tensor([f_end]))[0])
+        else:
+            f_end = (N - half) // self.hop + 1 if N >= half else 0  # frames whose 512 samples arrived
+            v_end = f_end // self.sub                                 # their subsampling field complete
+        return max(0, v_end - st.frames), f_end
+
+    def _segment(self, st: _Stream, out: np.ndarray) -> None:
+        """Pre-emphasised samples of the window ``[sub*(v-1), sub*(v+C))`` feature frames into ``out``."""
+        p0 = self.hop * self.sub * (st.frames - 1) - self.n_fft // 2
+        p1 = p0 + self.window_samples
+        out[:] = 0.0
+        lo, hi = max(p0, 0), min(p1, st.received)
+        if hi > lo:
+            xs = st.x[lo - st.x_start: hi - st.x_start]
+            y = xs.copy()
+            if self.preemph is not None:
+                prev = st.x[lo - st.x_start - 1] if lo > 0 else None
+                y[1:] -= self.preemph * xs[:-1]
+                if prev is not None:
+                    y[0] -= self.preemph * prev
+            out[lo - p0: hi - p0] = y
+
+    def _advance(self, st: _Stream, k: int) -> None:
+        st.frames += k
+        keep_from = self.hop * self.sub * (st.frames - 1) - self.n_fft // 2 - 1  # next window's start - 1
+        cut = keep_from - st.x_start
+        if cut > 0:
+            st.x = st.x[cut:]
+            st.x_start += cut
+
+    def _run_rows(self, plan: list[tuple[_Stream, int, int | None]]) -> None:
+        B = len(plan)
+        seg = np.zeros((B, self.window_samples), np.float32)
+        n_new = np.zeros(B, np.int64)
+        first = np.zeros(B, bool)
+        feat_valid = np.zeros(B, np.int64)
+        slots = np.zeros(B, np.int64)
+        for b, (st, k, f_end) in enumerate(plan):
+            self._segment(st, seg[b])
+            n_new[b] = k
+            first[b] = st.frames == 0
+            w0 = self.sub * (st.frames - 1)  # window start in feature frames (may be negative)
+            feat_valid[b] = (f_end - w0) if f_end is not None else self.sub * (k + 1)
+            slots[b] = st.slot
+        hyps = self.device_step(seg, n_new, first, feat_valid, slots)
+        c = self.counters
+        c["steps"] += 1
+        c["rows"] += B
+        c["encoder_frames"] += int(n_new.sum())
+        c["subsampling_frames"] += int(n_new.sum()) + B
+        c["feature_frames"] += B * self.window_frames
+        c["padded_frames"] += self.padded_rows(B) * self.C
+        for b, (st, k, _) in enumerate(plan):
+            ids = hyps[b]
+            for t in ids:
+                if self._starts_word(t):
+                    st.word_start = len(st.tokens)
+                st.tokens.append(t)
+            self._advance(st, k)
+
+    def padded_rows(self, B: int) -> int:
+        """Rows a step of ``B`` streams computes (the eager path: ``B``; graphs: their bucket)."""
+        return B
+
+    def _starts_word(self, t: int) -> bool:
+        w = self._piece_starts_word.get(t)
+        if w is None:
+            w = self._piece_starts_word[t] = self.model.tokenizer.piece(t).startswith(WORD_MARKER)
+        return w
+
+    def _result(self, st: _Stream, new_tokens: int) -> StreamResult:
+        tok = self.model.tokenizer
+        text = tok.decode(st.tokens)
+        stable = tok.decode(st.tokens[: st.word_start]) if st.word_start else ""
+        return StreamResult(text=text, stable_text=stable, frames=st.frames,
+                            audio_s=round(st.frames * self.frame_seconds, 3), new_tokens=new_tokens,
+                            tokens=len(st.tokens))
+
+    # ------------------------------------------------------------------ device side
+    def device_step(self, seg: np.ndarray, n_new: np.ndarray, first: np.ndarray, feat_valid: np.ndarray,
+                    slots: np.ndarray) -> list[list[int]]:
+        """One batched step (see the module docstring); returns each row's new token ids.
+
+        Args (host arrays, ``B`` rows): ``seg [B, window_samples]`` float32 pre-emphasised
+        samples, ``n_new [B]`` encoder frames to produce (<= C), ``first [B]`` the stream's first
+        chunk, ``feat_valid [B]`` valid feature frames of the window, ``slots [B]`` state slots.
+        """
+        dev = self.device
+        t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+        f, n = self.encode_step(t(seg), t(n_new), t(first), t(feat_valid), t(slots))
+        return self.decode_step(f, n, t(slots))
+
+    def encode_step(self, seg: torch.Tensor, n_new: torch.Tensor, first: torch.Tensor,
+                    feat_valid: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features -> subsampling -> Conformer layers with the slots' caches (updated in place)
+        -> joint encoder projection ``[B, C, J]``; returns it and ``n_new``. Static shapes, no
+        host synchronisation (CUDA-graph capturable)."""
+        feats = self._features(seg, feat_valid, slots)
+        x = self._subsample(feats, first, feat_valid)
+        x = self._layers(x, n_new, slots)
+        m = self.model
+        if m.encoder.out_proj is not None:
+            x = m.encoder.out_proj(x)
+        j = m.joint
+        return j.project_encoder(x.to(j.enc.weight.dtype)), n_new
+
+    def _features(self, seg, feat_valid, slots) -> torch.Tensor:
+        """Log-mel of the window ``[B, Fw, M]`` normalised with the running statistics (frames
+        ``[sub, feat_valid)`` of the window are the stream's new frames and join them first)."""
+        pre = self.model.preprocessor
+        pc = pre.cfg
+        spec = torch.stft(seg, n_fft=self.n_fft, hop_length=self.hop, win_length=self.win,
+                          window=pre.window.float(), center=False, return_complex=True)
+        spec = torch.view_as_real(spec)
+        mag = torch.sqrt(spec.pow(2).sum(-1))
+        if pc.mag_power != 1.0:
+            mag = mag.pow(pc.mag_power)
+        mel = torch.matmul(pre.fb.float(), mag)  # [B, M, Fw]
+        if pc.log:
+            g = pre._guard()
+            mel = torch.log(mel + g) if pc.log_zero_guard_type == "add" else torch.log(torch.clamp(mel, min=g))
+        Fw = mel.shape[-1]
+        idx = torch.arange(Fw, device=mel.device)
+        if self.normalize:
+            new = (idx[None, :] >= self.sub) & (idx[None, :] < feat_valid[:, None])  # [B, Fw]
+            m64 = torch.where(new[:, None, :], mel.double(), 0.0)
+            pool = self.pool
+            s1 = pool.stat_sum.index_select(0, slots) + m64.sum(-1)
+            s2 = pool.stat_sq.index_select(0, slots) + m64.pow(2).sum(-1)
+            n = pool.stat_n.index_select(0, slots) + new.sum(-1).double()
+            pool.stat_sum.index_copy_(0, slots, s1)
+            pool.stat_sq.index_copy_(0, slots, s2)
+            pool.stat_n.index_copy_(0, slots, n)
+            nn_ = n.clamp(min=1.0)[:, None]
+            mean = s1 / nn_
+            var = ((s2 - nn_ * mean * mean) / (nn_ - 1.0)).clamp(min=0.0)  # n = 1 -> inf / nan below
+            std = torch.sqrt(var)
+            std = torch.where(torch.isfinite(std), std, 0.0) + _NORM_EPS
+            mel = ((mel.double() - mean[:, :, None]) / std[:, :, None]).float()
+        return mel.transpose(1, 2)  # [B, Fw, M]
+
+    def _subsample(self, feats, first, feat_valid) -> torch.Tensor:
+        """dw_striding subsampling of the windows with time masks: rows ``< left`` (the first
+        chunk's window starts ``sub`` frames before the stream) and ``>= feat_valid`` are zero
+        before every conv (NeMo masks the right side the same way); output frame 0 (the overlap)
+        is dropped -> ``[B, C, d]``."""
+        pe = self.model.encoder.pre_encode
+        x = feats.to(self.dtype).unsqueeze(1)  # [B, 1, Fw, M]
+        hi = feat_valid.long()
+        lo = torch.where(first, self.sub, 0).long()
+        for layer in pe.conv:
+            if isinstance(layer, nn.Conv2d):
+                t = torch.arange(x.shape[2], device=x.device)[None, :]
+                keep = (t >= lo[:, None]) & (t < hi[:, None])
+                x = x * keep[:, None, :, None].to(x.dtype)
+                x = layer(x)
+                if layer.stride[0] != 1:
+                    s = layer.stride[0]
+                    hi = torch.div(hi + 2 * layer.padding[0] - layer.kernel_size[0], s, rounding_mode="floor") + 1
+                    lo = torch.div(lo, s, rounding_mode="floor")
+            else:
+                x = layer(x)
+        b, c, t_, f = x.shape
+        x = pe.out(x.transpose(1, 2).reshape(b, t_, c * f))[:, 1:]
+        enc = self.model.encoder
+        if enc.xscale is not None:
+            x = x * enc.xscale
+        return x
+
+    def _layers(self, x, n_new, slots) -> torch.Tensor:
+        pool = self.pool
+        B, C, _ = x.shape
+        valid = torch.arange(C, device=x.device)[None, :] < n_new[:, None]  # [B, C]
+        cache_len = pool.cache_len.index_select(0, slots)
+        w = torch.arange(self.L + C, device=x.device)[None, :]
+        key_ok = torch.where(w < self.L, w >= self.L - cache_len[:, None], (w - self.L) < n_new[:, None])
+        key_bias = torch.zeros(B, 1, 1, self.L + C, dtype=x.dtype, device=x.device)
+        key_bias.masked_fill_(~key_ok[:, None, None, :], _MASK_VALUE)
+        shift_kv = n_new[:, None] + torch.arange(self.L, device=x.device)[None, :]   # [B, L]
+        shift_cv = n_new[:, None] + torch.arange(pool.K, device=x.device)[None, :]   # [B, K]
+        for i, layer in enumerate(self.model.encoder.layers):
+            r = x + 0.5 * layer.feed_forward1(layer.norm_feed_forward1(x))
+            r = r + self._attention(i, layer.self_attn, layer.norm_self_att(r), valid, key_bias, slots, shift_kv)
+            r = r + self._conv(i, layer.conv, layer.norm_conv(r), valid, slots, shift_cv)
+            r = r + 0.5 * layer.feed_forward2(layer.norm_feed_forward2(r))
+            x = layer.norm_out(r)
+        pool.cache_len.index_copy_(0, slots, torch.clamp(cache_len + n_new, max=self.L))
+        return x
+
+    def _attention(self, i, att, h, valid, key_bias, slots, shift) -> torch.Tensor:
+        """Rel-pos MHSA of the chunk's queries over ``[L cached | C new]`` keys (NeMo
+        ``RelPositionMultiHeadAttention`` with ``cache_last_channel``); updates the K/V cache."""
+        pool = self.pool
+        B, C, _ = h.shape
+        H, dk, L = att.h, att.d_k, self.L
+        heads = lambda y: y.view(B, C, H, dk).transpose(1, 2)  # noqa: E731
+        q, k, v = heads(att.linear_q(h)), heads(att.linear_k(h)), heads(att.linear_v(h))
+        K = torch.cat([pool.k[i].index_select(0, slots), k], dim=2)  # [B, H, L + C, dk]
+        V = torch.cat([pool.v[i].index_select(0, slots), v], dim=2)
+        u = att.pos_bias_u.to(q.dtype)[None, :, None, :]
+        pv = att.pos_bias_v.to(q.dtype)[None, :, None, :]
+        P = L + 2 * C - 1  # relative positions L + C - 1 ... -(C - 1)
+        p = att.linear_pos(self._pe.to(h.dtype)).view(P, H, dk).permute(1, 2, 0)  # [H, dk, P]
+        bd_raw = torch.matmul(q + pv, p).contiguous()  # [B, H, C, P]
+        # query a, key w (position start - L + w): distance a + L - w -> column C - 1 - a + w
+        bd = bd_raw.as_strided((B, H, C, L + C), (H * C * P, C * P, P - 1, 1), bd_raw.storage_offset() + C - 1)
+        scale = 1.0 / math.sqrt(dk)
+        out = F.scaled_dot_product_attention(q + u, K, V, attn_mask=bd * scale + key_bias, scale=scale)
+        out = out * valid[:, None, :, None].to(out.dtype)
+        idx = shift[:, None, :, None].expand(B, H, L, dk)
+        pool.k[i].index_copy_(0, slots, torch.gather(K, 2, idx))
+        pool.v[i].index_copy_(0, slots, torch.gather(V, 2, idx))
+        return att.linear_out(out.transpose(1, 2).reshape(B, C, H * dk))
+
+    def _conv(self, i, mod, h, valid, slots, shift) -> torch.Tensor:
+        """Conv module with the last ``K`` GLU outputs of the stream as the depthwise conv's left
+        context and zeros beyond the chunk (NeMo ``cache_last_time``); updates that cache.
+        Works on the unfused module and on the engine's fused one (BatchNorm folded or not)."""
+        pool = self.pool
+        B, C, d = h.shape
+        pw1, dw, pw2 = mod.pointwise_conv1, mod.depthwise_conv, mod.pointwise_conv2
+        g = F.glu(F.linear(h, pw1.weight.squeeze(-1), pw1.bias), dim=-1)  # [B, C, d]
+        g = torch.where(valid[:, :, None], g, 0.0)
+        full = torch.cat([pool.conv[i].index_select(0, slots), g], dim=1)  # [B, K + C, d]
+        pool.conv[i].index_copy_(0, slots, torch.gather(full, 1, shift[:, :, None].expand(B, pool.K, d)))
+        left, right = mod.padding
+        y = F.pad(full.transpose(1, 2), (left - pool.K, right))  # [B, d, left + C + right]
+        y = F.conv1d(y, dw.weight, dw.bias, groups=d)  # [B, d, C]
+        if not getattr(mod, "_fold", False):
+            if mod.norm_type == "layer_norm":
+                y = mod.batch_norm(y.transpose(1, 2)).transpose(1, 2)
+            else:
+                y = mod.batch_norm(y)
+        y = F.silu(y)
+        return F.linear(y.transpose(1, 2), pw2.weight.squeeze(-1), pw2.bias)
+
+    def decode_step(self, f: torch.Tensor, n_new: torch.Tensor, slots: torch.Tensor) -> list[list[int]]:
+        """TDT label looping over the step's frames from the slots' carried decoder state
+        (updated in place); each row's new token ids."""
+        m, pool = self.model, self.pool
+        carry = DecoderCarry(pool.dec_time.index_select(0, slots), pool.dec_gp.index_select(0, slots),
+                             (pool.dec_h.index_select(1, slots), pool.dec_c.index_select(1, slots)))
+        hyps, out = label_looping_chunk(f, n_new, m.predictor, m.joint, m.durations, m.blank_id,
+                                        m.max_symbols_per_step, carry=carry)
+        pool.dec_time.index_copy_(0, slots, out.time)
+        pool.dec_gp.index_copy_(0, slots, out.gp.to(pool.dec_gp.dtype))
+        pool.dec_h.index_copy_(1, slots, out.state[0].to(pool.dec_h.dtype))
+        pool.dec_c.index_copy_(1, slots, out.state[1].to(pool.dec_c.dtype))
+        return [h.token_ids for h in hyps]
+
+
+__all__ = ["ParakeetStreamer", "StreamingConfig", "StreamResult", "StatePool", "StreamError"]

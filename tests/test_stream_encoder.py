@@ -1,0 +1,386 @@
+"""The chunked streaming encoder (flashasr.models.parakeet.streaming) against exact references.
+
+Where the maths says the chunked step must equal something, it is checked on the NeMo-made tiny
+fixture, on another architecture with random weights (x4 subsampling, xscaling, biases, LayerNorm
+conv, kernel 5: nothing tuned to one model) and on real speech:
+
+* a whole utterance in one flushed step = the offline encoder and NeMo's own tokens;
+* feature frames and the windowed subsampling = the offline ones of the whole stream;
+* the first chunk = the offline encoder on the same (normalised) features;
+* every later chunk = a block-masked offline encoder (the chunk's frames attend to
+  ``[chunk start - L, chunk end)``, the depthwise conv sees zeros past the chunk), written here
+  independently with full-sequence tensors and no caches;
+* streams at different positions in one batched step = each stream alone;
+* the TDT decoder carried across chunks = decoding the same frames whole.
+
+What is not exact (later chunks vs the offline encoder) is measured, not asserted:
+``bench/bench_stream_scale.py --drift``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import PARAKEET_FIXTURES
+from flashasr.models.parakeet.decoder import (DecoderCarry, greedy_tdt_label_looping, label_looping_chunk)
+from flashasr.models.parakeet.encoder import _rel_shift, relative_positions
+from flashasr.models.parakeet.model import ParakeetASR, load_parakeet
+from flashasr.models.parakeet.nemo_format import read_nemo
+from flashasr.models.parakeet.preprocessor import MelPreprocessor
+from flashasr.models.parakeet.streaming import ParakeetStreamer, StreamError, StreamingConfig
+
+TINY = PARAKEET_FIXTURES / "tiny-tdt"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_parakeet(TINY / "model.nemo")
+
+
+@pytest.fixture(scope="module")
+def other():
+    """x4 subsampling (2 stages), xscaling, biases, LayerNorm conv module, kernel 5, 3 layers."""
+    cfg = copy.deepcopy(read_nemo(TINY / "model.nemo").config)
+    cfg["encoder"].update(d_model=64, n_layers=3, n_heads=2, subsampling_factor=4, subsampling_conv_channels=16,
+                          xscaling=True, use_bias=True, conv_kernel_size=5, conv_norm_type="layer_norm")
+    cfg["joint"]["jointnet"]["encoder_hidden"] = 64
+    cfg["model_defaults"] = {}
+    return ParakeetASR.from_config(cfg, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return np.load(TINY / "reference.npz")
+
+
+@pytest.fixture(scope="module")
+def speech(ref):
+    """9.1 s of real speech (LibriSpeech dev-clean, the fixture's 4th clip)."""
+    return ref["audio"][3, : ref["audio_lengths"][3]].astype(np.float32)
+
+
+def _capture(streamer):
+    """Record each step's projected encoder frames ``[n, J]`` per stream key."""
+    got: dict[str, list] = {}
+    orig = streamer.device_step
+
+    def step(seg, n_new, first, feat_valid, slots):
+        keys = {st.slot: k for k, st in streamer.streams.items()}
+        f, n = streamer.encode_step(*(torch.from_numpy(a) for a in (seg, n_new, first, feat_valid, slots)))
+        for b, s in enumerate(slots):
+            got.setdefault(keys[int(s)], []).append(f[b, : int(n_new[b])].clone())
+        return streamer.decode_step(f, n, torch.from_numpy(slots))
+
+    streamer.device_step = step
+    return got
+
+
+def _raw_logmel(model, audio: np.ndarray) -> torch.Tensor:
+    """The offline log-mel of the whole audio before normalisation, ``[M, T]`` float64."""
+    cfg = copy.copy(model.preprocessor.cfg)
+    cfg.normalize = None
+    pre = MelPreprocessor(cfg)
+    pre.load_state_dict(model.preprocessor.state_dict())
+    x = torch.from_numpy(audio)[None]
+    feats, flen = pre(x, torch.tensor([len(audio)]))
+    return feats[0, :, : int(flen[0])].double()
+
+
+def _normalise(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """NeMo per_feature normalisation with the statistics of frames ``[0, n)`` (two-pass, unbiased)."""
+    mean = raw[:, :n].mean(1, keepdim=True)
+    std = raw[:, :n].std(1, keepdim=True) if n > 1 else torch.zeros_like(mean)
+    return ((raw - mean) / (std + 1e-5)).float()
+
+
+def _reference(model, audio: np.ndarray, bounds: list[tuple[int, int]], L: int) -> torch.Tensor:
+    """The block-masked offline encoder the chunked step must equal: chunk ``[v0, v1)``'s frames come
+    from the offline subsampling of their window of features normalised with the statistics of
+    frames ``[0, sub*v1)``; every layer runs on the whole sequence with attention limited to
+    ``[v0 - L, v1)`` and the depthwise conv zero-padded at ``v1``. Returns ``joint.project_encoder``."""
+    enc, sub = model.encoder, model.encoder.cfg.subsampling_factor
+    raw = _raw_logmel(model, audio)
+    xs = []
+    with torch.no_grad():
+        for v0, v1 in bounds:
+            feats = _normalise(raw, sub * v1)
+            w0 = max(0, sub * (v0 - 1))
+            win = feats[:, w0: sub * v1].T[None]
+            x, _ = enc.pre_encode(win, torch.tensor([win.shape[1]]))
+            xs.append(x[0] if v0 == 0 else x[0, 1:])
+        x = torch.cat(xs)[None]
+        if enc.xscale is not None:
+            x = x * enc.xscale
+        T = x.shape[1]
+        start = torch.cat([torch.full((b - a,), a) for a, b in bounds])
+        end = torch.cat([torch.full((b - a,), b) for a, b in bounds])
+        s = torch.arange(T)
+        allowed = (s[None, :] < end[:, None]) & (s[None, :] >= start[:, None] - L)  # [T, T]
+        pos = relative_positions(T, enc.d_model)
+        for layer in enc.layers:
+            r = x + 0.5 * layer.feed_forward1(layer.norm_feed_forward1(x))
+            r = r + _masked_attention(layer.self_attn, layer.norm_self_att(r), pos, allowed)
+            r = r + _chunked_conv(layer.conv, layer.norm_conv(r), bounds)
+            r = r + 0.5 * layer.feed_forward2(layer.norm_feed_forward2(r))
+            x = layer.norm_out(r)
+        if enc.out_proj is not None:
+            x = enc.out_proj(x)
+        return model.joint.project_encoder(x)[0]
+
+
+def _masked_attention(att, h, pos, allowed):
+    T = h.shape[1]
+    heads = lambda y: y.view(1, T, att.h, att.d_k).transpose(1, 2)  # noqa: E731
+    q, k, v = heads(att.linear_q(h)), heads(att.linear_k(h)), heads(att.linear_v(h))
+    p = att.linear_pos(pos).view(1, -1, att.h, att.d_k).transpose(1, 2)
+    ac = torch.matmul(q + att.pos_bias_u[None, :, None], k.transpose(-2, -1))
+    bd = _rel_shift(torch.matmul(q + att.pos_bias_v[None, :, None], p.transpose(-2, -1)))
+    scores = ((ac + bd) / math.sqrt(att.d_k)).masked_fill(~allowed, -10000.0)
+    out = torch.matmul(torch.softmax(scores, -1), v)
+    return att.linear_out(out.transpose(1, 2).reshape(1, T, -1))
+
+
+def _chunked_conv(mod, h, bounds):
+    x = F.glu(mod.pointwise_conv1(h.transpose(1, 2)), dim=1)  # [1, d, T]
+    ys = [mod.depthwise_conv(F.pad(x[:, :, :b], mod.padding))[:, :, a:b] for a, b in bounds]
+    y = torch.cat(ys, dim=2)
+    y = mod.batch_norm(y.transpose(1, 2)).transpose(1, 2) if mod.norm_type == "layer_norm" else mod.batch_norm(y)
+    return mod.pointwise_conv2(F.silu(y)).transpose(1, 2)
+
+
+def _stream(streamer, key, audio, sizes, flush=False):
+    """Feed ``audio`` in requests of the given sizes (cycled); returns the chunk bounds and results."""
+    bounds, results, i, k = [], [], 0, 0
+    while i < len(audio):
+        n = sizes[k % len(sizes)]
+        before = streamer.streams[key].frames if key in streamer.streams else 0
+        r = streamer.step([(key, audio[i:i + n])])[0]
+        if r.frames > before:  # sub-steps of at most C frames
+            a = before
+            while a < r.frames:
+                bounds.append((a, min(r.frames, a + streamer.C)))
+                a = bounds[-1][1]
+        results.append(r)
+        i, k = i + n, k + 1
+    return bounds, results
+
+
+# ------------------------------------------------------------------------------ exact claims
+def test_flushed_whole_utterances_equal_offline_and_nemo(tiny, ref):
+    """Four clips (0.7-9.1 s) as four streams of one flushed step: NeMo's encoder output and tokens."""
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=128, left_frames=16))
+    got = _capture(s)
+    clips = [ref["audio"][b, : ref["audio_lengths"][b]].astype(np.float32) for b in range(4)]
+    res = s.step([(f"c{b}", c) for b, c in enumerate(clips)], flush=True)
+    for b, r in enumerate(res):
+        n = int(ref["num_tokens"][b])
+        assert r.frames == int(ref["encoded_lengths"][b])
+        assert s.streams[f"c{b}"].tokens == ref["token_ids"][b, :n].tolist()
+        assert r.text == str(ref["texts"][b])
+        nemo = torch.from_numpy(ref["encoder_output"][b, :, : r.frames].T.copy())
+        want = tiny.joint.project_encoder(nemo)
+        torch.testing.assert_close(got[f"c{b}"][0], want, rtol=1e-3, atol=1e-3)
+
+
+def test_feature_frames_and_windowed_subsampling_equal_the_whole_stream(tiny, other, speech):
+    for model in (tiny, other):
+        s = ParakeetStreamer(model, StreamingConfig(chunk_frames=6, left_frames=8))
+        sub, x = s.sub, speech[:80000]
+        raw = _raw_logmel(model, x)
+        feats = _normalise(raw, raw.shape[1])  # one set of statistics for the whole check
+        whole, _ = model.encoder.pre_encode(feats.T[None], torch.tensor([feats.shape[1]]))
+        if model.encoder.xscale is not None:  # the streamer's subsampling output includes xscaling
+            whole = whole * model.encoder.xscale
+        st = s._open("w", True)
+        s._append(st, s._check("w", x))
+        done = 0
+        for k in (5, 6, 1, 6, 3):  # chunks of encoder frames, first chunk included
+            seg = np.zeros((1, s.window_samples), np.float32)
+            s._segment(st, seg[0])
+            s.normalize = False
+            fw = s._features(torch.from_numpy(seg), torch.tensor([sub * (k + 1)]), torch.tensor([st.slot]))[0]
+            s.normalize = True
+            w0 = sub * (done - 1)
+            lo = max(0, -w0)
+            torch.testing.assert_close(fw[lo: sub * (k + 1)].T.double(), raw[:, w0 + lo: sub * (done + k)],
+                                       rtol=1e-5, atol=1e-4)
+            win = torch.zeros(1, s.window_frames, raw.shape[0])
+            win[0, lo: sub * (k + 1)] = feats[:, w0 + lo: sub * (done + k)].T
+            y = s._subsample(win, torch.tensor([done == 0]), torch.tensor([sub * (k + 1)]))
+            torch.testing.assert_close(y[0, :k], whole[0, done: done + k], rtol=1e-5, atol=1e-5)
+            s._advance(st, k)
+            done += k
+
+
+@pytest.mark.parametrize("which", ["tiny", "other"])
+def test_chunks_equal_the_block_masked_offline_encoder(request, which, speech):
+    model = request.getfixturevalue(which)
+    L = 7
+    s = ParakeetStreamer(model, StreamingConfig(chunk_frames=5, left_frames=L))
+    got = _capture(s)
+    x = speech[:64000]
+    bounds, _ = _stream(s, "a", x, [8000, 3000, 13000, 160])
+    f = torch.cat(got["a"])
+    want = _reference(model, x, bounds, L)
+    assert f.shape == want.shape and len(bounds) > 6
+    torch.testing.assert_close(f, want, rtol=1e-4, atol=1e-4)
+    # the first chunk is the offline encoder on its own (normalised) features
+    v1, sub = bounds[0][1], s.sub
+    feats = _normalise(_raw_logmel(model, x), sub * v1)[:, : sub * v1]
+    enc, _ = model.encoder(feats[None], torch.tensor([sub * v1]), channels_last=True)
+    torch.testing.assert_close(got["a"][0], model.joint.project_encoder(enc)[0], rtol=1e-4, atol=1e-4)
+    # the TDT decoder carried over the chunks = decoding the same frames whole
+    hyp = greedy_tdt_label_looping(want[None].clone(), torch.tensor([want.shape[0]]), model.predictor,
+                                   _Projected(model.joint), model.durations, model.blank_id,
+                                   model.max_symbols_per_step)[0]
+    assert s.streams["a"].tokens == hyp.token_ids
+
+
+class _Projected(torch.nn.Module):
+    """The model's joint with an identity encoder projection (frames given already projected)."""
+
+    def __init__(self, joint):
+        super().__init__()
+        self.j = joint
+        self.enc = joint.enc
+
+    def project_encoder(self, f):
+        return f
+
+    def project_predictor(self, g):
+        return self.j.project_predictor(g)
+
+    def joint_after_projection(self, f, g):
+        return self.j.joint_after_projection(f, g)
+
+
+def test_streams_at_different_positions_batched_equal_each_alone(tiny, speech):
+    cfg = StreamingConfig(chunk_frames=6, left_frames=10, slots=2)  # the pool grows while streams are live
+    clips = {"a": speech[:40000], "b": speech[20000:70000], "c": speech[5000:30000]}
+    sizes = {"a": [8000], "b": [3200, 12800], "c": [4000, 900]}
+    alone = {}
+    for k, x in clips.items():
+        s = ParakeetStreamer(tiny, cfg)
+        got = _capture(s)
+        _stream(s, k, x, sizes[k])
+        alone[k] = (torch.cat(got[k]), list(s.streams[k].tokens))
+    s = ParakeetStreamer(tiny, cfg)
+    got = _capture(s)
+    pos = {k: 0 for k in clips}
+    turn = {k: 0 for k in clips}
+    while any(pos[k] < len(clips[k]) for k in clips):
+        reqs = []
+        for k, x in clips.items():
+            if pos[k] < len(x):
+                n = sizes[k][turn[k] % len(sizes[k])]
+                reqs.append((k, x[pos[k]: pos[k] + n]))
+                pos[k] += n
+                turn[k] += 1
+        s.step(reqs)
+    assert s.pool.capacity >= 3
+    for k in clips:
+        torch.testing.assert_close(torch.cat(got[k]), alone[k][0], rtol=1e-5, atol=1e-5)
+        assert s.streams[k].tokens == alone[k][1]
+
+
+def test_decoder_carry_equals_whole_decode(tiny, ref):
+    """NeMo's encoder output of the 9.1 s clip, decoded in random chunks: NeMo's tokens."""
+    rng = np.random.default_rng(0)
+    n = int(ref["encoded_lengths"][3])
+    f = tiny.joint.project_encoder(torch.from_numpy(ref["encoder_output"][3, :, :n].T.copy()))[None]
+    for _ in range(3):
+        cuts = sorted(set(rng.integers(1, n, 12).tolist())) + [n]
+        carry, ids, frames, durs, a = None, [], [], [], 0
+        for b in cuts:
+            hyps, carry = label_looping_chunk(f[:, a:b], torch.tensor([b - a]), tiny.predictor, tiny.joint,
+                                              tiny.durations, tiny.blank_id, tiny.max_symbols_per_step, carry=carry)
+            ids += hyps[0].token_ids
+            frames += [t + a for t in hyps[0].token_frames]
+            durs += hyps[0].token_durations
+            a = b
+        k = int(ref["num_tokens"][3])
+        assert ids == ref["token_ids"][3, :k].tolist() and frames == ref["token_frames"][3, :k].tolist()
+        assert durs == ref["token_durations"][3, :k].tolist()
+    start = DecoderCarry.start(2, tiny.predictor, tiny.joint, tiny.blank_id)
+    assert start.time.tolist() == [0, 0] and start.gp.shape == (2, tiny.joint.enc.out_features)
+
+
+# ------------------------------------------------------------------------------ the host side
+def test_hypothesis_only_grows_and_frames_follow_the_audio(tiny, speech):
+    s = ParakeetStreamer(tiny, StreamingConfig.for_cadence(500, left_frames=32))
+    assert s.C == 7  # 500 ms = 6.25 frames of 80 ms
+    prev_text, prev_stable, prev_tokens, n = "", "", 0, 0
+    for i in range(0, len(speech), 8000):
+        r = s.step([("a", speech[i:i + 8000])])[0]
+        n += len(speech[i:i + 8000])
+        assert r.frames == ((n - 256) // 160 + 1) // 8  # frames whose 512-sample windows all arrived
+        assert r.text.startswith(prev_text.rstrip()) and r.stable_text.startswith(prev_stable)
+        assert r.text.startswith(r.stable_text) and len(r.stable_text.split()) <= len(r.text.split())
+        assert r.new_tokens == r.tokens - prev_tokens
+        prev_text, prev_stable, prev_tokens = r.text, r.stable_text, r.tokens
+        assert s.streams["a"].x.size <= s.window_samples + 8000  # only what the next window needs is kept
+    assert prev_tokens > 0 and len(prev_stable.split()) < len(prev_text.split())
+
+
+def test_errors_are_per_request_and_streams_close(tiny, speech):
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=8, left_frames=4, slots=1, max_slots=2))
+    bad = speech[:8000].copy()
+    bad[5] = np.nan
+    out = s.step([("a", speech[:8000]), ("b", bad), ("c", speech[:8000], False)])
+    assert out[0].frames > 0
+    assert getattr(out[1], "code", None) == "invalid_audio"
+    assert isinstance(out[2], StreamError)  # unknown stream that is not new: its state was lost
+    out = s.step([("d", speech[:100]), ("e", speech[:100])])
+    assert not isinstance(out[0], Exception) and isinstance(out[1], StreamError)  # 2 slots: a and d
+    s.close("a")
+    s.close("a")
+    assert isinstance(s.step([("a", speech[:100])])[0], StreamError)  # closed streams do not come back
+    assert not isinstance(s.step([("e", speech[:100])])[0], Exception)  # its slot was given back
+    assert s.live() == 2
+
+
+def test_the_gpu_engines_encoder_variants(speech):
+    """The streamer on the encoder as the GPU engine leaves it (exact-math fusions: BatchNorm folded
+    into the depthwise conv, fused add+LayerNorm, fast attention; then bf16 with float32 norms):
+    fused = unfused to float tolerance, bf16 close (decisions may differ in bf16)."""
+    from flashasr.engine.fast_attention import install_fast_attention
+    from flashasr.engine.fuse import fuse_encoder
+    from flashasr.engine.profiles import prepare_encoder_precision
+
+    x = speech[:48000]
+    cfg = StreamingConfig(chunk_frames=7, left_frames=12)
+    outs = {}
+    for variant in ("plain", "fused", "bf16"):
+        m = load_parakeet(TINY / "model.nemo")
+        if variant != "plain":
+            assert fuse_encoder(m.encoder)["bn_fold"] == 2 and install_fast_attention(m.encoder) == 2
+        if variant == "bf16":
+            prepare_encoder_precision(m.encoder, torch.bfloat16)
+        s = ParakeetStreamer(m, cfg)
+        assert s.dtype == (torch.bfloat16 if variant == "bf16" else torch.float32)
+        got = _capture(s)
+        _stream(s, "a", x, [8000])
+        outs[variant] = torch.cat(got["a"]).float()
+    torch.testing.assert_close(outs["fused"], outs["plain"], rtol=1e-4, atol=1e-4)
+    rel = (outs["bf16"] - outs["plain"]).norm() / outs["plain"].norm()
+    assert rel < 3e-2
+
+
+def test_no_memory_for_more_slots_refuses_new_streams_only(tiny, speech, monkeypatch):
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=8, left_frames=4, slots=1, max_slots=64))
+    assert not isinstance(s.step([("a", speech[:8000])])[0], Exception)
+
+    def oom(capacity):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(s.pool, "_alloc", oom)
+    out = s.step([("a", speech[8000:16000]), ("b", speech[:8000])])
+    assert out[0].frames > 6 and isinstance(out[1], StreamError) and "memory" in str(out[1])
+    assert s.pool.ceiling == 1 and isinstance(s.step([("c", speech[:100])])[0], StreamError)
