@@ -43,17 +43,19 @@ class _Memo:
     def __getattr__(self, k):
         return getattr(self._m, k)
 
-    def transcribe_batch(self, waves, options=None, **changes):
+    def transcribe_batch(self, waves, options=None, *, speech=None, **changes):
         import hashlib
 
         from flashasr.options import TranscribeOptions
 
         options = TranscribeOptions.build(options, **changes)
-        keys = [(hashlib.sha1(w.tobytes()).hexdigest(), options.decoding) for w in waves]
+        speech = list(speech) if speech is not None else [None] * len(waves)
+        keys = [(hashlib.sha1(w.tobytes()).hexdigest(), options.decoding, None if s is None else tuple(map(tuple, s)))
+                for w, s in zip(waves, speech)]
         todo = [k for k in range(len(waves)) if keys[k] not in self._memo]
         if todo:
             self.calls += 1
-            outs = self._m.transcribe_batch([waves[k] for k in todo], options)
+            outs = self._m.transcribe_batch([waves[k] for k in todo], options, speech=[speech[k] for k in todo])
             for k, o in zip(todo, outs):
                 self._memo[keys[k]] = o
         import copy

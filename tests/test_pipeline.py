@@ -51,7 +51,7 @@ def test_plan_policy_table():
     assert _plan(45, WHISPERISH, max_segment_s=12)[1][0][2] == 12.0
     assert _plan(45, WHISPERISH, max_segment_s=99)[1][0][2] == 30.0
     assert _plan(45, WHISPERISH, segmentation="fixed")[1][0][3] == "fixed"
-    # none: the model's own long-form procedure (no VAD at all) ...
+    # none: the model's own long-form procedure (no cutting) ...
     assert _plan(300, WHISPERISH, segmentation="none") == ([(0, 300 * SR)], [])
     assert _plan(2, WHISPERISH, segmentation="none", speech=False) == ([(0, 2 * SR)], [])
     # ... and a model without one is still cut at pauses beyond its window
@@ -84,6 +84,55 @@ def test_a_model_without_a_speech_gate_runs_the_vad_only_to_cut():
     assert ParakeetASR.speech_gate is False and WhisperASR.speech_gate is True
 
 
+def test_an_ungated_model_gets_no_vad_pass_unless_it_must_be_cut(monkeypatch):
+    """Parakeet-TDT (no speech gate): a recording that fits its window gets no VAD pass in any
+    segmentation and goes in whole without speech spans; ``fixed`` windows of a longer one cover
+    it without the VAD; only a cut at pauses (vad, or none beyond the window) runs it, and its
+    pieces carry the spans. A gated model (Whisper) runs it in every mode."""
+    from dataclasses import replace
+
+    import flashasr.audio.vad as vad
+    from flashasr.pipeline import needs_vad
+
+    calls = []
+    real_spans, real_split = vad.asr_speech_spans, vad.split_for_asr
+
+    def spans(*a, **k):
+        calls.append("spans")
+        return real_spans(*a, **k)
+
+    def split(*a, **k):
+        calls.append(k.get("method", "vad"))
+        return real_split(*a, **k)
+
+    monkeypatch.setattr(vad, "asr_speech_spans", spans)
+    monkeypatch.setattr(vad, "split_for_asr", split)
+    ungated = replace(PARAKEETISH, speech_gate=False)
+    clip = __import__("flashasr.audio", fromlist=["load_audio"]).load_audio(AUDIO / "en" / "en-ls-61-70968-0002.wav").samples
+    x = np.concatenate([clip, np.zeros(40 * SR, np.float32)])  # 43 s: fits the 60 s window
+    for mode in ("vad", "none", "fixed"):
+        o = TranscribeOptions(segmentation=mode).resolve(ungated)
+        (p,) = plan_pieces(x, o, ungated)
+        assert p == (0, len(x)) and p.speech is None and not needs_vad(len(x), o, ungated)
+        (p,) = plan_pieces(np.zeros(50 * SR, np.float32), o, ungated)  # no speech: still whole, blanks decide
+        assert p == (0, 50 * SR)
+    long = np.zeros(150 * SR, np.float32)
+    o = TranscribeOptions(segmentation="fixed").resolve(ungated)
+    assert plan_pieces(long, o, ungated) == [(0, 60 * SR), (60 * SR, 120 * SR), (120 * SR, 150 * SR)]
+    assert not needs_vad(long.size, o, ungated) and calls == []
+    long[100 * SR: 100 * SR + clip.size] = clip
+    for mode in ("vad", "none"):
+        o = TranscribeOptions(segmentation=mode).resolve(ungated)
+        assert needs_vad(long.size, o, ungated)
+        (p,) = plan_pieces(long, o, ungated)
+        assert p[0] <= 100.5 * SR and p[1] >= 100 * SR + clip.size - SR // 2 and p.speech
+    assert calls == ["vad", "vad"]
+    calls.clear()
+    for mode in ("vad", "none", "fixed"):  # gated: the VAD every time
+        plan_pieces(x[: 20 * SR], TranscribeOptions(segmentation=mode).resolve(WHISPERISH), WHISPERISH)
+    assert calls.count("vad") == 1 and calls.count("spans") == 2
+
+
 def test_plan_with_the_real_vad():
     """clip, 30 s of silence, clip: two pieces around the speech; 5 s of silence: none."""
     from flashasr.audio import load_audio
@@ -95,6 +144,18 @@ def test_plan_with_the_real_vad():
     assert pieces[0][1] < len(a) + SR and pieces[1][0] > len(a) + 29 * SR
     assert plan_pieces(np.zeros(5 * SR, np.float32), TranscribeOptions(), WHISPERISH) == []
     assert plan_pieces(a, TranscribeOptions(), WHISPERISH) == [(0, len(a))]
+    # every piece carries the VAD's speech spans inside it, counted from its start
+    for p in pieces:
+        assert p.speech and all(0 <= s < e <= p[1] - p[0] for s, e in p.speech)
+    # none: one piece, its spans show the silence between the clips; fixed: windows without speech left out
+    (whole,) = plan_pieces(x, TranscribeOptions(segmentation="none").resolve(WHISPERISH), WHISPERISH)
+    assert whole == (0, len(x)) and len(whole.speech) == 2 and whole.speech[1][0] - whole.speech[0][1] > 29 * SR
+    fixed = plan_pieces(x, TranscribeOptions(segmentation="fixed", max_segment_s=10).resolve(WHISPERISH), WHISPERISH)
+    assert [p[0] for p in fixed] == [0, 30 * SR] and all(p.speech for p in fixed)
+    # no speech: no piece in any mode; a custom splitter's pieces carry no spans
+    for mode in ("none", "fixed"):
+        assert plan_pieces(np.zeros(40 * SR, np.float32), TranscribeOptions(segmentation=mode), WHISPERISH) == []
+    assert _plan(45, WHISPERISH)[0][0].speech is None
 
 
 class Fake(ASRModel):
@@ -181,7 +242,10 @@ def test_models_never_cut_and_the_pipeline_does(monkeypatch):
         return [Hypothesis([2], [0], [1]) for _ in pieces]
 
     monkeypatch.setattr(m, "_decode_pieces", fake_decode)
-    x = np.random.default_rng(0).standard_normal(70 * SR).astype(np.float32) * 0.01
+    from flashasr.audio import load_audio
+
+    speech = load_audio(AUDIO / "long" / "long-en-voxpopuli-000.ogg").samples  # 69.2 s: speech in every window
+    x = np.concatenate([speech, np.zeros(SR, np.float32)])[: 70 * SR]
     assert m.transcribe_waveform(x).duration == 70.0 and seen == [[70 * SR]]
     seen.clear()
     t = transcribe_samples(m, x, TranscribeOptions(segmentation="fixed", max_segment_s=30))
@@ -197,7 +261,12 @@ def test_transcribe_samples_checks_options_and_audio_first():
         transcribe_samples(m, np.full(SR, np.nan, np.float32), TranscribeOptions(segmentation="none"))
     assert e.value.code == "invalid_audio" and m.calls == []
     t = transcribe_samples(m, np.zeros(SR, np.float32), TranscribeOptions(segmentation="none", language="nl"))
-    assert (t.text, t.language, t.duration) == ("n16000", "nl", 1.0)
+    assert (t.text, t.language, t.duration) == ("", "nl", 1.0) and m.calls == []  # no speech: no model call
+    from flashasr.audio import load_audio
+
+    a = load_audio(AUDIO / "en" / "en-ls-61-70968-0002.wav").samples
+    t = transcribe_samples(m, a, TranscribeOptions(segmentation="none", language="nl"))
+    assert (t.text, t.language, t.language_probability) == (f"n{a.size}", "nl", 1.0)
 
 
 def test_engine_choice_is_one_place(monkeypatch):

@@ -136,6 +136,15 @@ def test_transcript_wire_roundtrip():
     assert ipc.transcript_from_wire(ipc.transcript_to_wire(t)) == t
 
 
+def _take(s: BatchScheduler) -> list:
+    """The items of the scheduler's next model call, as if that call finished the batch at once."""
+    kind, work = s._pick()
+    if kind == "run":
+        s._stepped(work, None, done=True)
+        return work.items
+    return work or []
+
+
 def test_scheduler_priorities_packing_and_coalescing():
     class NoModel:  # the picking logic runs without any model call
         sample_rate = 16000
@@ -152,7 +161,7 @@ def test_scheduler_priorities_packing_and_coalescing():
         assert await asyncio.wait_for(tasks[5], 1) is None  # superseded partial
         picks = []
         while True:
-            b = s._pick()
+            b = _take(s)
             if not b:
                 break
             picks.append([(it.priority, it.samples.size) for it in b])
@@ -280,11 +289,14 @@ def test_translate_task_crosses_the_engine_socket(tmp_path):
     assert a.to_dict()["task"] == "translate"
 
 
-def test_scheduler_fair_queue_equal_lengths_and_no_starvation():
-    """Uploads share the model fairly by audio seconds: an upload arriving behind a long one of
-    equal-length pieces is served within the next two batches (not after all of them), and a long
-    upload keeps about half the batches while short uploads keep arriving (it never starves)."""
+def test_scheduler_short_requests_first_bulk_shared_fairly_nothing_starves():
+    """Short requests (at most 30 s of audio) go before the pieces of long uploads, waiting for
+    the call running only, while bulk work keeps one call in every four under a flood of them;
+    long uploads among themselves share the model fairly by audio seconds (an upload arriving
+    behind a long one of equal-length pieces is served within the next two batches) and a long
+    upload keeps moving while others keep arriving."""
     from flashasr.options import TranscribeOptions
+    from flashasr.serve.scheduler import BULK_EVERY
 
     class NoModel:
         sample_rate = 16000
@@ -292,20 +304,20 @@ def test_scheduler_fair_queue_equal_lengths_and_no_starvation():
     opts = TranscribeOptions()
     secs = lambda n: [(k * 16000, (k + 1) * 16000) for k in range(n)]  # noqa: E731 - n pieces of 1 s
 
-    async def go(n_long: int, max_batch: int, arrivals: int):
+    async def go(n_long: int, max_batch: int, arrivals: int, short_s: float):
         """A long upload, then before each of ``arrivals`` picks a 2-piece (first pick) or 1-piece
-        short upload; returns per pick how many of its pieces were the long upload's."""
-        s = BatchScheduler(NoModel(), max_batch=max_batch)
+        upload; returns per pick how many of its pieces were the long upload's."""
+        s = BatchScheduler(NoModel(), max_batch=max_batch, short_s=short_s)
         s._wake = asyncio.Event()
         xl = np.zeros(16000 * n_long, np.float32)
         tasks = [asyncio.ensure_future(s.submit_pieces(xl, secs(n_long), opts))]
         await asyncio.sleep(0)
-        picks = [s._pick()]
+        picks = [_take(s)]
         for k in range(arrivals):
             tasks.append(asyncio.ensure_future(s.submit_pieces(np.zeros(32000, np.float32), secs(2 if k == 0 else 1),
                                                                opts)))
             await asyncio.sleep(0)
-            picks.append(s._pick())
+            picks.append(_take(s))
         for b in picks:
             for it in b:
                 if not it.fut.done():
@@ -316,15 +328,22 @@ def test_scheduler_fair_queue_equal_lengths_and_no_starvation():
         await s.stop()
         return [sum(it.samples.base is xl for it in b) for b in picks]
 
-    # equal lengths, batches of 2: A's first batch, then B's two pieces within the next two batches
-    longs = asyncio.run(go(20, 2, 2))
+    # short requests: B's two pieces go next, C after them with a 1 s piece of the long upload beside it
+    assert asyncio.run(go(40, 2, 2, 30.0)) == [2, 0, 1]
+    # a flood of short requests: bulk work still gets one call in every BULK_EVERY + 1
+    longs = asyncio.run(go(40, 1, 80, 30.0))
+    assert all(sum(longs[k: k + BULK_EVERY + 1]) >= 1 for k in range(0, 80 - BULK_EVERY)), longs
+    assert sum(longs[:20]) == 20 // (BULK_EVERY + 1), longs
+    # bulk among itself (no request counts as short): equal lengths, batches of 2: A's first batch,
+    # then B's two pieces within the next two batches
+    longs = asyncio.run(go(20, 2, 2, 0.0))
     assert longs[0] == 2 and 4 - sum(longs[1:]) == 2 + 1  # B's 2 pieces and the 1-piece C, A's the rest
-    longs = asyncio.run(go(20, 2, 1))
+    longs = asyncio.run(go(20, 2, 1, 0.0))
     assert longs[1] <= 1  # B's pieces lead the very next batch
-    # overload: batches of 1 and a new short upload before every pick. Each upload gets an equal
+    # overload: batches of 1 and a new upload before every pick. Each upload gets an equal
     # share, so the long one's share shrinks as the backlog of short ones grows, but it keeps moving
     # (the virtual time reaches its next piece) and finishes; a rule that always let newer uploads'
     # first pieces go first would leave it at its first piece forever
-    longs = asyncio.run(go(10, 1, 80))
+    longs = asyncio.run(go(10, 1, 80, 0.0))
     assert sum(longs) == 10, longs
     assert sum(longs[:20]) >= 5, longs

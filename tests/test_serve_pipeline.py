@@ -87,17 +87,16 @@ async def _in_process_server(cfg, model):
 
 
 def test_long_upload_is_cut_in_the_cpu_pool_and_takes_turns_with_a_short_one(monkeypatch):
-    import flashasr.pipeline.plan as plan
+    import flashasr.audio.vad as vad
     from flashasr.serve.config import ServeConfig
 
     split_threads = []
-    real_split = plan.vad_split
 
-    def recording_split(*a, **kw):
+    def all_speech(samples, *a, **kw):  # the VAD, as planning calls it: here everything is speech
         split_threads.append(threading.current_thread().name)
-        return real_split(*a, **kw)
+        return [(0, len(samples))]
 
-    monkeypatch.setattr(plan, "vad_split", recording_split)
+    monkeypatch.setattr(vad, "asr_speech_spans", all_speech)
     model = SlowModel()
     cfg = ServeConfig(max_batch=2, batch_wait_ms=0, cpu_threads=2, warmup=False)
     form = {"segmentation": "fixed", "max_segment_s": "1", "response_format": "verbose_json"}

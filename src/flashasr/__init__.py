@@ -42,7 +42,10 @@ def transcribe(audio, *, model=None, options: TranscribeOptions | None = None, s
             Options the model does not use (``prompt``/``temperature`` on Parakeet-TDT) raise a
             ``UserWarning`` naming them and are ignored.
     Returns:
-        :class:`~flashasr.types.Transcript` (text, language, duration in seconds, segments, words).
+        :class:`~flashasr.types.Transcript` (text, language and its probability, duration in seconds,
+        segments, words, ``warnings``). A damaged or truncated input gives the transcript of what
+        decodes, a ``damaged_input`` entry in ``warnings`` (decoded and declared seconds) and a
+        ``UserWarning`` saying so.
     Raises:
         flashasr.errors.AudioError (and subclasses) for undecodable input;
         flashasr.errors.ModelLoadError for a bad model spec; InvalidRequestError,
@@ -61,7 +64,15 @@ def transcribe(audio, *, model=None, options: TranscribeOptions | None = None, s
 
         warnings.warn(f"model {m.capabilities.name} does not use {', '.join(ignored)}; ignored", stacklevel=2)
     wav = load_audio_parallel(audio, sample_rate=sample_rate, target_rate=m.sample_rate)
-    return transcribe_samples(m, wav.samples, opts)
+    damage = wav.damage(audio)
+    if damage:
+        import warnings
+
+        for w in damage:
+            warnings.warn(f"{audio if isinstance(audio, str) else 'input'}: {w['message']}", UserWarning, stacklevel=2)
+    samples = wav.samples
+    del wav
+    return transcribe_samples(m, samples, opts, warnings=damage)
 
 
 __all__ = ["transcribe", "load_model", "TranscribeOptions", "Transcript", "Segment", "Word", "FlashASRError",

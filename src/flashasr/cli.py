@@ -275,7 +275,11 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
 
 
 def _report(args: argparse.Namespace, items: list, missing: list, report) -> int:
-    """The end of a job on the command line: ``failed:`` lines, the interrupt line, the table; the exit code."""
+    """The end of a job on the command line: ``warning:`` and ``failed:`` lines, the interrupt line, the
+    table; the exit code."""
+    for r in report.results:  # what the caller should know about a transcript: a damaged input, a cut loop
+        for w in r.warnings or ():
+            _err(f"warning: {r.item.display}: [{w.get('code')}] {w.get('message')}")
     for r in report.failed:
         msg = r.error_message or ""
         if msg.startswith(f"{r.item.display}: "):  # the line already names the file

@@ -64,6 +64,14 @@ class Transcript:
 
     ``text``: the full text; ``language``: ISO 639-1 code (or None when unknown);
     ``duration``: decoded audio duration in seconds; ``segments``/``words``: timed pieces.
+    ``language_probability``: the detector's probability of ``language`` (1.0 when the language was
+    given or the model has only one; None when nothing was detected: no speech).
+    ``language_probs``: the detector's most likely languages ``{code: probability}`` (at most
+    five; None when not detected) -- what the merger weighs across pieces, not rendered.
+    ``warnings``: what the caller should know about this transcript, each
+    ``{"code": ..., "message": ..., ...}``: the input was damaged or truncated (``damaged_input``:
+    ``decoded_s``, ``declared_s``), a repetition loop was cut (``repetition_removed``: ``start``,
+    ``end`` in seconds, ``text`` the unit kept, ``copies``). Empty: nothing to say.
     """
 
     text: str
@@ -73,6 +81,9 @@ class Transcript:
     words: list[Word] | None = None
     model: str | None = None
     task: str = "transcribe"  # or "translate" (English text from another language)
+    language_probability: float | None = None
+    language_probs: dict[str, float] | None = field(default=None, repr=False)
+    warnings: list[dict] = field(default_factory=list)
 
     def to_dict(self, *, words: bool | None = None) -> dict:
         """OpenAI ``verbose_json`` dict. ``words`` forces inclusion (None: include if present)."""
@@ -85,10 +96,19 @@ class Transcript:
             "text": self.text,
             "segments": [s.to_dict() for s in self.segments],
         }
+        if self.language_probability is not None:  # extensions of OpenAI's shape, only when known
+            d["language_probability"] = round(float(self.language_probability), 4)
         want_words = (self.words is not None) if words is None else words
         if want_words:
             d["words"] = [w.to_dict() for w in (self.words or [])]
+        if self.warnings:
+            d["warnings"] = [dict(w) for w in self.warnings]
         return d
+
+
+def warning(code: str, message: str, **fields) -> dict:
+    """One entry of :attr:`Transcript.warnings`: ``{"code", "message", **fields}`` (JSON-able)."""
+    return {"code": code, "message": message, **fields}
 
 
 @dataclass
@@ -112,4 +132,4 @@ class StreamResult:
     tokens: int
 
 
-__all__ = ["Word", "Segment", "Transcript", "StreamResult", "asdict"]
+__all__ = ["Word", "Segment", "Transcript", "StreamResult", "warning", "asdict"]

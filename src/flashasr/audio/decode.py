@@ -68,6 +68,8 @@ class DecodedAudio:
             ``"numpy/int16"`` for arrays.
         warnings: human-readable notes on what was tolerated, e.g.
             ``"skipped 3 undecodable packets"``.
+        declared_duration: seconds the container's header declares (None: unknown, or not
+            recorded by the decode that made this object).
         resample_cpu_s: CPU seconds spent in soxr (part of the decode's CPU time; the job
             report's ``resample`` stage).
         other_threads_cpu_s: CPU seconds of the decode spent in threads other than the caller's
@@ -81,11 +83,50 @@ class DecodedAudio:
     source_channels: int
     source_format: str
     warnings: list[str] = field(default_factory=list)
+    declared_duration: float | None = None
     resample_cpu_s: float = 0.0
     other_threads_cpu_s: float = 0.0
 
     def __len__(self) -> int:
         return int(self.samples.shape[0])
+
+    def damage(self, source: Any = None) -> list[dict]:
+        """What the decode tolerated, as :attr:`flashasr.types.Transcript.warnings` entries: none for
+        a clean decode, else one ``damaged_input`` warning (all of :attr:`warnings`, the decoded
+        and the declared duration in seconds; the declared one read from ``source``'s header when
+        this object does not hold it)."""
+        if not self.warnings:
+            return []
+        declared = self.declared_duration
+        if declared is None and source is not None:
+            declared = declared_duration(source)
+        return [damage_warning("; ".join(self.warnings), self.duration, declared)]
+
+
+def truncation(decoded_s: float, declared_s: float | None) -> str | None:
+    """The one rule for a truncated input: the decode gave less than 98 % and over 0.25 s less than
+    the header declares. Returns the warning text, or None."""
+    if declared_s and decoded_s < 0.98 * declared_s and declared_s - decoded_s > 0.25:
+        return f"decoded {decoded_s:.2f} s but the header declares {declared_s:.2f} s (truncated or damaged input?)"
+    return None
+
+
+def damage_warning(what: str, decoded_s: float, declared_s: float | None) -> dict:
+    """A ``damaged_input`` entry of :attr:`flashasr.types.Transcript.warnings`."""
+    from ..types import warning
+
+    return warning("damaged_input", f"{what}; the transcript covers what decodes", decoded_s=round(decoded_s, 3),
+                   declared_s=None if declared_s is None else round(float(declared_s), 3))
+
+
+def declared_duration(source: Any) -> float | None:
+    """What ``source``'s header declares (seconds), or None (unknown, unreadable, not a path)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    try:
+        return probe(source)["duration"]
+    except Exception:  # noqa: BLE001 - only a figure for a warning
+        return None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -444,14 +485,58 @@ def _declared_duration(container, stream) -> float | None:
     return None
 
 
+def _head(source: Any, n: int = 1 << 16) -> bytes:
+    """The first ``n`` bytes of a path, bytes or seekable file object (left where it was); b"" when
+    they cannot be read without side effects."""
+    try:
+        if isinstance(source, (str, os.PathLike)):
+            with open(source, "rb") as f:
+                return f.read(n)
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            return bytes(memoryview(source).cast("B")[:n])
+        if hasattr(source, "read") and source.seekable():
+            pos = source.tell()
+            try:
+                source.seek(0)
+                return source.read(n) or b""
+            finally:
+                source.seek(pos)
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    return b""
+
+
+def _riff_declared(head: bytes) -> float | None:
+    """Seconds a RIFF/WAVE header's ``data`` chunk declares (its size over the ``fmt `` byte rate).
+    FFmpeg's WAV demuxer clamps the duration to the bytes present, so a truncated WAV looks whole
+    to it; this reads what the header says. None: not a WAVE header, or a streaming one whose
+    ``data`` size is unset (0 or 0xFFFFFFFF)."""
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    pos, byte_rate = 12, 0
+    while pos + 8 <= len(head):
+        cid, size = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
+        if cid == b"fmt " and pos + 20 <= len(head):
+            byte_rate = int.from_bytes(head[pos + 16:pos + 20], "little")
+        elif cid == b"data":
+            if byte_rate <= 0 or size in (0, 0xFFFFFFFF) or size >= 0xFFFFFF00:
+                return None
+            return size / byte_rate
+        pos += 8 + size + (size & 1)
+    return None
+
+
 class _ContainerSource:
     """Iterates one container's audio stream as float32 [C, n] blocks, tolerating damage."""
 
     def __init__(self, source: Any, label: str):
         self.label = label
+        riff = _riff_declared(_head(source, 4096)) if not _is_array(source) else None
         self.container, self.stream = _open_container(source, label)
         self.format = _format_name(self.container, self.stream)
         self.declared = _declared_duration(self.container, self.stream)
+        if riff is not None and self.format.startswith("wav") and (self.declared is None or riff > self.declared):
+            self.declared = riff  # what the header says, not what FFmpeg found
         self.bad_packets = 0
         self.bad_frames = 0
         self.demux_errors = 0
@@ -545,9 +630,9 @@ class _ContainerSource:
             w.append(f"skipped {self.bad_frames} frames with an unknown sample format")
         if self.demux_errors:
             w.append(f"the container is damaged: {self.demux_errors} demuxer read error(s) skipped")
-        if self.declared and decoded_s < 0.98 * self.declared and self.declared - decoded_s > 0.25:
-            w.append(f"decoded {decoded_s:.2f} s but the header declares {self.declared:.2f} s "
-                     "(truncated or damaged input?)")
+        cut = truncation(decoded_s, self.declared)
+        if cut:
+            w.append(cut)
         return w
 
     def check_nothing_decoded(self) -> None:
@@ -804,7 +889,8 @@ def load_audio(source: Any, *, sample_rate: int | None = None, target_rate: int 
     return DecodedAudio(samples=samples, sample_rate=d.out_rate,
                         duration=samples.shape[0] / d.out_rate,
                         source_sample_rate=int(d.src_rate), source_channels=int(d.src_channels),
-                        source_format=d.format, warnings=warnings, resample_cpu_s=d.pipe.resample_cpu_s)
+                        source_format=d.format, warnings=warnings,
+                        declared_duration=d.declared, resample_cpu_s=d.pipe.resample_cpu_s)
 
 
 def iter_audio(source: Any, *, target_rate: int = 16000, block_seconds: float = 30.0,
@@ -898,4 +984,5 @@ def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None
             source.seek(pos)
 
 
-__all__ = ["DecodedAudio", "load_audio", "iter_audio", "probe", "RAW_FORMATS"]
+__all__ = ["DecodedAudio", "load_audio", "iter_audio", "probe", "RAW_FORMATS", "truncation", "damage_warning",
+           "declared_duration"]

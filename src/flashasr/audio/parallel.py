@@ -632,8 +632,8 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None) -> 
     dur = samples.shape[0] / plan.out_rate
     return DecodedAudio(samples=samples, sample_rate=plan.out_rate, duration=dur,
                         source_sample_rate=plan.in_rate, source_channels=plan.channels,
-                        source_format=src.format, warnings=src.warnings(dur), resample_cpu_s=resample_s,
-                        other_threads_cpu_s=cpu_s)
+                        source_format=src.format, warnings=src.warnings(dur), declared_duration=src.declared,
+                        resample_cpu_s=resample_s, other_threads_cpu_s=cpu_s)
 
 
 __all__ = ["load_audio_parallel", "default_workers", "default_pool_kind", "MIN_PARALLEL_S"]

@@ -18,7 +18,8 @@ Three entry points:
   0.15``, as Silero's own ``get_speech_timestamps`` does; spans shorter than
   ``min_speech_s`` are dropped, the rest padded by ``pad_s`` and merged when they touch).
 * :func:`split_for_asr` - sample ranges <= ``max_segment_s`` for an ASR model, cut at the
-  longest pauses (VAD) or as fixed windows.
+  longest pauses (VAD) or as fixed windows; :func:`asr_speech_spans` - the speech spans it cuts
+  around (the pipeline hands them to the model with each piece).
 * :class:`StreamingVAD` - per-stream incremental detector with OpenAI Realtime
   ``server_vad`` semantics (threshold, prefix_padding_ms, silence_duration_ms).
 """
@@ -279,10 +280,47 @@ def _group(pieces: list[tuple[int, int]], max_len: int, min_len: int) -> list[tu
     return chunks
 
 
+# split_for_asr's VAD settings: a longer silence and padding than speech_segments' defaults, to keep
+# ASR context (also the speech spans the pipeline hands to the models with each piece)
+ASR_VAD = {"threshold": 0.5, "min_silence_s": 0.3, "min_speech_s": 0.25, "pad_s": 0.2}
+
+
+def _probs_for(x: np.ndarray, sample_rate: int, probs: np.ndarray | None) -> np.ndarray:
+    n = int(x.shape[0])
+    p = speech_probabilities(x, sample_rate) if probs is None else np.asarray(probs, np.float32).reshape(-1)
+    if probs is not None and sample_rate == VAD_RATE and p.shape[0] != -(-n // FRAME):
+        raise AudioArgumentError(f"probs holds {p.shape[0]} frames; {n} samples need {-(-n // FRAME)}")
+    return p
+
+
+def asr_speech_spans(samples: np.ndarray, sample_rate: int = 16000, *, probs: np.ndarray | None = None,
+                     threshold: float = ASR_VAD["threshold"], min_silence_s: float = ASR_VAD["min_silence_s"],
+                     min_speech_s: float = ASR_VAD["min_speech_s"],
+                     pad_s: float = ASR_VAD["pad_s"]) -> list[tuple[int, int]]:
+    """The speech spans :func:`split_for_asr` cuts around, as sample ranges.
+
+    Args:
+        samples: float32 [N] mono at ``sample_rate``.
+        probs: the speech probabilities already computed (see :func:`split_for_asr`); None: here.
+        threshold, min_silence_s, min_speech_s, pad_s: as :func:`speech_segments` (defaults
+            :data:`ASR_VAD`).
+    Returns:
+        sorted, non-overlapping ``[(start_sample, end_sample), ...]`` at ``sample_rate`` (padded,
+        clipped to [0, N), merged when they touch); empty when no speech is detected.
+    """
+    x = np.asarray(samples)
+    if x.shape[0] == 0:
+        return []
+    p = _probs_for(x, sample_rate, probs)
+    return _segments_samples(p, int(x.shape[0]), threshold=threshold, min_silence_s=min_silence_s,
+                             min_speech_s=min_speech_s, pad_s=pad_s, neg_threshold=None, rate=sample_rate)
+
+
 def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_s: float = 30.0,
                   min_segment_s: float | None = None, method: str = "vad", overlap_s: float = 0.0,
-                  threshold: float = 0.5, min_silence_s: float = 0.3, min_speech_s: float = 0.25,
-                  pad_s: float = 0.2, probs: np.ndarray | None = None) -> list[tuple[int, int]]:
+                  threshold: float = ASR_VAD["threshold"], min_silence_s: float = ASR_VAD["min_silence_s"],
+                  min_speech_s: float = ASR_VAD["min_speech_s"], pad_s: float = ASR_VAD["pad_s"],
+                  probs: np.ndarray | None = None, with_speech: bool = False):
     """Cut a long mono signal into ranges an ASR model can take (Whisper: 30 s windows).
 
     Args:
@@ -304,10 +342,13 @@ def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_
         probs: ``vad``: the speech probabilities of ``samples`` already computed (float32
             ``[ceil(N16 / 512)]``, e.g. by :func:`flashasr.audio.silero_torch.speech_probabilities_batch`
             for many recordings at once on the GPU); None computes them here (ONNX, CPU).
+        with_speech: ``vad`` only: also return the speech spans the ranges were cut around
+            (:func:`asr_speech_spans`), computed from the same probabilities.
     Returns:
         ``[(start_sample, end_sample), ...]`` at ``sample_rate``, sorted; ``samples[a:b]``
         is one ASR input whose local times add ``a / sample_rate`` to become global.
-        ``vad`` ranges do not overlap; empty list when no speech is detected.
+        ``vad`` ranges do not overlap; empty list when no speech is detected. With
+        ``with_speech``: ``(ranges, speech_spans)``.
     Raises:
         AudioArgumentError: bad method, non-positive max, overlap >= max.
     """
@@ -332,10 +373,8 @@ def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_
     if method != "vad":
         raise AudioArgumentError(f"method must be 'vad' or 'fixed', got {method!r}")
     if n == 0:
-        return []
-    p = speech_probabilities(x, sample_rate) if probs is None else np.asarray(probs, np.float32).reshape(-1)
-    if probs is not None and sample_rate == VAD_RATE and p.shape[0] != -(-n // FRAME):
-        raise AudioArgumentError(f"probs holds {p.shape[0]} frames; {n} samples need {-(-n // FRAME)}")
+        return ([], []) if with_speech else []
+    p = _probs_for(x, sample_rate, probs)
     segs = _segments_samples(p, n, threshold=threshold, min_silence_s=min_silence_s,
                              min_speech_s=min_speech_s, pad_s=pad_s, neg_threshold=None,
                              rate=sample_rate)
@@ -344,7 +383,8 @@ def split_for_asr(samples: np.ndarray, sample_rate: int = 16000, *, max_segment_
         pieces.extend(_cut_long(s, max_len, p, sample_rate) if s[1] - s[0] > max_len else [s])
     if min_segment_s is None:
         min_segment_s = max_segment_s / 2
-    return _group(pieces, max_len, int(min_segment_s * sample_rate))
+    ranges = _group(pieces, max_len, int(min_segment_s * sample_rate))
+    return (ranges, segs) if with_speech else ranges
 
 
 def iter_asr_chunks(source, *, max_segment_s: float = 30.0, method: str = "vad",
@@ -611,6 +651,7 @@ class StreamingVAD:
         return events
 
 
-__all__ = ["speech_probabilities", "speech_segments", "split_for_asr", "iter_asr_chunks", "StreamingVAD",
+__all__ = ["speech_probabilities", "speech_segments", "split_for_asr", "asr_speech_spans", "ASR_VAD", "iter_asr_chunks",
+           "StreamingVAD",
            "VADEvent",
            "FRAME_S", "VAD_RATE"]

@@ -29,11 +29,23 @@ from .feeder import error_of
 from .inputs import InputItem
 
 
+class Waves(list):
+    """A batch's waveforms (views of the files' samples) and, as ``speech``, each piece's VAD speech
+    spans (:attr:`flashasr.pipeline.plan.Piece.speech`; None where unknown): what the model thread
+    hands to :func:`flashasr.pipeline.transcribe_pieces`."""
+
+    def __init__(self, waves=(), speech=None):
+        super().__init__(waves)
+        self.speech = list(speech) if speech is not None else [None] * len(self)
+
+
 @dataclass
 class FileState:
     """A prepared file between its decode and its output. ``results[k]`` is piece ``k``'s
     transcript (None until done, or when it failed); ``error`` the first failure
-    ``(code, message)``; ``t0`` ``time.perf_counter()`` at the start of its decode."""
+    ``(code, message)``; ``t0`` ``time.perf_counter()`` at the start of its decode; ``warnings``
+    what its decode tolerated (:meth:`flashasr.audio.DecodedAudio.damage`), None when the decode
+    did not say (the finisher then checks the header's duration itself)."""
 
     idx: int
     item: InputItem
@@ -41,6 +53,7 @@ class FileState:
     samples: np.ndarray
     pieces: list[tuple[int, int]]
     t0: float
+    warnings: list[dict] | None = None
     results: list[Transcript | None] = field(init=False)
     remaining: int = field(init=False)
     n_samples: int = field(init=False)
@@ -88,9 +101,9 @@ class Batcher:
         a, b = self.active[fi].pieces[pi]
         return b - a
 
-    def take_batch(self) -> tuple[list[tuple[int, int]], TranscribeOptions, list[np.ndarray]]:
+    def take_batch(self) -> tuple[list[tuple[int, int]], TranscribeOptions, Waves]:
         """Remove and return the next batch (see the module docstring), its options and its
-        waveforms (views of the files' samples)."""
+        waveforms (views of the files' samples, with the pieces' speech spans: :class:`Waves`)."""
         head = self.pending[0]
         options = self.active[head[0]].options
         hl = self._length(*head)
@@ -100,10 +113,12 @@ class Batcher:
         batch = [p for k, p in enumerate(self.pending) if k in chosen]
         self.pending = [p for k, p in enumerate(self.pending) if k not in chosen]
         self.batch_pieces.append(len(batch))
-        waves = []
+        waves = Waves()
         for fi, pi in batch:
-            a, b = self.active[fi].pieces[pi]
+            piece = self.active[fi].pieces[pi]
+            a, b = piece
             waves.append(self.active[fi].samples[a:b])
+            waves.speech.append(getattr(piece, "speech", None))
         return batch, options, waves
 
     def complete(self, batch: list[tuple[int, int]], outs: list) -> list[FileState]:
@@ -125,4 +140,4 @@ class Batcher:
         return done
 
 
-__all__ = ["Batcher", "FileState"]
+__all__ = ["Batcher", "FileState", "Waves"]

@@ -56,7 +56,9 @@ class Prepared:
     ``time.perf_counter()`` at the start of the decode (CLOCK_MONOTONIC: comparable across
     processes on Linux); CPU and wall seconds of the stage: ``decode_cpu_s`` (container decode,
     downmix and resampling, of which ``resample_cpu_s`` in soxr), ``vad_cpu_s``,
-    ``transport_cpu_s`` (copying the samples into shared memory)."""
+    ``transport_cpu_s`` (copying the samples into shared memory); ``warnings``: what the decode
+    tolerated (:meth:`flashasr.audio.DecodedAudio.damage`: a truncated or damaged file), None
+    when the decode does not say (a custom ``decode``)."""
 
     samples: np.ndarray
     pieces: list[tuple[int, int]] | None
@@ -66,6 +68,7 @@ class Prepared:
     wall_s: float
     resample_cpu_s: float = 0.0
     transport_cpu_s: float = 0.0
+    warnings: list[dict] | None = None
 
 
 @dataclass
@@ -127,6 +130,7 @@ def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
         samples = np.ascontiguousarray(np.asarray(wav.samples, dtype=np.float32).reshape(-1))
         if samples.size == 0:
             raise EmptyAudioError(f"{path}: the file holds no audio samples")
+        damage = wav.damage() if hasattr(wav, "damage") else None
         c1 = time.thread_time()
         pieces = plan_pieces(samples, options, caps, split=split) if plan else None
         c2 = time.thread_time()
@@ -141,7 +145,7 @@ def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
         return DecodeFailure(*error_of(e, Path(path)))
     return Prepared(samples, pieces, t0, c1 - c0 + float(getattr(wav, "other_threads_cpu_s", 0.0) or 0.0), c2 - c1,
                     time.perf_counter() - t0, resample_cpu_s=float(getattr(wav, "resample_cpu_s", 0.0) or 0.0),
-                    transport_cpu_s=c3 - c2)
+                    transport_cpu_s=c3 - c2, warnings=damage)
 
 
 #: Scheduling niceness the decode worker processes add to their own (``os.nice``): when every core

@@ -2,14 +2,21 @@
 
 For a file whose last piece is done (:class:`~flashasr.jobs.batcher.FileState`)::
 
-    [(offset_s, Transcript)] --pipeline.merge_pieces(parts, N / rate, options=file options)-->
-        Transcript (global times, duration, language fallback, translate task)
+    [(offset_s, Transcript)] --pipeline.merge_pieces(parts, N / rate, options=file options,
+                                                     warnings=what its decode tolerated)-->
+        Transcript (global times, duration, language, translate task, warnings)
         --formats.render(fmt)--> text --atomic_write_text--> <out>/<key>.<ext>
         --> summary.jsonl line (after the output is in place) --> on_result --> progress bar
 
 :class:`Finisher` also emits the results decided without a model call (skipped by resume, failed
 decodes, options the model refuses for one file) and holds the job's results in input order.
 Its wall time is ``JobReport.finish_s``; the audio it finished, ``JobReport.audio_s``.
+
+A damaged input is reported, not hidden: the decode's warnings (``FileState.warnings``) go into the
+transcript (``verbose_json`` ``warnings``), the journal line (``warnings``) and the result (the CLI
+prints them on stderr). When the decode stage did not hand its warnings over (``None``: a custom
+``decode`` that does not say), the file's header is read here (:func:`flashasr.audio.probe`, 0.2-9 ms
+a file) and a decode shorter than it declares is reported as truncated.
 """
 
 from __future__ import annotations
@@ -204,6 +211,7 @@ class Finisher:
             "processing_s": round(res.processing_s, 3),
             "input_size": sig[0] if sig else None, "input_mtime_ns": sig[1] if sig else None,
             "format": self.fmt, "model": self.model_name, "options": self.options_record,
+            "warnings": list(res.warnings or []),
         }
 
     def fail(self, i: int, code: str, message: str) -> None:
@@ -241,7 +249,9 @@ class Finisher:
             res.status, res.error_code, res.error_message = "failed", st.error[0], st.error[1]
             return st, res, None, None
         parts = [(a / self.sample_rate, t) for (a, _b), t in zip(st.pieces, st.results)]
-        res.transcript = merge_pieces(parts, dur, options=st.options, caps=self.caps)
+        damage = st.warnings if st.warnings is not None else header_check(st.item.path, dur)
+        res.transcript = merge_pieces(parts, dur, options=st.options, caps=self.caps, warnings=damage)
+        res.warnings = list(res.transcript.warnings)
         self.report.audio_s += dur
         if self.out_dir is None:
             return st, res, None, None
@@ -279,4 +289,14 @@ def _write_or_error(job: tuple[Path, str]) -> tuple[int | OSError, float]:
         return e, time.thread_time() - c0
 
 
-__all__ = ["Finisher", "progress_bar"]
+def header_check(path, decoded_s: float) -> list[dict]:
+    """A ``damaged_input`` warning when ``path``'s header declares more audio than was decoded
+    (:func:`flashasr.audio.decode.truncation`), else nothing."""
+    from ..audio.decode import damage_warning, declared_duration, truncation
+
+    declared = declared_duration(path)
+    cut = truncation(decoded_s, declared)
+    return [damage_warning(cut, decoded_s, declared)] if cut else []
+
+
+__all__ = ["Finisher", "progress_bar", "header_check"]

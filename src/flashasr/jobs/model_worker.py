@@ -2,7 +2,8 @@
 
 The conductor (main thread) hands over one batch at a time (:meth:`ModelWorker.submit`: at most
 one running and one waiting); this thread runs it through
-:func:`flashasr.pipeline.transcribe_pieces` (one model call; one bad piece fails alone), waits for
+:func:`flashasr.pipeline.transcribe_pieces` (one model call, with the pieces' speech spans when the
+batch carries them, :class:`~flashasr.jobs.batcher.Waves`; one bad piece fails alone), waits for
 the GPU on CUDA (so ``busy_s`` holds the GPU work) and hands the results back
 (:meth:`ModelWorker.take_done`), waking the conductor. The GPU so never waits for the Python
 around it: admitting decoded files, planning their pieces, routing results and writing outputs
@@ -100,7 +101,7 @@ class ModelWorker:
             token, waves, options = job
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
-                outs = transcribe_pieces(self.model, waves, options)
+                outs = transcribe_pieces(self.model, waves, options, getattr(waves, "speech", None))
                 self._synchronize()
             except BaseException as e:  # noqa: BLE001 - not a piece's failure: the job must stop
                 self.error = e

@@ -113,9 +113,11 @@ def _remote_capabilities(model, device, dtype, engine) -> dict:
 def prepare_pieces(batch: dict, caps: dict) -> dict:
     """Ray Data CPU stage: each file of ``batch`` (columns ``idx``, ``path``, ``options`` JSON)
     through :func:`flashasr.jobs.feeder.prepare_file` (decode + resample + VAD plan), out as one row
-    per piece (``samples`` float32 ``[end - start]``) or one row with ``piece = -1`` for a file
-    without pieces (``error_code`` set: it failed; else no speech). The file's CPU seconds ride on
-    its first row; ``t0_wall``: ``time.time()`` at the start of its decode."""
+    per piece (``samples`` float32 ``[end - start]``; ``speech`` its VAD speech spans as JSON, ``""``
+    when unknown) or one row with ``piece = -1`` for a file without pieces (``error_code`` set: it
+    failed; else no speech). The file's CPU seconds ride on its first row; ``t0_wall``:
+    ``time.time()`` at the start of its decode; ``warnings``: the decode's damage warnings as JSON
+    (``""``: not known)."""
     mc = ModelCapabilities.from_dict(caps)
     cols = _Columns()
     for idx, path, opts in zip(batch["idx"], batch["path"], batch["options"]):
@@ -126,11 +128,14 @@ def prepare_pieces(batch: dict, caps: dict) -> dict:
             continue
         cost = (got.decode_cpu_s, got.vad_cpu_s, got.wall_s, got.resample_cpu_s)
         n = int(got.samples.size)
+        warn = json.dumps(got.warnings) if got.warnings is not None else ""  # the file's damage, on every row
         if not got.pieces:
-            cols.add(idx, -1, 0, n, 0, 0, _EMPTY, cost=cost, t0=t0)
-        for k, (a, b) in enumerate(got.pieces):
+            cols.add(idx, -1, 0, n, 0, 0, _EMPTY, cost=cost, t0=t0, warnings=warn)
+        for k, p in enumerate(got.pieces):
+            a, b = p
+            speech = getattr(p, "speech", None)
             cols.add(idx, k, len(got.pieces), n, a, b, got.samples[a:b], options=str(opts), cost=cost if k == 0 else None,
-                     t0=t0)
+                     t0=t0, speech="" if speech is None else json.dumps(speech), warnings=warn)
     return cols.batch()
 
 
@@ -138,18 +143,19 @@ class _Columns:
     """Rows of the piece table, gathered column by column (what Ray Data's numpy batches hold)."""
 
     NAMES = ("idx", "piece", "n_pieces", "n_samples", "start", "end", "samples", "options", "error_code",
-             "error_message", "decode_cpu_s", "vad_cpu_s", "prepare_wall_s", "resample_cpu_s", "t0_wall")
+             "error_message", "decode_cpu_s", "vad_cpu_s", "prepare_wall_s", "resample_cpu_s", "t0_wall",
+             "speech", "warnings")
 
     def __init__(self):
         self.c: dict[str, list] = {k: [] for k in self.NAMES}
 
     def add(self, idx, piece, n_pieces, n_samples, start, end, samples, *, options="", error=("", ""), cost=None,
-            t0=0.0):
+            t0=0.0, speech="", warnings=""):
         c = self.c
         for k, v in (("idx", int(idx)), ("piece", piece), ("n_pieces", n_pieces), ("n_samples", n_samples),
                      ("start", int(start)), ("end", int(end)), ("samples", samples), ("options", options),
                      ("error_code", error[0]),
-                     ("error_message", error[1]), ("t0_wall", t0)):
+                     ("error_message", error[1]), ("t0_wall", t0), ("speech", speech), ("warnings", warnings)):
             c[k].append(v)
         for k, v in zip(("decode_cpu_s", "vad_cpu_s", "prepare_wall_s", "resample_cpu_s"), cost or (0.0,) * 4):
             c[k].append(float(v))
@@ -161,7 +167,7 @@ class _Columns:
                 arr = np.empty(len(v), dtype=object)
                 arr[:] = v
                 out[k] = arr
-            elif k in ("options", "error_code", "error_message"):
+            elif k in ("options", "error_code", "error_message", "speech", "warnings"):
                 out[k] = np.array(v, dtype=object)
             else:
                 out[k] = np.array(v, dtype=np.float64 if k.endswith(("_s", "_wall")) else np.int64)
@@ -207,7 +213,7 @@ class ModelStage:
             for k in range(0, len(rows), self.batch_size):
                 self._call(batch, rows[k:k + self.batch_size], result, err_code, err_msg, calls)
         keep = ("idx", "piece", "n_pieces", "n_samples", "start", "end", "decode_cpu_s", "vad_cpu_s",
-                "prepare_wall_s", "resample_cpu_s", "t0_wall")
+                "prepare_wall_s", "resample_cpu_s", "t0_wall", "warnings")
         return {**{k: batch[k] for k in keep}, "result": result, "error_code": err_code, "error_message": err_msg,
                 **calls, "actor_pid": np.full(n, self.pid, np.int64)}
 
@@ -223,8 +229,9 @@ class ModelStage:
 
         opts = self.options(batch["options"][rows[0]])
         waves = [np.asarray(batch["samples"][r], dtype=np.float32) for r in rows]
+        speech = [json.loads(str(batch["speech"][r])) if batch["speech"][r] else None for r in rows]
         t0, c0 = time.perf_counter(), time.thread_time()
-        outs = transcribe_pieces(self.model, waves, opts)
+        outs = transcribe_pieces(self.model, waves, opts, speech)
         if self.cuda:
             import torch
 
@@ -284,6 +291,7 @@ class _Collector:
             t0 = time.perf_counter() - (time.time() - float(b["t0_wall"][r]))  # the decode's start, on this clock
             st = FileState(idx, self.items[idx], self.file_opts[idx], _EMPTY, [None] * n_pieces, t0)
             st.n_samples = int(b["n_samples"][r])
+            st.warnings = json.loads(str(b["warnings"][r])) if b["warnings"][r] else None
             self.states[idx] = st
         return st
 

@@ -24,7 +24,9 @@ class FileResult:
     run reused) or ``failed``. ``duration`` in audio seconds (None when decoding failed),
     ``processing_s`` wall seconds from the start of its decode to its output,
     ``output`` the written file (None without an output folder), ``transcript`` the
-    result (None for skipped/failed), ``error_code``/``error_message`` for failures.
+    result (None for skipped/failed), ``error_code``/``error_message`` for failures,
+    ``warnings`` the transcript's (:attr:`flashasr.types.Transcript.warnings`: a damaged input,
+    a repetition cut), kept when the transcript is not.
     """
 
     item: InputItem
@@ -36,6 +38,7 @@ class FileResult:
     error_code: str | None = None
     error_message: str | None = None
     n_pieces: int = 0
+    warnings: list[dict] | None = None
 
 
 @dataclass

@@ -303,7 +303,7 @@ class _Conductor:
             self._resample_cpu_s += p.resample_cpu_s
             self._transport_cpu_s += p.transport_cpu_s
             self.report.prepare_wall_s += p.wall_s
-            states.append(FileState(i, self.items[i], self.file_opts[i], p.samples, p.pieces, p.t0))
+            states.append(FileState(i, self.items[i], self.file_opts[i], p.samples, p.pieces, p.t0, p.warnings))
         if self.planner is not None:  # the workers only decoded: the planner thread cuts
             self.planner.submit([st for st in states if st.pieces is None])
         self._queue([st for st in states if st.pieces is not None])

@@ -95,6 +95,7 @@ class ASRModel(ABC):
     translates: bool = False
     prompts: bool = False  # the prompt option conditions the decoding
     uses_temperature: bool = False  # the temperature option is used
+    uses_speech: bool = False  # transcribe_batch's speech spans steer the decoding (Whisper)
     speech_gate: bool = True  # pieces that fit one window still need the VAD to find speech first
     stage_cpu_s: dict | None = None
     device: str = "cpu"
@@ -114,8 +115,8 @@ class ASRModel(ABC):
                                  translates=bool(self.translates), prompts=bool(self.prompts),
                                  temperature=bool(self.uses_temperature), speech_gate=bool(self.speech_gate))
 
-    def transcribe_batch(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions | None = None,
-                         **changes) -> list[Transcript]:
+    def transcribe_batch(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions | None = None, *,
+                         speech: Sequence | None = None, **changes) -> list[Transcript]:
         """Transcribe several waveforms; result ``i`` equals :meth:`transcribe_waveform` on input ``i``
         alone (same text, timestamps within one frame), however the model batches them.
 
@@ -124,6 +125,10 @@ class ASRModel(ABC):
                 (a model without ``long_form`` encodes an input longer than its window in one pass).
             options: :class:`~flashasr.options.TranscribeOptions` (language, task, word_timestamps;
                 the segmentation fields are the pipeline's and are ignored here).
+            speech: per input, the VAD's speech spans in it (``[(a, b), ...]`` sample ranges, as
+                :class:`~flashasr.pipeline.plan.Piece` carries them) or None (unknown); None: all
+                unknown. A model with ``uses_speech`` (Whisper) decodes only where there is speech
+                and goes on where its decoder stopped early while speech remains; others ignore it.
             **changes: keyword shortcuts applied to ``options`` (``language="de"``, ``task=...``,
                 ``word_timestamps=True``).
         Returns:
@@ -132,10 +137,21 @@ class ASRModel(ABC):
         Raises:
             AudioError (``invalid_audio``): an input that is not mono float samples or not finite.
             UnsupportedLanguageError / UnsupportedTaskError: options this model cannot honour.
+            ValueError: ``speech`` of another length than ``waveforms``, or a span outside its input.
         """
         opts = TranscribeOptions.build(options, **changes).resolve(self.capabilities)
         waves = [as_waveform(w, f"waveform {i}") for i, w in enumerate(waveforms)]
+        if self.uses_speech:
+            return self._transcribe(waves, opts, speech=check_speech(speech, waves))
         return self._transcribe(waves, opts)
+
+    def start_batch(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions | None = None, *,
+                    speech: Sequence | None = None) -> "BatchRun":
+        """:meth:`transcribe_batch` as a :class:`BatchRun` whose work runs in steps (a scheduler can
+        put other work between two steps; Whisper: one step is one round of windows). Default: one
+        step, the whole :meth:`transcribe_batch`. Arguments and errors as :meth:`transcribe_batch`
+        (raised by the first :meth:`BatchRun.step` here, at once by models with their own runs)."""
+        return BatchRun(lambda: self.transcribe_batch(waveforms, options, speech=speech))
 
     def transcribe_waveform(self, waveform: np.ndarray, options: TranscribeOptions | None = None,
                             **changes) -> Transcript:
@@ -145,4 +161,56 @@ class ASRModel(ABC):
     @abstractmethod
     def _transcribe(self, waveforms: list[np.ndarray], options: TranscribeOptions) -> list[Transcript]:
         """The family's computation: checked float32 ``[N_i]`` waveforms and resolved options in,
-        one transcript per waveform out."""
+        one transcript per waveform out (with ``uses_speech``: also ``speech=``, checked spans)."""
+
+
+class BatchRun:
+    """A batch transcription in steps: call :meth:`step` until it returns True (done), then
+    :meth:`results`. Each step is one bounded piece of model work, run on the model's thread like
+    any model call. This default runs everything in its first step (``fn`` returns the transcripts).
+    Attributes: ``done``; ``audio_s``: audio seconds the last step covered (for fair queuing)."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._out: list[Transcript] | None = None
+        self.done = False
+        self.audio_s = 0.0
+
+    def step(self) -> bool:
+        """Run the next step; True when the batch is done. Raises what the model raises."""
+        if not self.done:
+            self._out = list(self._fn())
+            self.audio_s = sum(t.duration for t in self._out)
+            self.done = True
+        return True
+
+    def results(self) -> list[Transcript]:
+        """One transcript per input (after the last step)."""
+        if not self.done:
+            raise RuntimeError("BatchRun.results() before its last step")
+        return list(self._out or [])
+
+
+def check_speech(speech: Sequence | None, waves: Sequence[np.ndarray]) -> list:
+    """``speech`` for :meth:`ASRModel.transcribe_batch` checked against ``waves``: a list with one
+    entry per waveform, each None or a sorted list of ``(a, b)`` int sample ranges within it.
+
+    Raises:
+        ValueError: another length than ``waves``, or a span that is empty, reversed or outside
+            its waveform.
+    """
+    if speech is None:
+        return [None] * len(waves)
+    speech = list(speech)
+    if len(speech) != len(waves):
+        raise ValueError(f"speech holds {len(speech)} entries for {len(waves)} waveforms")
+    out = []
+    for i, (spans, w) in enumerate(zip(speech, waves)):
+        if spans is None:
+            out.append(None)
+            continue
+        got = sorted((int(a), int(b)) for a, b in spans)
+        if any(not 0 <= a < b <= w.shape[0] for a, b in got):
+            raise ValueError(f"speech of waveform {i}: a span outside its {w.shape[0]} samples")
+        out.append(got)
+    return out

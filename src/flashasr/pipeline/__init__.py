@@ -26,13 +26,13 @@ from ..options import TranscribeOptions
 from ..types import Transcript
 from .engines import accelerate, cached_model, gpu_engine_enabled, load_model
 from .merge import merge_pieces
-from .plan import (Splitter, default_vad_device, needs_vad, piece_limit_s, plan_many, plan_pieces, quiet_split,
-                   vad_split)
-from .run import transcribe_pieces
+from .plan import (Piece, Splitter, default_vad_device, needs_vad, piece_limit_s, plan_many, plan_pieces,
+                   quiet_split)
+from .run import speech_kw, transcribe_pieces
 
 
 def transcribe_samples(model, samples: np.ndarray, options: TranscribeOptions | None = None, *,
-                       split: Splitter | None = None, vad_device: str | None = None) -> Transcript:
+                       split: Splitter | None = None, vad_device: str | None = None, warnings=()) -> Transcript:
     """One recording through the whole pipeline in this process.
 
     Args:
@@ -42,6 +42,7 @@ def transcribe_samples(model, samples: np.ndarray, options: TranscribeOptions | 
         split: replaces the VAD splitter (see :func:`.plan.plan_pieces`).
         vad_device: where the VAD runs (None: :func:`.plan.default_vad_device` of the model's
             device, the rule of every door).
+        warnings: the recording's own (a damaged input), first in the transcript's ``warnings``.
     Returns:
         the merged :class:`~flashasr.types.Transcript`; ``duration = N / sample_rate``.
     Raises:
@@ -56,10 +57,12 @@ def transcribe_samples(model, samples: np.ndarray, options: TranscribeOptions | 
     if vad_device is None:
         vad_device = default_vad_device(getattr(model, "device", "cpu"))
     pieces = plan_many([x], opts, caps, vad_device=vad_device, split=split)[0]
-    outs = model.transcribe_batch([x[a:b] for a, b in pieces], opts) if pieces else []
+    outs = model.transcribe_batch([x[a:b] for a, b in pieces], opts,
+                                  **speech_kw(model, [getattr(p, "speech", None) for p in pieces])) if pieces else []
     sr = caps.sample_rate
-    return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, outs)], x.size / sr, options=opts, caps=caps)
+    return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, outs)], x.size / sr, options=opts, caps=caps,
+                        warnings=warnings)
 
 
-__all__ = ["transcribe_samples", "plan_pieces", "plan_many", "default_vad_device", "needs_vad", "piece_limit_s", "vad_split", "quiet_split", "Splitter",
+__all__ = ["transcribe_samples", "Piece", "speech_kw", "plan_pieces", "plan_many", "default_vad_device", "needs_vad", "piece_limit_s", "quiet_split", "Splitter",
            "transcribe_pieces", "merge_pieces", "accelerate", "gpu_engine_enabled", "load_model", "cached_model"]

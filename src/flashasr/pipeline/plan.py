@@ -2,26 +2,37 @@
 
 Input: float32 samples ``[N]`` at the model's rate, resolved
 :class:`~flashasr.options.TranscribeOptions` and the model's
-:class:`~flashasr.options.ModelCapabilities`. Output: sample ranges ``[(start, end), ...]``,
-sorted, each ``samples[start:end]`` one model input whose times add ``start / rate`` to become
-global. ``W`` below is ``min(options.max_segment_s, caps.window_s)``.
+:class:`~flashasr.options.ModelCapabilities`. Output: :class:`Piece` s -- sample ranges
+``(start, end)``, sorted, each ``samples[start:end]`` one model input whose times add
+``start / rate`` to become global -- each carrying ``speech``: the Silero VAD's speech spans inside
+it (sample ranges from the piece's start). ``W`` below is ``min(options.max_segment_s, caps.window_s)``.
+
+For a model with a speech gate (``caps.speech_gate``: Whisper, which invents text on non-speech)
+every mode runs the VAD (:func:`flashasr.audio.vad.asr_speech_spans`) and leaves out what holds no
+speech: a recording without speech has no piece (an empty transcript, no model call), whatever the
+segmentation. A model without one (Parakeet-TDT: its decoder emits blanks on non-speech, NeMo
+gates nothing) gets no VAD pass unless a recording longer than ``W`` must be cut at pauses: a
+recording that fits goes in whole and ``fixed`` windows cover ``[0, N)``, their pieces without
+speech spans (``speech`` None); the VAD costs ~8 CPU-s per audio hour (below). The modes differ in
+how speech is cut (for a gated model):
 
 ==============  =====================================================================
 segmentation    pieces
 ==============  =====================================================================
-``vad``         Silero VAD (:func:`flashasr.audio.vad.split_for_asr`): speech spans padded,
-                grouped and cut at the longest pause that keeps a piece <= ``W``; stretches
-                without speech are left out, so a recording without speech has no piece
-                (an empty transcript, no model call). A recording no longer than ``W`` goes
-                in whole: for a model that needs a speech gate (``caps.speech_gate``:
-                Whisper, which invents text on non-speech) the VAD only decides whether it
-                holds speech; a model without one (Parakeet-TDT, whose decoder emits blanks
-                there: NeMo gates nothing) gets it without running the VAD at all.
-``fixed``       consecutive windows of ``W`` covering ``[0, N)``.
-``none``        ``[(0, N)]``: the model's own long-form procedure (Whisper's 30 s seek). A
-                model without one (Parakeet-TDT) gets ``[(0, N)]`` up to ``W`` and ``vad``
-                pieces beyond: its window is a hard limit.
+``vad``         speech spans padded, grouped and cut at the longest pause that keeps a piece
+                <= ``W`` (:func:`flashasr.audio.vad.split_for_asr`); stretches without speech
+                are left out. A recording no longer than ``W`` goes in whole.
+``fixed``       consecutive windows of ``W``; windows without speech are left out.
+``none``        ``[(0, N)]``: the model's own long-form procedure (Whisper's 30 s seek, which
+                skips the stretches without speech the piece's ``speech`` shows). A model
+                without one (Parakeet-TDT) gets ``[(0, N)]`` up to ``W`` and ``vad`` pieces
+                beyond: its window is a hard limit.
 ==============  =====================================================================
+
+The speech spans travel with each piece to the model (``transcribe_batch(..., speech=...)``): a
+model that uses them (Whisper) decodes only where there is speech and goes on decoding where it
+stopped early while speech remains (see :mod:`flashasr.models.whisper.asr`). A custom splitter
+(``split=``) gives pieces without spans (``speech`` None: the model decodes all of each piece).
 
 An empty recording has no piece. This runs on CPU workers (the job runner's decode pool, the
 server's CPU pool), never on the model's thread. Cost: the VAD, 8.8 CPU-s per audio hour on the
@@ -39,16 +50,32 @@ from ..options import ModelCapabilities, TranscribeOptions
 Splitter = Callable[[np.ndarray, int, float, str], list]
 
 
-def vad_split(samples: np.ndarray, sample_rate: int, max_segment_s: float, method: str,
-              probs: np.ndarray | None = None) -> list[tuple[int, int]]:
-    """:func:`flashasr.audio.vad.split_for_asr` (``method`` ``vad`` or ``fixed``; ``probs``: the
-    speech probabilities already computed, e.g. on the GPU); without the VAD module (its ONNX
-    runtime missing), :func:`quiet_split`."""
-    try:
-        from ..audio.vad import split_for_asr
-    except ImportError:
-        return quiet_split(samples, sample_rate, max_segment_s)
-    return split_for_asr(samples, sample_rate, max_segment_s=max_segment_s, method=method, probs=probs)
+class Piece(tuple):
+    """One model input of a recording: the sample range ``(start, end)`` -- a 2-tuple, so
+    ``a, b = piece`` works -- and ``speech``: the VAD's speech spans inside it, a tuple of
+    ``(a, b)`` sample ranges counted from ``start`` (sorted, within ``[0, end - start]``), or None
+    when not known (a custom splitter, no VAD)."""
+
+    def __new__(cls, start: int, end: int, speech=None):
+        self = super().__new__(cls, (int(start), int(end)))
+        self.speech = None if speech is None else tuple((int(a), int(b)) for a, b in speech)
+        return self
+
+    def __reduce__(self):  # pickled with its spans (worker processes hand pieces back)
+        return (Piece, (self[0], self[1], self.speech))
+
+    def __repr__(self) -> str:
+        return f"Piece({self[0]}, {self[1]}, speech={self.speech!r})"
+
+
+def spans_inside(spans, start: int, end: int) -> tuple[tuple[int, int], ...]:
+    """``spans`` (sample ranges of the recording) clipped to ``[start, end)``, counted from ``start``."""
+    out = []
+    for a, b in spans:
+        a, b = max(int(a), start), min(int(b), end)
+        if b > a:
+            out.append((a - start, b - start))
+    return tuple(out)
 
 
 def quiet_split(samples: np.ndarray, sr: int, max_s: float) -> list[tuple[int, int]]:
@@ -79,30 +106,42 @@ def piece_limit_s(options: TranscribeOptions, caps: ModelCapabilities) -> float:
 
 def needs_vad(n_samples: int, options: TranscribeOptions, caps: ModelCapabilities) -> bool:
     """Whether :func:`plan_pieces` runs the VAD on a recording of ``n_samples`` (so a caller can
-    compute the speech probabilities beforehand, many recordings at once)."""
-    if n_samples == 0 or options.segmentation == "fixed":
+    compute the speech probabilities beforehand, many recordings at once). A model with a speech
+    gate (``caps.speech_gate``: Whisper) needs it for every recording that is not empty, in every
+    segmentation (the pieces carry the speech spans); one without (Parakeet-TDT) only where a
+    recording longer than ``W`` is cut at pauses (``vad``, or ``none`` without a long-form
+    procedure)."""
+    if n_samples == 0:
         return False
+    if caps.speech_gate:
+        return True
     fits = n_samples <= int(piece_limit_s(options, caps) * caps.sample_rate)
-    if options.segmentation == "none":
-        return not caps.long_form and not fits
-    return not fits or caps.speech_gate
+    method = options.segmentation
+    return not fits and (method == "vad" or (method == "none" and not caps.long_form))
+
+
+def _split_pieces(split: Splitter, samples: np.ndarray, sr: int, limit: float, method: str) -> list[Piece]:
+    """A custom splitter's ranges clipped to the recording, empty ones dropped (no speech spans)."""
+    n = int(samples.shape[0])
+    got = [(max(0, int(a)), min(n, int(b))) for a, b in split(samples, sr, limit, method)]
+    return [Piece(a, b) for a, b in got if b > a]
 
 
 def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapabilities, *,
-                split: Splitter | None = None, probs: np.ndarray | None = None) -> list[tuple[int, int]]:
-    """Sample ranges for one recording (see the module docstring for the policy).
+                split: Splitter | None = None, probs: np.ndarray | None = None) -> list[Piece]:
+    """The pieces of one recording (see the module docstring for the policy).
 
     Args:
         samples: float32 ``[N]`` at ``caps.sample_rate``.
         options: ``segmentation`` and ``max_segment_s`` are used.
         caps: the model's window and whether it has a long-form procedure.
-        split: replaces :func:`vad_split` (``split(samples, rate, max_s, method)``; tests and
-            benchmarks with pre-computed cuts).
+        split: replaces the VAD's cutting (``split(samples, rate, max_s, method)`` -> ranges;
+            tests and benchmarks with pre-computed cuts); its pieces carry no speech spans.
         probs: the recording's Silero speech probabilities, when already computed (see
             :func:`needs_vad`; :func:`flashasr.audio.silero_torch.speech_probabilities_batch`).
     Returns:
-        sorted, non-empty ``(start, end)`` ranges within ``[0, N]``, each at most ``W`` long
-        except the single ``none`` range of a long-form model.
+        sorted, non-empty :class:`Piece` s within ``[0, N]``, each at most ``W`` long except the
+        single ``none`` piece of a long-form model; none when the VAD finds no speech.
     """
     n = int(samples.shape[0])
     if n == 0:
@@ -111,21 +150,33 @@ def plan_pieces(samples: np.ndarray, options: TranscribeOptions, caps: ModelCapa
     limit = piece_limit_s(options, caps)
     fits = n <= int(limit * sr)
     method = options.segmentation
-    if method == "none":
-        if caps.long_form or fits:
-            return [(0, n)]
+    if method == "none" and not (caps.long_form or fits):
         method = "vad"
-    if method == "vad" and fits and not caps.speech_gate:
-        return [(0, n)]  # no cut needed and no speech gate wanted: the VAD has nothing to decide
+    if not needs_vad(n, options, caps):  # no speech gate, no cut at pauses: the VAD has nothing to decide
+        if fits or method == "none":
+            return [Piece(0, n)]
+        if split is not None:
+            return _split_pieces(split, samples, sr, limit, method)
+        step = max(1, int(limit * sr))
+        return [Piece(a, min(n, a + step)) for a in range(0, n, step)]  # fixed: windows covering [0, N)
+    try:
+        from ..audio.vad import asr_speech_spans, split_for_asr
+    except ImportError:  # no VAD here: cut at quiet frames, no speech spans
+        split = split or (lambda x, rate, max_s, how: quiet_split(x, rate, max_s))
     if split is not None:
-        got = split(samples, sr, limit, method)
+        if method == "none":
+            return [Piece(0, n)]
+        got = _split_pieces(split, samples, sr, limit, method)
+        return [Piece(0, n)] if got and fits else got
+    if method == "vad":
+        ranges, spans = split_for_asr(samples, sr, max_segment_s=limit, method="vad", probs=probs, with_speech=True)
+        if fits:
+            ranges = [(0, n)]
     else:
-        got = vad_split(samples, sr, limit, method, probs=probs if method == "vad" else None)
-    pieces = [(max(0, int(a)), min(n, int(b))) for a, b in got]
-    pieces = [(a, b) for a, b in pieces if b > a]
-    if pieces and fits:
-        return [(0, n)]
-    return pieces
+        spans = asr_speech_spans(samples, sr, probs=probs)
+        ranges = [(0, n)] if method == "none" else split_for_asr(samples, sr, max_segment_s=limit, method="fixed")
+    pieces = [Piece(a, b, spans_inside(spans, a, b)) for a, b in ranges]
+    return [p for p in pieces if p.speech]
 
 
 def default_vad_device(model_device: str) -> str:
@@ -165,4 +216,4 @@ def plan_many(recordings: list[np.ndarray], options: TranscribeOptions, caps: Mo
     return [plan_pieces(x, options, caps, split=split, probs=probs.get(k)) for k, x in enumerate(recordings)]
 
 
-__all__ = ["plan_pieces", "plan_many", "default_vad_device", "needs_vad", "piece_limit_s", "vad_split", "quiet_split", "Splitter"]
+__all__ = ["Piece", "spans_inside", "plan_pieces", "plan_many", "default_vad_device", "needs_vad", "piece_limit_s", "quiet_split", "Splitter"]

@@ -17,14 +17,23 @@ from ..options import TranscribeOptions
 from ..types import Transcript
 
 
-def transcribe_pieces(model, waveforms: Sequence[np.ndarray],
-                      options: TranscribeOptions) -> list[Transcript | BaseException]:
+def speech_kw(model, speech) -> dict:
+    """``{"speech": speech}`` for a model that uses the pieces' speech spans (``uses_speech``) when
+    any is known, else ``{}`` (so models and test doubles without the argument are called as before)."""
+    if speech is None or not getattr(model, "uses_speech", False) or all(s is None for s in speech):
+        return {}
+    return {"speech": list(speech)}
+
+
+def transcribe_pieces(model, waveforms: Sequence[np.ndarray], options: TranscribeOptions,
+                      speech: Sequence | None = None) -> list[Transcript | BaseException]:
     """Transcribe waveforms that share ``options.decoding`` in one model call.
 
     Args:
         model: an :class:`~flashasr.models.base.ASRModel`.
         waveforms: float32 ``[N_i]`` pieces at the model's rate.
         options: the pieces' (resolved) options.
+        speech: per piece its VAD speech spans (:attr:`flashasr.pipeline.plan.Piece.speech`) or None.
     Returns:
         per input its :class:`~flashasr.types.Transcript`, or the exception it raised when run
         alone (``KeyboardInterrupt`` is never caught).
@@ -32,8 +41,9 @@ def transcribe_pieces(model, waveforms: Sequence[np.ndarray],
     waves = list(waveforms)
     if not waves:
         return []
+    spans = list(speech) if speech is not None else [None] * len(waves)
     try:
-        got = model.transcribe_batch(waves, options)
+        got = model.transcribe_batch(waves, options, **speech_kw(model, spans))
         if len(got) != len(waves):
             raise FlashASRError(f"transcribe_batch returned {len(got)} results for {len(waves)} inputs")
         return list(got)
@@ -41,12 +51,12 @@ def transcribe_pieces(model, waveforms: Sequence[np.ndarray],
         if len(waves) == 1:
             return [e]
     out: list[Transcript | BaseException] = []
-    for w in waves:
+    for w, sp in zip(waves, spans):
         try:
-            out.append(model.transcribe_batch([w], options)[0])
+            out.append(model.transcribe_batch([w], options, **speech_kw(model, [sp]))[0])
         except Exception as e:  # noqa: BLE001 - this piece's own failure
             out.append(e)
     return out
 
 
-__all__ = ["transcribe_pieces"]
+__all__ = ["transcribe_pieces", "speech_kw"]

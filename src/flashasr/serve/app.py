@@ -76,13 +76,14 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         pool = _prestarted_pool(max(1, cfg.cpu_threads), "flashasr-cpu")
+        stream_pool = _prestarted_pool(1, "flashasr-stream")  # finals' VAD: never behind an upload's decode
         if backend_factory is None:
             from .backend import LocalBackend
 
             backend = LocalBackend(cfg, pool)
         else:
             backend = backend_factory(cfg, pool, metrics)
-        ctx.state.update(pool=pool, backend=backend)
+        ctx.state.update(pool=pool, stream_pool=stream_pool, backend=backend)
         if hasattr(backend, "on_fatal") and getattr(app.state, "shutdown", None) is not None:
             from .process import EXIT_MODEL_FAILED
 
@@ -96,6 +97,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
         finally:
             await backend.stop()
             pool.shutdown(wait=False, cancel_futures=True)
+            stream_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="flashasr", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.flashasr = ctx.state

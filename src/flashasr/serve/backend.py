@@ -105,10 +105,11 @@ class LocalBackend:
                                    timeout)
 
     async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
-                                timeout: float | None = None) -> list:
-        """The pieces of one upload (see BatchScheduler.submit_pieces)."""
+                                priority: int = OFFLINE, timeout: float | None = None) -> list:
+        """The pieces of one recording (see BatchScheduler.submit_pieces): an upload's, or a stream
+        final's (``priority=FINAL``)."""
         sched = self._scheduler()
-        return await self._counted(sched, sched.submit_pieces(samples, pieces, options), timeout)
+        return await self._counted(sched, sched.submit_pieces(samples, pieces, options, priority=priority), timeout)
 
     async def stream_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False,
                            timeout: float | None = None):
@@ -180,8 +181,8 @@ class RemoteBackend:
         return None if got is None else got[0]
 
     async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
-                                timeout: float | None = None) -> list:
-        return await self.client.transcribe(samples, options, pieces=pieces, timeout=timeout)
+                                priority: int = OFFLINE, timeout: float | None = None) -> list:
+        return await self.client.transcribe(samples, options, pieces=pieces, priority=priority, timeout=timeout)
 
     async def stream_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False,
                            timeout: float | None = None):

@@ -199,6 +199,9 @@ def _http_options(p: argparse.ArgumentParser) -> None:
                    help="longest decoded audio of an upload in seconds (400 audio_too_long)")
     g.add_argument("--body-timeout-s", type=_number(float, 0, above=True), default=30.0,
                    help="an upload whose body stalls this many seconds gets 408")
+    g.add_argument("--request-timeout-s", type=_number(float, 0, above=True), default=900.0,
+                   help="an upload's transcription that takes longer gets 504 (on a CPU a 60-minute upload "
+                        "needs more than the default)")
     g.add_argument("--cpu-threads", type=_number(int, 1), default=2,
                    help="CPU pool of each front end: container decode, resampling, VAD cutting of uploads")
     g.add_argument("--decode-workers", type=_number(int, 1), default=None,
@@ -312,7 +315,8 @@ def parse_args(argv: list[str]) -> ServeConfig:
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
         stream_partials=a.stream_partials, stream_left_s=a.stream_left_s, stream_chunk_frames=a.stream_chunk_frames,
         stream_slots=a.stream_slots, stream_max_slots=a.stream_max_slots, stream_batch=a.stream_batch,
-        body_timeout_s=a.body_timeout_s, log_level=a.log_level, access_log=not a.no_access_log,
+        body_timeout_s=a.body_timeout_s, request_timeout_s=a.request_timeout_s, log_level=a.log_level,
+        access_log=not a.no_access_log,
         ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile, ray=a.ray, ray_min_replicas=a.ray_min_replicas,
         ray_max_replicas=a.ray_max_replicas, ray_target_ongoing=a.ray_target_ongoing,
     )

@@ -13,8 +13,8 @@ class ServeContext:
     """Args:
         cfg: the server's configuration.
         metrics: the front end's :class:`~.metrics.FrontendMetrics`.
-        state: ``{"pool": ThreadPoolExecutor, "backend": LocalBackend | RemoteBackend}``, filled by
-            the lifespan (``app.state.flashasr``).
+        state: ``{"pool": ThreadPoolExecutor, "stream_pool": ThreadPoolExecutor, "backend": LocalBackend |
+            RemoteBackend}``, filled by the lifespan (``app.state.flashasr``).
     """
 
     def __init__(self, cfg: ServeConfig, metrics: FrontendMetrics, state: dict):
@@ -29,6 +29,11 @@ class ServeContext:
     @property
     def pool(self):
         return self.state["pool"]
+
+    @property
+    def stream_pool(self):
+        """One thread for the VAD of streaming finals (never queued behind an upload's decode)."""
+        return self.state.get("stream_pool") or self.state["pool"]
 
     def capabilities(self) -> ModelCapabilities:
         """The loaded model's capabilities.

@@ -21,6 +21,7 @@ import socket
 
 from ..errors import FlashASRError
 from ..options import TranscribeOptions
+from ..pipeline.plan import Piece
 from .backend import load_and_warm, make_streamer, model_info
 from .config import ServeConfig
 from .ipc import Conn, Frame, FramingError, MsgType, encode, transcript_to_wire, unpack_audio
@@ -115,8 +116,8 @@ class EngineServer:
             r = await self.scheduler.submit_chunk(m["stream"], samples, options, new=bool(m.get("new")))
             return {"stream_result": dataclasses.asdict(r)}
         if m.get("pieces") is not None:
-            pieces = _check_pieces(m["pieces"], samples.size)
-            got = await self.scheduler.submit_pieces(samples, pieces, options)
+            pieces = _check_pieces(m["pieces"], samples.size, m.get("speech"))
+            got = await self.scheduler.submit_pieces(samples, pieces, options, priority=int(m.get("priority", OFFLINE)))
         else:
             t = await self.scheduler.submit(samples, options, priority=int(m.get("priority", OFFLINE)),
                                             coalesce_key=m.get("key"))
@@ -126,15 +127,22 @@ class EngineServer:
         return {"transcripts": [transcript_to_wire(t) for t in got]}
 
 
-def _check_pieces(pieces, n: int) -> list[tuple[int, int]]:
-    """``[[start, end], ...]`` from the wire: integer ranges within ``[0, n]``, start < end."""
+def _check_pieces(pieces, n: int, speech=None) -> list[Piece]:
+    """``[[start, end], ...]`` from the wire: integer ranges within ``[0, n]``, start < end, as
+    :class:`~flashasr.pipeline.plan.Piece` s with their speech spans (``speech``: per piece
+    ``[[a, b], ...]`` within it, or None)."""
     try:
         out = [(int(a), int(b)) for a, b in pieces]
+        spans = [None] * len(out) if speech is None else \
+            [None if sp is None else [(int(a), int(b)) for a, b in sp] for sp in speech]
     except (TypeError, ValueError):
-        raise FramingError("'pieces' must be a list of [start, end] sample ranges") from None
+        raise FramingError("'pieces' must be a list of [start, end] sample ranges, 'speech' of [a, b] spans") from None
     if any(not 0 <= a < b <= n for a, b in out):
         raise FramingError(f"'pieces' holds a range outside the {n} samples sent")
-    return out
+    if len(spans) != len(out) or any(sp is not None and any(not 0 <= a < b <= e - s for a, b in sp)
+                                     for (s, e), sp in zip(out, spans)):
+        raise FramingError("'speech' must hold one list of spans inside each piece")
+    return [Piece(a, b, sp) for (a, b), sp in zip(out, spans)]
 
 
 async def serve_unix(path: str, handler) -> None:

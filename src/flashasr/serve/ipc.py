@@ -31,8 +31,10 @@ type            direction            metadata
 ``TRANSCRIBE``  front end -> engine  ``options`` (:class:`~flashasr.options.TranscribeOptions` as a
                                      dict), ``priority``, optional ``key`` (a stream's partials
                                      coalesce), optional ``pieces`` ``[[start, end], ...]`` (an
-                                     upload's pieces; the audio crosses once), the audio fields
-``RESULT``      engine -> front end  ``transcripts``: one per piece (one without ``pieces``), or
+                                     upload's pieces; the audio crosses once) and ``speech`` (per
+                                     piece its VAD spans ``[[a, b], ...]`` or null), the audio fields
+``RESULT``      engine -> front end  ``transcripts``: one per piece (one without ``pieces``; with
+                                     language probabilities and warnings), or
                                      ``{"superseded": true}`` for a replaced partial
 ``ERROR``       engine -> front end  ``{"code", "message", "status", "param"}``
 ``CANCEL``      front end -> engine  the client went away: drop the request's work
@@ -361,12 +363,34 @@ def release_audio(handle, replied: bool) -> None:
         pool.release(seg, reusable=replied)
 
 
+def _map_one_off(name: str, dtype, n: int, need: int) -> np.ndarray:
+    """A one-off segment mapped in place and its name unlinked at once: the memory lives as long as
+    the returned array (no copy: a 4-hour upload's 920 MB are not held twice in the engine)."""
+    import mmap
+    import os
+
+    import _posixshmem
+
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    except FileNotFoundError:
+        raise FramingError(f"no shared-memory segment {name!r}") from None
+    try:
+        if os.fstat(fd).st_size < need:
+            raise FramingError("shared-memory segment smaller than the declared sample count")
+        m = mmap.mmap(fd, max(1, need))
+    finally:
+        os.close(fd)
+        unlink_shm(name)
+    return np.frombuffer(m, dtype, count=n)
+
+
 def unpack_audio(frame: Frame) -> np.ndarray:
     """Samples of a TRANSCRIBE frame as float32 [N].
 
     Inline payloads are used where they landed; pooled shared memory is read in place (the
-    sender does not touch the segment before our reply); a one-off segment is copied out and
-    unlinked at once.
+    sender does not touch the segment before our reply); a one-off segment is mapped in place
+    and its name unlinked at once (the sender unlinks nothing more after our reply).
     """
     n = int(frame.meta.get("n", -1))
     dtype = np.int16 if frame.flags & Flag.PCM16 else np.float32
@@ -381,14 +405,7 @@ def unpack_audio(frame: Frame) -> np.ndarray:
                 raise FramingError("shared-memory segment smaller than the declared sample count")
             a = np.ndarray((n,), dtype, buffer=shm.buf)
         else:
-            shm = _open_shm(name)
-            try:
-                if shm.size < need:
-                    raise FramingError("shared-memory segment smaller than the declared sample count")
-                a = np.ndarray((n,), dtype, buffer=shm.buf).copy()
-            finally:
-                shm.close()
-                unlink_shm(name)
+            a = _map_one_off(name, dtype, n, need)
     else:
         if len(frame.payload) % np.dtype(dtype).itemsize:
             raise FramingError("payload length is not a whole number of samples")
@@ -410,7 +427,8 @@ def transcript_to_wire(t: Transcript) -> dict:
                       s.compression_ratio, s.temperature, s.seek,
                       [[w.word, w.start, w.end, w.probability] for w in s.words]] for s in t.segments],
         "words": None if t.words is None else [[w.word, w.start, w.end, w.probability] for w in t.words],
-        "task": t.task,
+        "task": t.task, "language_probability": t.language_probability, "language_probs": t.language_probs,
+        "warnings": list(t.warnings),
     }
 
 
@@ -420,7 +438,9 @@ def transcript_from_wire(d: dict) -> Transcript:
                     words=[Word(*w) for w in s[10]]) for s in d.get("segments", [])]
     words = None if d.get("words") is None else [Word(*w) for w in d["words"]]
     return Transcript(text=d["text"], language=d.get("language"), duration=d.get("duration", 0.0),
-                      segments=segs, words=words, model=d.get("model"), task=str(d.get("task", "transcribe")))
+                      segments=segs, words=words, model=d.get("model"), task=str(d.get("task", "transcribe")),
+                      language_probability=d.get("language_probability"), language_probs=d.get("language_probs"),
+                      warnings=list(d.get("warnings") or []))
 
 
 # ------------------------------------------------------------------ client side
@@ -549,6 +569,9 @@ class EngineClient:
         meta.update(options=options.to_dict(), priority=int(priority))
         if pieces is not None:
             meta["pieces"] = [[int(a), int(b)] for a, b in pieces]
+            spans = [getattr(p, "speech", None) for p in pieces]
+            if any(sp is not None for sp in spans):
+                meta["speech"] = [None if sp is None else [[int(a), int(b)] for a, b in sp] for sp in spans]
         if coalesce_key is not None:
             meta["key"] = coalesce_key
         if self.metrics is not None:

@@ -26,6 +26,7 @@ transcribes what it is given).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -41,7 +42,10 @@ from ..types import Transcript
 from .context import ServeContext
 from .errors import APIError
 from .protocol import UploadRequest, parse_upload, sse_events
+from .scheduler import OFFLINE
 from .upload import read_multipart
+
+log = logging.getLogger("flashasr.serve")
 
 DRAIN_BYTES = 64 << 20   # after a refusal we keep reading (and discarding) this much so the client sees the reply
 DRAIN_SECONDS = 5.0
@@ -73,36 +77,47 @@ class UploadTranscriber:
             req = parse_upload(up, task)
             caps = ctx.capabilities()
             opts = req.options.resolve(caps)
-            wav = await asyncio.get_running_loop().run_in_executor(ctx.pool, self._decode, up, caps.sample_rate)
+            wav, damage = await asyncio.get_running_loop().run_in_executor(ctx.pool, self._decode, up,
+                                                                           caps.sample_rate)
         timing = StageTimes(upload=t1 - t0, decode=time.perf_counter() - t1)
         m.observe("decode", timing.decode)
-        transcript = await _unless_client_leaves(request, self.transcribe(wav.samples, opts, caps, timing))
+        for w in damage:  # the server's log says it too (stderr)
+            log.warning("upload %r: %s", up.filename, w["message"])
+        samples = wav.samples
+        del wav  # the samples are all this request keeps of its decode
+        transcript = await _unless_client_leaves(request, self.transcribe(samples, opts, caps, timing=timing,
+                                                                          warnings=damage))
         if transcript is None:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         m.observe("request", time.perf_counter() - t1)
         m.audio_seconds.labels("offline").inc(transcript.duration)
         return respond(transcript, req, ignored=caps.ignored(opts), timing=timing)
 
-    async def transcribe(self, samples, options: TranscribeOptions, caps: ModelCapabilities,
+    async def transcribe(self, samples, options: TranscribeOptions, caps: ModelCapabilities, *,
+                         priority: int = OFFLINE, pool=None, warnings=(),
                          timing: "StageTimes | None" = None) -> Transcript:
         """Plan (CPU pool), transcribe the pieces (backend), merge: float32 ``[N]`` at
         ``caps.sample_rate`` and resolved ``options`` -> the recording's Transcript
-        (``duration = N / sample_rate``). ``timing``, when given, gets the plan and transcribe times."""
+        (``duration = N / sample_rate``). ``priority``: the scheduler's (a stream's final:
+        ``FINAL``); ``pool``: where to plan (default the CPU pool); ``warnings``: the recording's
+        own (a damaged upload), first in the transcript's; ``timing``, when given, gets the plan
+        and transcribe times."""
         ctx, m = self.ctx, self.ctx.metrics
         t0 = time.perf_counter()
-        pieces = await asyncio.get_running_loop().run_in_executor(ctx.pool, self._plan, samples, options, caps)
+        pieces = await asyncio.get_running_loop().run_in_executor(pool or ctx.pool, self._plan, samples, options, caps)
         t1 = time.perf_counter()
         m.observe("plan", t1 - t0)
         parts = []
         if pieces:
-            parts = await ctx.backend.transcribe_pieces(samples, pieces, options, timeout=ctx.cfg.request_timeout_s)
+            parts = await ctx.backend.transcribe_pieces(samples, pieces, options, priority=priority,
+                                                        timeout=ctx.cfg.request_timeout_s)
         t2 = time.perf_counter()
         m.observe("transcribe", t2 - t1)
         if timing is not None:
             timing.plan, timing.transcribe = t1 - t0, t2 - t1
         sr = caps.sample_rate
         return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, parts)], samples.size / sr, options=options,
-                            caps=caps)
+                            caps=caps, warnings=warnings)
 
     def _plan(self, samples, options: TranscribeOptions, caps: ModelCapabilities) -> list[tuple[int, int]]:
         """:func:`~flashasr.pipeline.plan_pieces` in the CPU pool; a recording longer than
@@ -138,18 +153,24 @@ class UploadTranscriber:
             raise
 
     def _decode(self, up, rate: int):
-        """Container decode + resample to ``rate`` (runs in the CPU pool; PyAV and soxr release the GIL).
-        An upload on disk is decoded by :func:`~flashasr.audio.load_audio_parallel` through its
-        ``/proc/self/fd`` path (one long file on several threads, same samples)."""
+        """Container decode + resample to ``rate`` (runs in the CPU pool; PyAV and soxr release the GIL):
+        ``(DecodedAudio, its damage warnings)`` (:meth:`~flashasr.audio.DecodedAudio.damage`, naming
+        the upload). An upload on disk is decoded by :func:`~flashasr.audio.load_audio_parallel`
+        through its ``/proc/self/fd`` path (one long file on several threads, same samples)."""
         from ..audio import load_audio, load_audio_parallel
 
         workers = self.ctx.cfg.decode_workers
         path = _upload_path(up.file, up.file_size) if workers != 1 else None
         try:
             if path is not None:
-                return load_audio_parallel(path, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s,
-                                           workers=workers)
-            return load_audio(up.file, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s)
+                wav = load_audio_parallel(path, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s,
+                                          workers=workers)
+            else:
+                wav = load_audio(up.file, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s)
+            damage = wav.damage(path)
+            for w in damage:
+                w["message"] = f"uploaded file {up.filename!r}: {w['message']}"
+            return wav, damage
         except AudioError as e:
             msg = str(e)
             label = repr(path) if path is not None else None
@@ -203,9 +224,13 @@ def respond(transcript: Transcript, req: UploadRequest, ignored: list[str] = (),
             timing: StageTimes | None = None) -> Response:
     """The reply in the requested shape: SSE events with ``stream=true``, else ``response_format``.
     ``ignored``: request options the model does not use, named in an ``X-Flashasr-Ignored`` header;
+    the codes of the transcript's warnings (a damaged input, a repetition cut) are in an
+    ``X-Flashasr-Warnings`` header whatever the format (``verbose_json`` holds them in full);
     ``timing``: the stages' times in a ``Server-Timing`` header (read by browsers' developer tools and
     the web page: the request's speed factor)."""
     headers = {"X-Flashasr-Ignored": ", ".join(ignored)} if ignored else {}
+    if transcript.warnings:
+        headers["X-Flashasr-Warnings"] = ", ".join(dict.fromkeys(w["code"] for w in transcript.warnings))
     if timing is not None:
         headers["Server-Timing"] = timing.server_timing()
     if req.stream:

@@ -197,10 +197,12 @@ class ModelReplica:
         return await self._run(self.scheduler.submit(np.array(samples, np.float32), self._options(options),
                                                      priority=priority, coalesce_key=coalesce_key), single=True)
 
-    async def transcribe_pieces(self, samples: np.ndarray, pieces, options: dict, affinity: str | None = None) -> dict:
-        """The pieces ``[(start, end)]`` of one upload: ``{"transcripts": [one per piece]}`` or ``{"error": ...}``."""
+    async def transcribe_pieces(self, samples: np.ndarray, pieces, options: dict, priority: int = 2,
+                                affinity: str | None = None) -> dict:
+        """The pieces ``[(start, end)]`` of one upload or stream final (:class:`~flashasr.pipeline.plan.Piece`
+        s with their speech spans): ``{"transcripts": [one per piece]}`` or ``{"error": ...}``."""
         return await self._run(self.scheduler.submit_pieces(np.array(samples, np.float32), pieces,
-                                                            self._options(options)), single=False)
+                                                            self._options(options), priority=priority), single=False)
 
     def _options(self, options: dict) -> TranscribeOptions:
         return TranscribeOptions.from_dict(options).resolve(self.caps)
@@ -285,9 +287,12 @@ class RayBackend:
         return None if got.get("superseded") else got["transcripts"][0]
 
     async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
-                                timeout: float | None = None) -> list:
-        got = await self._call("transcribe_pieces", samples, [(int(a), int(b)) for a, b in pieces],
-                               options.to_dict(), timeout=timeout)
+                                priority: int = 2, timeout: float | None = None) -> list:
+        from ..pipeline.plan import Piece
+
+        pieces = [Piece(p[0], p[1], getattr(p, "speech", None)) for p in pieces]  # the spans travel along
+        got = await self._call("transcribe_pieces", samples, pieces, options.to_dict(), int(priority),
+                               timeout=timeout)
         return got["transcripts"]
 
     async def _call(self, method: str, *args, timeout: float | None) -> dict:

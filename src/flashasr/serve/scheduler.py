@@ -9,20 +9,36 @@ Priorities (lower runs first):
   * ``PARTIAL`` (1): a stream's interim transcript; a newer partial of the same stream
     replaces a queued older one (``coalesce_key``), the older one resolves to ``None``;
   * ``OFFLINE`` (2): the pieces of uploads (:func:`flashasr.pipeline.plan_pieces` cut them in
-    the CPU pool), shared fairly among uploads by fair queuing over audio seconds: each piece gets
-    a virtual start tag -- the scheduler's virtual time when its upload arrived plus the audio of
-    the upload's earlier pieces -- and the piece with the smallest tag (then the oldest) leads the
-    next batch; the virtual time then moves to the end of that piece (its tag + its seconds).
-    Concurrent uploads thus get equal shares of the model's audio throughput: a short upload
-    waits for about one batch in flight, not for a 4-hour upload queued before it, and a long
-    upload keeps its share however many short ones arrive (the virtual time passes its next tag,
-    where it wins as the older: nothing starves). Single waveforms arriving together go oldest
-    first. The batch is the leader plus the pieces of equal options closest to its length
-    (little padding; ties in fair order).
+    the CPU pool), in two classes:
+
+    - *short requests* -- an upload (or waveform) of at most ``short_s`` seconds of audio (30 s:
+      one window) -- go first, oldest first: a short request waits for the model call running
+      and the short ones before it, never for the pieces of the long uploads in flight (with six
+      90 s uploads in flight a 3 s upload waited 9.8 s on the 2-core VM, one piece of each);
+    - *bulk*: the pieces of longer uploads, shared fairly among them by fair queuing over audio
+      seconds: each piece gets a virtual start tag -- the scheduler's virtual time when its upload
+      arrived plus the audio of the upload's earlier pieces -- and the piece with the smallest tag
+      (then the oldest) leads the next batch; the virtual time then moves to the end of what that
+      batch covered. Concurrent uploads thus get equal shares of the model's audio throughput,
+      and a long upload keeps its share however many others arrive (the virtual time passes its
+      next tag, where it wins as the older: nothing starves).
+
+    Under a flood of short requests bulk work still gets one model call in every
+    ``BULK_EVERY + 1`` (it never starves). A batch of short requests is the oldest one plus the
+    short ones of equal options closest to its length, its free rows filled with bulk pieces no
+    longer than its longest piece (no later answer); a bulk batch is its leader plus the pieces of
+    equal options closest to its length (little padding; ties in fair order).
 
 Items share a batch only when their options' ``decoding`` (language, task, word timestamps) is
-equal; the batch runs through :func:`flashasr.pipeline.transcribe_pieces` (one bad piece fails
-alone).
+equal. Streaming batches run through :func:`flashasr.pipeline.transcribe_pieces` in one model
+call (one bad piece fails alone). An offline batch runs *in steps*
+(:meth:`~flashasr.models.base.ASRModel.start_batch`: Whisper's steps are its rounds of windows,
+one encoder and decoder pass each), one step per model call: between two steps the scheduler looks
+at its queues again, so a streaming final or partial that arrives waits for at most the one step
+running, never for a whole upload (an upload with ``segmentation=none`` is one piece of any length:
+its seek loop runs one window per step). A started batch stays in the fair queue with its tag moved
+on by the audio its step covered, so a short upload that arrives meanwhile goes before the rest of
+a long one. A batch whose step raises is redone piece by piece (one bad piece fails alone).
 
 Chunked streaming partials (:meth:`BatchScheduler.submit_chunk`, when a ``streamer`` is given:
 :class:`flashasr.models.parakeet.streaming.ParakeetStreamer`) are ``PARTIAL`` items of their own
@@ -43,13 +59,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..options import TranscribeOptions
-from ..pipeline.run import transcribe_pieces
+from ..pipeline.run import speech_kw, transcribe_pieces
 from .metrics import EngineMetrics
 
 log = logging.getLogger("flashasr.serve")
 
 FINAL, PARTIAL, OFFLINE = 0, 1, 2
 KIND = {FINAL: "final", PARTIAL: "partial", OFFLINE: "offline"}
+SHORT_S = 30.0  # a request of at most this much audio is short: it goes before bulk pieces
+BULK_EVERY = 3  # bulk work waiting gets a model call after at most this many short-request calls
 
 
 @dataclass
@@ -62,6 +80,8 @@ class _Item:
     t_enq: float
     seq: int = 0
     tag: float = 0.0  # virtual start time in audio seconds (fair order among uploads; see the module docstring)
+    speech: tuple | None = None  # the piece's VAD speech spans (Piece.speech), when known
+    short: bool = False  # a piece of a short request (see the module docstring)
     stream: str | None = None  # a chunked streaming partial: the stream's key (its batch is one streamer step)
     stream_new: bool = False   # ... and the first chunk of that stream (its state is created)
 
@@ -70,12 +90,30 @@ class _Item:
         return ("stream",) if self.stream is not None else self.options.decoding
 
 
+@dataclass
+class _Run:
+    """An offline batch in steps: its items, the model's :class:`~flashasr.models.base.BatchRun`
+    (made at the first step, on the model thread) and its place in the fair queue."""
+
+    items: list[_Item]
+    tag: float
+    seq: int
+    run: object = None
+    steps: int = 0
+    short: bool = False  # a batch of short requests (led by one)
+
+    @property
+    def live(self) -> bool:
+        return any(not it.fut.done() for it in self.items)
+
+
 class BatchScheduler:
     """Queue + batcher for one :class:`~flashasr.models.base.ASRModel`.
 
     Args:
         model: the loaded model; ``transcribe_batch`` is used for batches of > 1.
         max_batch: most waveforms per model call.
+        short_s: requests of at most this many seconds of audio are short (see the module docstring).
         batch_wait_s: how long to wait for more offline work before running a partial batch.
         metrics: :class:`EngineMetrics` to update (queue depth, batch sizes, latencies).
         streamer: a :class:`~flashasr.models.parakeet.streaming.ParakeetStreamer` of ``model``
@@ -84,15 +122,19 @@ class BatchScheduler:
     """
 
     def __init__(self, model, *, max_batch: int = 8, batch_wait_s: float = 0.002,
-                 metrics: EngineMetrics | None = None, streamer=None, stream_batch: int = 256):
+                 metrics: EngineMetrics | None = None, short_s: float = SHORT_S, streamer=None,
+                 stream_batch: int = 256):
         self.model = model
         self.streamer = streamer
         self.stream_batch = max(1, int(stream_batch))
         self.max_batch = max(1, int(max_batch))
+        self.short_s = float(short_s)
+        self._shorts_in_a_row = 0  # short-request calls since bulk work last had one
         self.batch_wait_s = batch_wait_s
         self.metrics = metrics or EngineMetrics(getattr(model, "device", "cpu"))
         self.sample_rate = int(getattr(model, "sample_rate", 16000))
         self._queues: dict[int, list[_Item]] = {FINAL: [], PARTIAL: [], OFFLINE: []}
+        self._runs: list[_Run] = []  # offline batches started and not finished
         self._partials: dict[str, _Item] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -115,22 +157,27 @@ class BatchScheduler:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        for q in self._queues.values():
+        for q in [*self._queues.values(), *(r.items for r in self._runs)]:
             for it in q:
                 if not it.fut.done():
                     it.fut.cancel()
             q.clear()
+        self._runs.clear()
         self._exec.shutdown(wait=False, cancel_futures=True)
 
     def depth(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return sum(len(q) for q in self._queues.values()) + sum(len(r.items) for r in self._runs)
 
     def _enqueue(self, samples: np.ndarray, options: TranscribeOptions, priority: int,
-                 coalesce_key: str | None = None, tag: float | None = None) -> _Item:
+                 coalesce_key: str | None = None, tag: float | None = None, speech=None,
+                 request_s: float | None = None) -> _Item:
         if samples.dtype != np.float32 or samples.ndim != 1:
             samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
+        if request_s is None:
+            request_s = samples.size / self.sample_rate
         it = _Item(samples, options, priority, coalesce_key, asyncio.get_running_loop().create_future(),
-                   time.perf_counter(), next(self._seq), self._vtime if tag is None else tag)
+                   time.perf_counter(), next(self._seq), self._vtime if tag is None else tag, speech,
+                   short=request_s <= self.short_s)
         if priority == PARTIAL and coalesce_key is not None:
             old = self._partials.pop(coalesce_key, None)
             if old is not None and not old.fut.done():
@@ -154,16 +201,18 @@ class BatchScheduler:
                 pass
 
     async def submit(self, samples: np.ndarray, options: TranscribeOptions | None = None, *,
-                     priority: int = OFFLINE, coalesce_key: str | None = None, **changes):
+                     priority: int = OFFLINE, coalesce_key: str | None = None, speech=None, **changes):
         """Queue one waveform (float32 [N] at the model rate) and wait for its Transcript.
 
         ``options`` (:class:`~flashasr.options.TranscribeOptions`, ``**changes`` as keywords):
-        batched only with items of equal ``options.decoding``.
+        batched only with items of equal ``options.decoding``. ``speech``: its VAD speech spans
+        (sample ranges) when known.
 
         Returns ``None`` if a partial was superseded by a newer one of the same ``coalesce_key``.
         Cancelling the awaiting task removes a not-yet-started item from the queue.
         """
-        it = self._enqueue(samples, TranscribeOptions.build(options, **changes), priority, coalesce_key)
+        it = self._enqueue(samples, TranscribeOptions.build(options, **changes), priority, coalesce_key,
+                           speech=speech)
         self._gauge()
         self._wake.set()
         try:
@@ -178,7 +227,8 @@ class BatchScheduler:
 
         Args:
             samples: float32 ``[N]`` at the model rate.
-            pieces: ``[(start, end), ...]`` sample ranges (:func:`flashasr.pipeline.plan_pieces`).
+            pieces: ``[(start, end), ...]`` sample ranges (:func:`flashasr.pipeline.plan_pieces`;
+                a :class:`~flashasr.pipeline.plan.Piece` brings its speech spans along).
             options: the recording's resolved options.
         Returns:
             one Transcript per piece, in order (times relative to each piece).
@@ -188,8 +238,12 @@ class BatchScheduler:
         if samples.dtype != np.float32 or samples.ndim != 1:
             samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
         items, tag = [], self._vtime  # the upload's pieces follow each other in virtual time
-        for a, b in pieces:
-            items.append(self._enqueue(samples[a:b], options, priority, tag=tag))
+        pieces = list(pieces)
+        total = sum(b - a for a, b in pieces) / self.sample_rate  # the request's audio
+        for p in pieces:
+            a, b = p
+            items.append(self._enqueue(samples[a:b], options, priority, tag=tag, speech=getattr(p, "speech", None),
+                                       request_s=total))
             tag += (b - a) / self.sample_rate
         self._gauge()
         self._wake.set()
@@ -231,71 +285,157 @@ class BatchScheduler:
         for p, q in self._queues.items():
             self.metrics.queue_depth.labels(KIND[p]).set(len(q))
 
-    def _pick(self) -> list[_Item]:
-        for p in (FINAL, PARTIAL, OFFLINE):
+    def _pick(self) -> tuple[str, object]:
+        """The next model call: ``("batch", items)`` of streaming work (or ``("none", None)``), or
+        ``("run", _Run)``: one step of an offline batch -- a started one or a new batch of queued
+        pieces: short requests first (oldest first), then bulk in fair order (see the module
+        docstring)."""
+        for p in (FINAL, PARTIAL):
             q = [it for it in self._queues[p] if not it.fut.done()]
             self._queues[p] = q
-            if not q:
-                continue
-            # streaming: oldest first; offline: the smallest virtual start tag (fair among uploads)
-            anchor = min(q, key=lambda it: (it.tag, it.seq)) if p == OFFLINE else q[0]
-            others = [it for it in q if it is not anchor and it.group == anchor.group]
-            if p == OFFLINE:  # pack by length: the items closest to the anchor's, ties in fair order
-                self._vtime = max(self._vtime, anchor.tag + len(anchor.samples) / self.sample_rate)
-                n = len(anchor.samples)
-                others.sort(key=lambda it: (abs(len(it.samples) - n), it.tag, it.seq))
-            batch = [anchor] + others[: (self.stream_batch if anchor.stream else self.max_batch) - 1]
-            chosen = set(id(it) for it in batch)
-            self._queues[p] = [it for it in q if id(it) not in chosen]
-            if p == FINAL and len(batch) < self.max_batch:  # streaming work shares the batch: partials fill it
-                pq = [it for it in self._queues[PARTIAL] if not it.fut.done()]
-                extra = [it for it in pq if it.group == anchor.group][: self.max_batch - len(batch)]
-                taken = set(id(it) for it in extra)
-                self._queues[PARTIAL] = [it for it in pq if id(it) not in taken]
-                batch += extra
-            for it in batch:
-                if it.key is not None and self._partials.get(it.key) is it:
-                    del self._partials[it.key]
-            return batch
-        return []
+            if q:
+                return "batch", self._take_streaming(p, q)
+        q = [it for it in self._queues[OFFLINE] if not it.fut.done()]
+        self._queues[OFFLINE] = q
+        self._runs = [r for r in self._runs if r.live]
+        short_runs = [r for r in self._runs if r.short]
+        bulk_runs = [r for r in self._runs if not r.short]
+        shorts = [it for it in q if it.short]
+        bulk = [it for it in q if not it.short]
+        bulk_waits = bool(bulk or bulk_runs)
+        if (short_runs or shorts) and not (bulk_waits and self._shorts_in_a_row >= BULK_EVERY):
+            self._shorts_in_a_row = self._shorts_in_a_row + 1 if bulk_waits else 0
+            if short_runs:
+                return "run", min(short_runs, key=lambda r: r.seq)
+            return "run", self._new_run(min(shorts, key=lambda it: it.seq), q, short=True)
+        self._shorts_in_a_row = 0
+        run = min(bulk_runs, key=lambda r: (r.tag, r.seq), default=None)
+        anchor = min(bulk, key=lambda it: (it.tag, it.seq), default=None)
+        if anchor is None or (run is not None and (run.tag, run.seq) <= (anchor.tag, anchor.seq)):
+            return ("run", run) if run is not None else ("none", None)
+        return "run", self._new_run(anchor, q, short=False)
+
+    def _new_run(self, anchor: _Item, q: list[_Item], short: bool) -> _Run:
+        """A new offline batch led by ``anchor``: a short request's takes the other short ones
+        closest to its length (then the oldest), then bulk pieces no longer than its longest piece;
+        a bulk one the pieces closest to the anchor's length (ties in fair order). All of equal
+        options."""
+        same = [it for it in q if it is not anchor and it.group == anchor.group]
+        n = len(anchor.samples)
+        if short:
+            batch = [anchor] + sorted((it for it in same if it.short),
+                                      key=lambda it: (abs(len(it.samples) - n), it.seq))[: self.max_batch - 1]
+            longest = max(len(it.samples) for it in batch)
+            fill = sorted((it for it in same if not it.short and len(it.samples) <= longest),
+                          key=lambda it: (abs(len(it.samples) - n), it.tag, it.seq))
+            batch += fill[: self.max_batch - len(batch)]
+        else:
+            others = sorted((it for it in same if not it.short), key=lambda it: (abs(len(it.samples) - n), it.tag, it.seq))
+            batch = [anchor] + others[: self.max_batch - 1]
+        chosen = set(id(it) for it in batch)
+        self._queues[OFFLINE] = [it for it in q if id(it) not in chosen]
+        run = _Run(batch, anchor.tag, anchor.seq, short=short)
+        self._runs.append(run)
+        return run
+
+    def _take_streaming(self, p: int, q: list[_Item]) -> list[_Item]:
+        """A batch of finals (filled up with partials) or of partials: oldest first (chunked
+        partials: up to ``stream_batch`` streams in one streamer step)."""
+        anchor = q[0]
+        others = [it for it in q if it is not anchor and it.group == anchor.group]
+        batch = [anchor] + others[: (self.stream_batch if anchor.stream else self.max_batch) - 1]
+        chosen = set(id(it) for it in batch)
+        self._queues[p] = [it for it in q if id(it) not in chosen]
+        if p == FINAL and len(batch) < self.max_batch:  # streaming work shares the batch: partials fill it
+            pq = [it for it in self._queues[PARTIAL] if not it.fut.done()]
+            extra = [it for it in pq if it.group == anchor.group][: self.max_batch - len(batch)]
+            taken = set(id(it) for it in extra)
+            self._queues[PARTIAL] = [it for it in pq if id(it) not in taken]
+            batch += extra
+        for it in batch:
+            if it.key is not None and self._partials.get(it.key) is it:
+                del self._partials[it.key]
+        return batch
 
     def _infer(self, batch: list[_Item]) -> list:
         """One model call for the batch (model thread); per item a Transcript (a StreamResult for
         chunked partials) or its exception."""
         if batch[0].stream is not None:
             return self.streamer.step([(it.stream, it.samples, it.stream_new) for it in batch])
-        return transcribe_pieces(self.model, [it.samples for it in batch], batch[0].options)
+        return transcribe_pieces(self.model, [it.samples for it in batch], batch[0].options,
+                                 [it.speech for it in batch])
+
+    def _step(self, run: _Run) -> list | None:
+        """One step of an offline batch (model thread): its results when it is done, else None. A
+        batch that cannot start or whose step raises is redone piece by piece (one call)."""
+        items = run.items
+        try:
+            if run.run is None:
+                run.run = self.model.start_batch([it.samples for it in items], items[0].options,
+                                                 **speech_kw(self.model, [it.speech for it in items]))
+            run.steps += 1
+            if not run.run.step():
+                return None
+            return list(run.run.results())
+        except Exception:  # noqa: BLE001 - each piece alone says whose fault it is
+            run.run = None
+            return self._infer(items)
+
+    async def _call(self, kind: str, work) -> tuple[list[_Item], list | None]:
+        """Run one model call in the model thread: (its items, per item a result; None: a step of
+        an offline batch that is not done yet)."""
+        loop = asyncio.get_running_loop()
+        items = work if kind == "batch" else work.items
+        t0 = time.perf_counter()
+        if kind == "batch" or work.steps == 0:
+            for it in items:
+                self.metrics.stage.labels("queue").observe(t0 - it.t_enq)
+        self.metrics.batch_size.labels(KIND[items[0].priority]).observe(len(items))
+        self.busy = True
+        try:
+            fn = self._infer if kind == "batch" else self._step
+            results = await loop.run_in_executor(self._exec, fn, work)
+        except Exception as e:  # noqa: BLE001
+            results = [e] * len(items)
+        finally:
+            self.busy = False
+        self.metrics.stage.labels("inference").observe(time.perf_counter() - t0)
+        if kind == "run":
+            self._stepped(work, getattr(work.run, "audio_s", None), done=results is not None)
+            if results is None:
+                return items, None
+        return items, results
+
+    def _stepped(self, run: _Run, covered: float | None, done: bool) -> None:
+        """After a step of ``run``: it moves on in the fair queue by the audio its step covered per
+        item (``covered`` None: all of its items' audio), the virtual time with it; a finished run
+        leaves the queue."""
+        if covered is None:
+            covered = sum(len(it.samples) for it in run.items) / self.sample_rate
+        run.tag += max(covered / max(1, len(run.items)), 1e-6)
+        if not run.short:  # short requests are outside the fair queue of bulk work
+            self._vtime = max(self._vtime, run.tag)
+        if done:
+            self._runs = [r for r in self._runs if r is not run]
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while True:
-                if not self._queues[FINAL] and not self._queues[PARTIAL] and \
+                if not self._queues[FINAL] and not self._queues[PARTIAL] and not self._runs and \
                         0 < len(self._queues[OFFLINE]) < self.max_batch and self.batch_wait_s > 0:
                     await asyncio.sleep(self.batch_wait_s)  # let concurrent uploads join the batch
-                batch = self._pick()
+                kind, work = self._pick()
                 self._gauge()
-                if not batch:
+                if kind == "none":
                     break
-                t0 = time.perf_counter()
-                kind = KIND[batch[0].priority]
-                for it in batch:
-                    self.metrics.stage.labels("queue").observe(t0 - it.t_enq)
-                self.metrics.batch_size.labels(kind).observe(len(batch))
-                self.busy = True
-                try:
-                    results = await loop.run_in_executor(self._exec, self._infer, batch)
-                except Exception as e:  # noqa: BLE001
-                    results = [e] * len(batch)
-                finally:
-                    self.busy = False
-                dt = time.perf_counter() - t0
-                self.metrics.stage.labels("inference").observe(dt)
-                for it in batch:  # a final batch may carry partials too: count each under its own kind
+                items, results = await self._call(kind, work)
+                if results is None:
+                    continue
+                for it in items:  # a final batch may carry partials too: count each under its own kind
                     self.metrics.audio_seconds.labels(KIND[it.priority]).inc(len(it.samples) / self.sample_rate)
-                for it, r in zip(batch, results):
+                for it, r in zip(items, results):
                     if it.fut.done():
                         continue
                     if isinstance(r, BaseException):

@@ -18,8 +18,11 @@ emits OpenAI Realtime transcription events through an ``emit`` coroutine:
     utterance so far; only words on which two consecutive hypotheses agree are emitted
     (local agreement),
 * ``conversation.item.input_audio_transcription.completed``: the final. It re-runs the
-  model on the *whole* utterance, so it equals the offline transcript of the same audio
-  (no word lost at packet boundaries or at the end),
+  model on the *whole* utterance through the pipeline of uploads (``finalize``: the VAD's speech
+  spans planned off the event loop, the pieces at the scheduler's ``FINAL`` priority, the merger's
+  repetition guard), so it equals the offline transcript of the same audio with the session's
+  options (no word lost at packet boundaries, after a pause or at the end; nothing invented on a
+  silent utterance),
 * ``...failed`` when the final could not be produced,
 * extension (off by default): ``conversation.item.input_audio_transcription.partial`` with every
   partial hypothesis in full (``transcript``, ``audio_end_ms``), for clients that redraw text.
@@ -246,13 +249,16 @@ class StreamSession:
         max_utterance_s: utterance cap in seconds (longer: committed early).
         options: the session's :class:`~flashasr.options.TranscribeOptions` (its language), already
             checked against the model; a ``session.update`` replaces it whole (:attr:`options`).
+        finalize: ``await finalize(audio, options) -> Transcript``: how a final is made (the server
+            passes the upload pipeline at ``FINAL`` priority); None: one ``backend.transcribe`` call.
         chunked: partials through ``backend.stream_chunk`` / ``stream_close`` (the model's
             chunked streamer) instead of re-transcribing the utterance so far.
     """
 
     def __init__(self, backend, emit, *, input_rate: int = 24000, vad=None, options: TranscribeOptions | None = None,
                  partial_interval_ms: float = 500.0, max_utterance_s: float = 30.0,
-                 prefix_padding_ms: int = 300, metrics=None, full_partials: bool = False, chunked: bool = False):
+                 prefix_padding_ms: int = 300, metrics=None, full_partials: bool = False, finalize=None,
+                 chunked: bool = False):
         self.id = f"sess_{uuid.uuid4().hex[:16]}"
         self.backend = backend
         self.emit = emit
@@ -264,6 +270,7 @@ class StreamSession:
         self.prefix = int(prefix_padding_ms * SR / 1000)
         self.metrics = metrics
         self.full_partials = full_partials  # extension: also send every partial hypothesis in full
+        self.finalize = finalize
         self.pos = 0                      # 16 kHz samples received so far (stream clock)
         self._pre: deque = deque()        # (start_sample, chunk) before speech (VAD mode)
         self._pre_n = 0
@@ -536,7 +543,10 @@ class StreamSession:
     async def _final(self, item: str, audio: np.ndarray, emitted: list[str], prev: asyncio.Task | None) -> None:
         t0 = time.perf_counter()
         try:
-            t = await self.backend.transcribe(audio, self.options, priority=FINAL)
+            if self.finalize is not None:
+                t = await self.finalize(audio, self.options)
+            else:
+                t = await self.backend.transcribe(audio, self.options, priority=FINAL)
             err = None
         except asyncio.CancelledError:
             raise

@@ -41,7 +41,9 @@ from .context import ServeContext
 from .errors import APIError, error_body
 from .protocol import (UNCHANGED, SessionUpdate, default_turn_detection, parse_session_update, parse_stream_query,
                        session_view, stream_options)
+from .offline import UploadTranscriber
 from .routes import check_auth
+from .scheduler import FINAL
 from .stream import SR, LazyVad, Resampler, StreamSession, check_rate
 
 log = logging.getLogger("flashasr.serve")
@@ -262,11 +264,17 @@ def websocket_router(ctx: ServeContext) -> APIRouter:
     door = WebSocketDoor(ctx)
     cfg = ctx.cfg
 
+    finals = UploadTranscriber(ctx)
+
+    async def finalize(audio, options):  # a final: the upload pipeline, ahead of every upload
+        caps = ctx.capabilities()
+        return await finals.transcribe(audio, options.resolve(caps), caps, priority=FINAL, pool=ctx.stream_pool)
+
     def session(emit, rate, options, turn_detection, partial_interval_ms, full_partials=False) -> StreamSession:
         return StreamSession(ctx.backend, emit, input_rate=rate, vad=LazyVad(turn_detection) if turn_detection else None,
                              options=options, partial_interval_ms=partial_interval_ms,
                              max_utterance_s=cfg.max_utterance_s, prefix_padding_ms=cfg.vad_prefix_padding_ms,
-                             metrics=ctx.metrics, full_partials=full_partials,
+                             metrics=ctx.metrics, full_partials=full_partials, finalize=finalize,
                              chunked=ctx.backend.info.get("stream_partials") == "chunked")
 
     @router.websocket("/v1/realtime")

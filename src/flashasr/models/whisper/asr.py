@@ -1,9 +1,10 @@
 """``WhisperASR``: the :class:`~flashasr.models.base.ASRModel` for Whisper checkpoints.
 
-Data flow for a batch of waveforms (float32 ``[N_i]`` at 16 kHz):
+Data flow for a batch of waveforms (float32 ``[N_i]`` at 16 kHz), each with the VAD's speech spans
+when the pipeline knows them (``speech=``):
 
 1. log-mel of each input with 30 s of zeros appended: ``[n_mels, N_i // 160 + 3000]``
-   (the max-8 clamp is over the whole input, as in the reference);
+   (the max-8 clamp is over the whole input, as in the reference; long inputs in chunks);
 2. rounds of windows: each unfinished input contributes its window
    ``mel[:, seek : seek + min(3000, content_frames - seek)]`` zero-padded to 3000 frames;
    windows of all inputs are stacked ``[B, n_mels, 3000]`` and encoded together ``[B, 1500, D]``;
@@ -14,6 +15,30 @@ Data flow for a batch of waveforms (float32 ``[N_i]`` at 16 kHz):
    complete timestamp (or 30 s later when the window ended on a single timestamp / had none):
    the reference's long-form "seek" procedure, without conditioning on previous text;
 7. every time is clamped to ``[0, duration]`` and made monotonic.
+
+With speech spans (our additions; the reference has no VAD), in mel frames:
+
+* *speech runs* are the spans joined across gaps shorter than :data:`SPEECH_GAP_S` (and to the
+  input's start or end when it is that close); a window starts at the start of a run (never inside
+  a longer stretch without speech) and its content ends at the end of that run (zero-padded beyond,
+  as the last window of an input is), so long leading silence, music between speakers or a silent
+  input are never decoded (nothing to invent there) and the language is detected on speech; an
+  input without such stretches is decoded as without spans;
+* *no lost speech*: when a window ends on a single timestamp or without one (the decoder's
+  "nothing more here", which moves the seek to the window's end) although the VAD has speech after
+  the last timestamp -- at least :data:`REST_MIN_S` in spans after the one that timestamp fell in
+  (a next utterance, after a pause), or :data:`REST_SAME_SPAN_S` left in that span (more than the
+  tail of a last word, whose end stamp is often early), both counted from :data:`REST_AFTER_S`
+  after it -- the seek moves to that timestamp instead (at least :data:`MIN_PROGRESS_S` on) and
+  decoding goes on there: the model's early end-of-text after a first utterance no longer drops
+  the second.
+
+The repetition guard (:mod:`flashasr.repetition`): inside each segment, a run of tokens repeated
+more than three times in a row (at least 8 tokens) is cut to its first copy, and the transcript's
+``warnings`` say so (``repetition_removed``).
+
+:meth:`WhisperASR.start_batch` runs the same procedure in steps of one round (a scheduler puts
+streaming finals between them); :meth:`transcribe_batch` runs all the steps.
 """
 
 from __future__ import annotations
@@ -25,8 +50,9 @@ import torch
 
 from ...errors import UnsupportedLanguageError
 from ...options import TranscribeOptions
-from ...types import Segment, Transcript, Word
-from ..base import SAMPLE_RATE, ASRModel
+from ...repetition import cut_loops
+from ...types import Segment, Transcript, Word, warning
+from ..base import SAMPLE_RATE, ASRModel, BatchRun, as_waveform, check_speech
 from .alignment import align_words, default_alignment_heads
 from .decoding import DecodingResult, decode_with_fallback, detect_language, is_no_speech
 from .features import HOP_LENGTH, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
@@ -36,6 +62,16 @@ from .tokenizer import WhisperTokenizer
 __all__ = ["WhisperASR", "UnsupportedLanguageError"]
 
 INPUT_STRIDE = 2  # mel frames per encoder frame / timestamp step (20 ms)
+FRAMES_PER_S = SAMPLE_RATE // HOP_LENGTH  # 100 mel frames per second
+
+# Speech spans (see the module docstring). Measured on bench/bench_faithful.py's generated
+# speech/music/silence recording and the 2-utterance pieces of tests/test_faithful.py.
+SPEECH_GAP_S = 3.0  # a stretch without speech this long or longer is never inside a window
+REST_MIN_S = 0.5  # speech in later VAD spans (after a pause) that makes decoding go on ...
+REST_SAME_SPAN_S = 2.0  # ... or left in the span the last timestamp fell in (more than a word's tail)
+REST_AFTER_S = 0.3  # both counted from this far after the last timestamp (end stamps are often early)
+MIN_PROGRESS_S = 1.0  # going on needs the window to have moved at least this far
+LOOP_MIN_TOKENS = 8  # a token loop inside a segment covers at least this many tokens
 
 
 @dataclass(frozen=True)
@@ -56,14 +92,37 @@ class _Job:
     content_frames: int
     duration: float
     language: str | None
+    runs: list[tuple[int, int]] | None = None  # speech runs in mel frames (None: no spans known)
+    speech: list[tuple[int, int]] | None = None  # the VAD's speech spans in mel frames
     seek: int = 0
+    limit: int = 0  # where the current window's content ends (mel frames)
     windows: int = 0
+    continued: int = 0  # windows that went on after an early end (speech left)
     segments: list[Segment] = field(default_factory=list)
     language_probs: dict | None = None
+    warnings: list[dict] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
         return self.seek >= self.content_frames
+
+    def place(self) -> None:
+        """Before a round: the window starts at the next speech run (or the input is done) and its
+        content ends with that run; without spans, at the end of the input."""
+        if self.done:
+            return
+        if self.runs is None:
+            self.limit = self.content_frames
+            return
+        for a, b in self.runs:
+            if b > self.seek:
+                self.seek, self.limit = max(self.seek, a), b
+                return
+        self.seek = self.content_frames
+
+    def speech_in(self, a: int, b: int) -> int:
+        """Mel frames of VAD speech within ``[a, b)``."""
+        return sum(max(0, min(e, b) - max(s, a)) for s, e in self.speech or ())
 
 
 class WhisperASR(ASRModel):
@@ -80,6 +139,7 @@ class WhisperASR(ASRModel):
     long_form = True  # the reference's seek loop over 30 s windows
     prompts = True  # initial prompt (<|startofprev|> + its tokens) before the first window of an input
     uses_temperature = True
+    uses_speech = True  # decodes where the VAD's spans show speech (module docstring)
 
     def __init__(self, model: WhisperModel, tokenizer: WhisperTokenizer, *, name: str = "whisper",
                  device: str = "cpu", alignment_heads=None, max_batch: int = 16):
@@ -104,43 +164,66 @@ class WhisperASR(ASRModel):
         return self._languages
 
     # ---- the computation -----------------------------------------------------------------
-    def _transcribe(self, waveforms: list[np.ndarray], options: TranscribeOptions) -> list[Transcript]:
+    def _transcribe(self, waveforms: list[np.ndarray], options: TranscribeOptions,
+                    speech: list | None = None) -> list[Transcript]:
         """Transcribe (``task="translate"``: English text from speech in any language; ``language``
         is then the SOURCE language, detected when None, and the result's language is ``"en"``)
         the waveforms, batching their windows through the encoder and the decoder; each result
-        equals the same input alone. Any length: longer than 30 s runs the reference's seek loop."""
-        task, word_timestamps = options.task, options.word_timestamps
-        lang = options.language if options.language is not None else (None if self.multilingual else "en")
-        jobs = [self._make_job(i, w, lang) for i, w in enumerate(waveforms)]
-        settings = self._settings(options)
-        with torch.inference_mode():
-            while True:
-                active = [j for j in jobs if not j.done]
-                if not active:
-                    break
-                for k in range(0, len(active), self.max_batch):
-                    self._run_round(active[k: k + self.max_batch], settings)
-        out = []
-        for j in jobs:
-            segs = self._finish_segments(j)
-            words = None
-            if word_timestamps:
-                words = [w for s in segs for w in s.words]
-            text = "".join(s.text for s in segs).strip()
-            out_lang = "en" if task == "translate" else j.language or ("en" if not self.multilingual else None)
-            out.append(Transcript(text=text, language=out_lang, task=task,
-                                  duration=j.duration, segments=segs, words=words, model=self.name))
-            if not word_timestamps:
-                for s in segs:
-                    s.words = []
-        return out
+        equals the same input alone. Any length: longer than 30 s runs the reference's seek loop.
+        ``speech``: per waveform its checked speech spans or None (see the module docstring)."""
+        run = _WhisperRun(self, waveforms, options, speech)
+        while not run.step():
+            pass
+        return run.results()
+
+    def start_batch(self, waveforms, options: TranscribeOptions | None = None, *, speech=None) -> "BatchRun":
+        """The batch as a :class:`_WhisperRun`: each :meth:`~_WhisperRun.step` is one round (one
+        encoder + decoder pass over up to ``max_batch`` windows). Waveforms, options and spans are
+        checked here (as :meth:`transcribe_batch`)."""
+        opts = TranscribeOptions.build(options).resolve(self.capabilities)
+        waves = [as_waveform(w, f"waveform {i}") for i, w in enumerate(waveforms)]
+        return _WhisperRun(self, waves, opts, check_speech(speech, waves))
+
+    def _result(self, j: _Job, options: TranscribeOptions) -> Transcript:
+        """A finished job's transcript (segments clamped and numbered; words when asked)."""
+        segs = self._finish_segments(j)
+        words = [w for s in segs for w in s.words] if options.word_timestamps else None
+        if not options.word_timestamps:
+            for s in segs:
+                s.words = []
+        text = "".join(s.text for s in segs).strip()
+        lang = j.language or ("en" if not self.multilingual else None)
+        prob, top = None, None
+        if j.language_probs is not None:  # detected
+            prob = float(j.language_probs.get(j.language, 0.0))
+            top = dict(sorted(j.language_probs.items(), key=lambda kv: -kv[1])[:5])
+        elif lang is not None and (options.language is not None or not self.multilingual):
+            prob = 1.0  # given, or the model's only language
+        return Transcript(text=text, language="en" if options.task == "translate" else lang, task=options.task,
+                          duration=j.duration, segments=segs, words=words, model=self.name,
+                          language_probability=prob, language_probs=top, warnings=list(j.warnings))
 
     # ---- internals -----------------------------------------------------------------------
-    def _make_job(self, i: int, w, language: str | None) -> _Job:
+    def _make_job(self, i: int, w, language: str | None, speech=None) -> _Job:
         a = w
         mel = log_mel_spectrogram(a, self.model.dims.n_mels, padding=N_SAMPLES, device=self.device)
-        return _Job(index=i, mel=mel, content_frames=a.size // HOP_LENGTH, duration=a.size / SAMPLE_RATE,
-                    language=language)
+        content = a.size // HOP_LENGTH
+        job = _Job(index=i, mel=mel, content_frames=content, duration=a.size / SAMPLE_RATE, language=language)
+        if speech is not None:
+            spans = [(s // HOP_LENGTH, min(content, -(-e // HOP_LENGTH))) for s, e in speech]
+            job.speech = [(s, e) for s, e in spans if e > s]
+            job.runs = []
+            gap = int(SPEECH_GAP_S * FRAMES_PER_S)
+            for s, e in job.speech:
+                if job.runs and s - job.runs[-1][1] < gap:
+                    job.runs[-1] = (job.runs[-1][0], e)
+                else:
+                    job.runs.append((s, e))
+            if job.runs and job.runs[0][0] < gap:  # a short lead-in or ending stays, as in any window
+                job.runs[0] = (0, job.runs[0][1])
+            if job.runs and content - job.runs[-1][1] < gap:
+                job.runs[-1] = (job.runs[-1][0], content)
+        return job
 
     def _settings(self, options: TranscribeOptions) -> "_Settings":
         """The decoding settings of one call: the initial prompt as ``<|startofprev|>`` + its last 223
@@ -157,7 +240,7 @@ class WhisperASR(ASRModel):
     def _run_round(self, jobs: list[_Job], settings: "_Settings") -> None:
         """One window of each job: encoded together, languages detected, decoded (the windows that
         begin an input with the prompt before them, the others without), segments and seek moved."""
-        sizes = [min(N_FRAMES, j.content_frames - j.seek) for j in jobs]
+        sizes = [min(N_FRAMES, j.limit - j.seek) for j in jobs]
         mels = torch.stack([pad_or_trim(j.mel[:, j.seek: j.seek + n], N_FRAMES) for j, n in zip(jobs, sizes)])
         feats = self._encode(mels)
         cross = self._cross_kv(feats, settings)
@@ -205,9 +288,9 @@ class WhisperASR(ASRModel):
 
     def _advance(self, job: _Job, size: int, r: DecodingResult, window: tuple | None = None,
                  task: str = "transcribe") -> None:
-        """Turn one window's tokens into segments and move ``job.seek`` (reference procedure);
-        with ``window`` (the window's encoder output ``[1, 1500, D]`` and its cross-attention K/V or
-        None) also align words."""
+        """Turn one window's tokens into segments and move ``job.seek`` (reference procedure, then
+        the speech rule of the module docstring); with ``window`` (the window's encoder output
+        ``[1, 1500, D]`` and its cross-attention K/V or None) also align words."""
         tok = self.tokenizer
         job.windows += 1
         window_seek = job.seek
@@ -215,8 +298,7 @@ class WhisperASR(ASRModel):
             job.seek += size  # silence: skip the whole window
             return
         offset = job.seek * HOP_LENGTH / SAMPLE_RATE
-        toks = r.tokens
-        lps = r.token_logprobs
+        toks, lps = self._cut_loops(job, r.tokens, r.token_logprobs, offset)
         is_ts = [t >= tok.timestamp_begin for t in toks]
         single_end = len(toks) >= 2 and not is_ts[-2] and is_ts[-1]
         if len(toks) == 1:
@@ -245,6 +327,7 @@ class WhisperASR(ASRModel):
                 dur = tok.timestamp_seconds(ts[-1])
             pieces.append((offset, offset + dur, 0, len(toks)))
             job.seek += size
+        self._go_on_if_speech_left(job, window_seek, size, toks)
         aligned = []
         if window is not None:
             heads = self.alignment_heads or default_alignment_heads(self.model)
@@ -275,6 +358,55 @@ class WhisperASR(ASRModel):
                                         compression_ratio=r.compression_ratio, temperature=r.temperature,
                                         seek=window_seek, words=words))
 
+    def _go_on_if_speech_left(self, job: _Job, window_seek: int, size: int, toks: list[int]) -> None:
+        """The no-lost-speech rule (module docstring): the seek went to the window's end, yet the VAD
+        has speech after the window's last timestamp -> the seek goes back to that timestamp."""
+        if job.speech is None or job.seek < window_seek + size:
+            return
+        tb = self.tokenizer.timestamp_begin
+        stamps = [t for t in toks if t >= tb]
+        if not stamps:
+            return
+        last = (stamps[-1] - tb) * INPUT_STRIDE  # mel frames from the window's start
+        if last < MIN_PROGRESS_S * FRAMES_PER_S:
+            return
+        pos, end = window_seek + last, window_seek + size
+        span_end = max((e for s, e in job.speech or () if s <= pos < e), default=pos)
+        later = job.speech_in(max(span_end, pos + int(REST_AFTER_S * FRAMES_PER_S)), end)  # spans after a pause
+        same = job.speech_in(pos + int(REST_AFTER_S * FRAMES_PER_S), min(span_end, end))  # the span it stopped in
+        if later >= REST_MIN_S * FRAMES_PER_S or same >= REST_SAME_SPAN_S * FRAMES_PER_S:
+            job.seek = pos
+            job.continued += 1
+
+    def _cut_loops(self, job: _Job, toks: list[int], lps: list[float], offset: float) -> tuple[list, list]:
+        """The repetition guard: inside each run of text tokens (a segment's text), a token loop is
+        cut to its first copy (:func:`flashasr.repetition.cut_loops`); each cut is a warning."""
+        tb = self.tokenizer.timestamp_begin
+        keep: list[int] = []
+        i, n = 0, len(toks)
+        while i < n:
+            if toks[i] >= tb:
+                keep.append(i)
+                i += 1
+                continue
+            j = i
+            while j < n and toks[j] < tb:
+                j += 1
+            kept, loops = cut_loops(toks[i:j], min_items=LOOP_MIN_TOKENS)
+            keep.extend(i + k for k in kept)
+            stamp = next((toks[k] for k in range(i - 1, -1, -1) if toks[k] >= tb), tb)
+            t0 = offset + self.tokenizer.timestamp_seconds(stamp)
+            for start, period, copies in loops:
+                unit = self.tokenizer.decode(toks[i + start: i + start + period]).strip()
+                job.warnings.append(warning(
+                    "repetition_removed", f"a repetition loop was cut: {unit!r} {copies} times in a row, kept once",
+                    start=round(t0, 2), end=round(offset + (job.limit - job.seek) / FRAMES_PER_S, 2), text=unit,
+                    copies=copies))
+            i = j
+        if len(keep) == n:
+            return toks, lps
+        return [toks[k] for k in keep], [lps[k] for k in keep]
+
     def _finish_segments(self, job: _Job) -> list[Segment]:
         """Clamp times into [0, duration], make them monotonic and number the segments."""
         dur = job.duration
@@ -291,6 +423,46 @@ class WhisperASR(ASRModel):
             prev_end = end
             out.append(s)
         return out
+
+
+class _WhisperRun(BatchRun):
+    """One batch of :class:`WhisperASR` in steps: a step places every unfinished input's next window
+    (:meth:`_Job.place`) and runs one round for up to ``max_batch`` of them. The log-mels are made
+    at the first step (on the thread that runs the steps). ``audio_s``: the window seconds of the
+    last step."""
+
+    def __init__(self, asr: "WhisperASR", waves: list[np.ndarray], options: TranscribeOptions, speech: list | None):
+        super().__init__(None)
+        self.asr, self.waves, self.options = asr, waves, options
+        self.speech = speech or [None] * len(waves)
+        self.jobs: list[_Job] | None = None
+        self.settings = asr._settings(options)
+
+    def step(self) -> bool:
+        if self.done:
+            return True
+        asr = self.asr
+        with torch.inference_mode():
+            if self.jobs is None:
+                lang = self.options.language if self.options.language is not None else \
+                    (None if asr.multilingual else "en")
+                self.jobs = [asr._make_job(i, w, lang, sp) for i, (w, sp) in enumerate(zip(self.waves, self.speech))]
+                self.waves = []
+            for j in self.jobs:
+                j.place()
+            active = [j for j in self.jobs if not j.done][: asr.max_batch]
+            self.audio_s = sum(min(N_FRAMES, j.limit - j.seek) for j in active) / FRAMES_PER_S
+            if active:
+                asr._run_round(active, self.settings)
+            for j in self.jobs:
+                j.place()
+        self.done = all(j.done for j in self.jobs)
+        return self.done
+
+    def results(self) -> list[Transcript]:
+        if not self.done:
+            raise RuntimeError("results() before the last step")
+        return [self.asr._result(j, self.options) for j in self.jobs or []]
 
 
 def _rows(cross: CrossKV | None, idx: torch.Tensor, n: int) -> CrossKV | None:

@@ -32,7 +32,7 @@ from .tokenizer import TIME_PRECISION, WhisperTokenizer
 
 __all__ = ["DecodingResult", "LogitRules", "decode_windows", "detect_language", "compression_ratio",
            "TEMPERATURES", "COMPRESSION_RATIO_THRESHOLD", "LOGPROB_THRESHOLD", "NO_SPEECH_THRESHOLD",
-           "NO_SPEECH_THRESHOLD_UNCONFIDENT", "is_no_speech", "decode_with_fallback", "needs_fallback"]
+           "NO_SPEECH_THRESHOLD_UNCONFIDENT", "NO_SPEECH_THRESHOLD_SURE", "LOGPROB_THRESHOLD_SURE", "is_no_speech", "decode_with_fallback", "needs_fallback"]
 
 TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 COMPRESSION_RATIO_THRESHOLD = 2.4
@@ -43,6 +43,13 @@ NO_SPEECH_THRESHOLD = 0.6
 # no_speech_prob 0.565) is dropped; a spoken "six" (base: " 6", avg_logprob -1.002,
 # no_speech_prob 0.532) is kept.
 NO_SPEECH_THRESHOLD_UNCONFIDENT = 0.55
+# Our addition (issue #17): a window the model is sure holds no speech (no_speech_prob > 0.8) is
+# dropped unless its text is confident (avg_logprob >= -0.5). Measured: the hallucinations "you" on
+# 30 s of digital silence (tiny.en: no_speech_prob 0.948, avg_logprob -0.70) and "Thank you." on a
+# 0.9 s VAD false positive in jazz (0.88, -1.00) go; real speech windows of the 51 English clips of
+# ../shared/audio stay (highest no_speech_prob: tiny.en 0.454, base 0.532, both on a spoken "six").
+NO_SPEECH_THRESHOLD_SURE = 0.8
+LOGPROB_THRESHOLD_SURE = -0.5
 MAX_INITIAL_TIMESTAMP = 1.0
 
 
@@ -316,7 +323,10 @@ def decode_with_fallback(model: WhisperModel, tok: WhisperTokenizer, audio_featu
 
 def is_no_speech(r: DecodingResult) -> bool:
     """Skip the window as silence: the reference's rule (``no_speech_prob > 0.6`` and
-    ``avg_logprob < -1``) or, when every fallback temperature failed, ``no_speech_prob > 0.55``."""
+    ``avg_logprob < -1``), or, our additions, when every fallback temperature failed and
+    ``no_speech_prob > 0.55``, or when ``no_speech_prob > 0.8`` and ``avg_logprob < -0.5``."""
     if r.no_speech_prob > NO_SPEECH_THRESHOLD and r.avg_logprob < LOGPROB_THRESHOLD:
+        return True
+    if r.no_speech_prob > NO_SPEECH_THRESHOLD_SURE and r.avg_logprob < LOGPROB_THRESHOLD_SURE:
         return True
     return r.fallback_exhausted and r.no_speech_prob > NO_SPEECH_THRESHOLD_UNCONFIDENT

@@ -25,7 +25,7 @@ N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000 samples per window
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames per window
 FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # 100
 
-__all__ = ["mel_filterbank", "log_mel_spectrogram", "pad_or_trim", "SAMPLE_RATE", "N_FFT", "HOP_LENGTH",
+__all__ = ["mel_filterbank", "log_mel_spectrogram", "pad_or_trim", "CHUNK_FRAMES", "SAMPLE_RATE", "N_FFT", "HOP_LENGTH",
            "N_SAMPLES", "N_FRAMES", "FRAMES_PER_SECOND"]
 
 
@@ -72,6 +72,12 @@ def _cached_tensors(n_mels: int, device: str):
     return fb, win
 
 
+#: inputs longer than this (mel frames: 10 min) are computed in chunks of this many frames (same
+#: frames: each one's samples, window and reflect padding as in one pass), so the STFT of a long
+#: input never exists at once (one pass over 1 h held ~1.3 GB of complex spectrum and powers).
+CHUNK_FRAMES = 60_000
+
+
 def log_mel_spectrogram(audio, n_mels: int = 80, *, padding: int = 0, device: str | torch.device | None = None
                         ) -> torch.Tensor:
     """Log-mel spectrogram of one waveform.
@@ -83,7 +89,8 @@ def log_mel_spectrogram(audio, n_mels: int = 80, *, padding: int = 0, device: st
             is complete; the max-8 clamp is then taken over the whole padded input).
         device: where to compute (default: the tensor's device / CPU).
     Returns:
-        float32 ``[n_mels, (N + padding) // 160]``.
+        float32 ``[n_mels, (N + padding) // 160]``. Inputs of more than :data:`CHUNK_FRAMES` frames
+        are computed chunk by chunk into the result (memory: the result plus one chunk's STFT).
     Raises:
         ValueError: not a 1-D signal.
     """
@@ -93,6 +100,9 @@ def log_mel_spectrogram(audio, n_mels: int = 80, *, padding: int = 0, device: st
     x = x.float()
     if x.ndim != 1:
         raise ValueError(f"log_mel_spectrogram expects a 1-D waveform, got shape {tuple(x.shape)}")
+    total = x.numel() + max(padding, 0)
+    if total // HOP_LENGTH > CHUNK_FRAMES:
+        return _log_mel_chunked(x, n_mels, max(padding, 0))
     if padding > 0:
         x = F.pad(x, (0, padding))
     if x.numel() <= N_FFT // 2:  # reflect padding needs more than n_fft/2 samples
@@ -104,6 +114,31 @@ def log_mel_spectrogram(audio, n_mels: int = 80, *, padding: int = 0, device: st
     log_spec = torch.clamp(mel, min=1e-10).log10()
     log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
     return (log_spec + 4.0) / 4.0
+
+
+def _log_mel_chunked(x: torch.Tensor, n_mels: int, padding: int) -> torch.Tensor:
+    """:func:`log_mel_spectrogram` of ``x`` + ``padding`` zeros, :data:`CHUNK_FRAMES` frames at a time.
+
+    Frame ``t`` of the centred STFT covers samples ``[t * 160 - 200, t * 160 + 200)`` of the padded
+    signal, reflected at both of its ends; each chunk gathers exactly those samples (the zeros and
+    the reflections made here) and runs the STFT uncentred, so every frame sees what it sees in one
+    pass. The max-8 clamp then takes the maximum over all chunks."""
+    n = x.numel()
+    total = n + padding
+    frames = total // HOP_LENGTH
+    half = N_FFT // 2
+    fb, win = _cached_tensors(n_mels, str(x.device))
+    out = torch.empty(n_mels, frames, dtype=torch.float32, device=x.device)
+    for f0 in range(0, frames, CHUNK_FRAMES):
+        f1 = min(frames, f0 + CHUNK_FRAMES)
+        idx = torch.arange(f0 * HOP_LENGTH - half, (f1 - 1) * HOP_LENGTH + half + 1, device=x.device)
+        idx = torch.where(idx < 0, -idx, idx)  # reflect at the start
+        idx = torch.where(idx >= total, 2 * (total - 1) - idx, idx)  # reflect at the (padded) end
+        seg = torch.where(idx < n, x[idx.clamp(max=n - 1)], torch.zeros((), device=x.device))
+        spec = torch.stft(seg, N_FFT, HOP_LENGTH, window=win, center=False, return_complex=True)
+        out[:, f0:f1] = torch.clamp(fb @ (spec.abs() ** 2), min=1e-10).log10()
+    out = torch.maximum(out, out.max() - 8.0)
+    return out.add_(4.0).div_(4.0)
 
 
 def pad_or_trim(mel: torch.Tensor, length: int = N_FRAMES) -> torch.Tensor:
