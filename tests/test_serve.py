@@ -617,6 +617,7 @@ def test_malformed_session_updates_and_stream_queries_keep_the_server_whole(serv
     errors, ok = asyncio.run(go())
     assert all(e["code"] in ("invalid_request", "invalid_sample_rate") and e["param"] for e in errors), errors
     assert ok["type"] == "transcription_session.updated" and ok["session"]["partial_interval_ms"] == 250
+    assert "ignored" not in ok["session"]["input_audio_transcription"]  # Whisper uses a prompt
     time.sleep(0.5)
     assert server.metric("flashasr_active_streams") == 0
 

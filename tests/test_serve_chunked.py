@@ -130,6 +130,22 @@ def test_realtime_server_vad_chunked(server):
     _check_deltas([e for e in evs if e.get("item_id") == com["item_id"]], final)
 
 
+def test_realtime_prompt_on_parakeet_is_shown_as_ignored(server):
+    """Found by a new user: a Realtime prompt on Parakeet was dropped without a word (HTTP says so in
+    X-Flashasr-Ignored). The updated session shows the prompt and, as an extension, ``ignored``."""
+
+    async def go():
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/realtime?intent=transcription") as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "transcription_session.update", "session": {
+                "input_audio_transcription": {"prompt": "Stellah."}}}))
+            return json.loads(await ws.recv())
+
+    ev = asyncio.run(go())
+    tr = ev["session"]["input_audio_transcription"]
+    assert ev["type"] == "transcription_session.updated" and tr["prompt"] == "Stellah." and tr["ignored"] == ["prompt"]
+
+
 def test_multi_mode_chunked_and_reencode_fallback(tmp_path):
     """Multi mode: the engine process holds the streams' states (HELLO says chunked); and
     ``--stream-partials reencode`` brings today's path back for the same model."""

@@ -283,11 +283,17 @@ def parse_stream_query(q, caps: ModelCapabilities | None, cfg) -> StreamQuery:
                        (q.get("partials") or "delta").lower() == "full")
 
 
-def session_view(s, turn_detection: dict | None, model: str | None) -> dict:
-    """The ``session`` object of ``*.created`` / ``*.updated`` events for session ``s``."""
+def session_view(s, turn_detection: dict | None, model: str | None, caps: ModelCapabilities | None = None) -> dict:
+    """The ``session`` object of ``*.created`` / ``*.updated`` events for session ``s``:
+    ``input_audio_transcription`` carries the session's ``prompt`` and (extension) ``ignored``, the
+    options the model accepts without using them (``["prompt"]`` on Parakeet-TDT), as the HTTP
+    door's ``X-Flashasr-Ignored`` header says."""
+    tr = {"model": model, "language": s.language, "prompt": s.options.prompt}
+    ignored = caps.ignored(s.options) if caps is not None else []
+    if ignored:
+        tr["ignored"] = ignored
     return {"id": s.id, "object": "realtime.transcription_session", "input_audio_format": "pcm16",
-            "input_audio_sample_rate": s.resampler.rate,
-            "input_audio_transcription": {"model": model, "language": s.language},
+            "input_audio_sample_rate": s.resampler.rate, "input_audio_transcription": tr,
             "turn_detection": turn_detection, "partial_interval_ms": s.partial_interval * 1000 // SR}
 
 

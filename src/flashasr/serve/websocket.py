@@ -163,7 +163,8 @@ class _Handler:
         self.event_id = None
 
     def view(self) -> dict:
-        return session_view(self.session, self.turn_detection, self.ctx.backend.info.get("model"))
+        return session_view(self.session, self.turn_detection, self.ctx.backend.info.get("model"),
+                            self.ctx.backend.capabilities)
 
 
 class Realtime(_Handler):
