@@ -301,7 +301,7 @@ class StdoutPrinter:
     """The transcripts of a job without ``--output-dir``, on stdout in input order, each as soon as
     it and every input before it are done (the job's ``on_result``, called from its writer thread).
 
-    One input: the format as it is. Several (counting inputs that named no file): ``json``/
+    One input: the format as it is. Several (for JSON, counting inputs that named no file): ``json``/
     ``verbose_json`` as JSON Lines -- one object per input with its ``path`` (and ``error``
     ``{code, message}`` for a failed one, also for an input that does not exist or a glob without
     a match: those come first, see :meth:`print_missing`), nothing else on stdout;
@@ -312,7 +312,8 @@ class StdoutPrinter:
     def __init__(self, items, fmt: str, words: bool, missing: list | None = None):
         self.fmt, self.words = fmt, bool(words)
         self.missing = list(missing or [])
-        self.several = len(items) + len(self.missing) > 1
+        lines = fmt in ("json", "verbose_json")  # JSON Lines name every input given, missing ones too
+        self.several = len(items) + (len(self.missing) if lines else 0) > 1
         self.order = {str(it.path): k for k, it in enumerate(items)}
         self.ready: dict[int, str | None] = {}
         self.next = 0
