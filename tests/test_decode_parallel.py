@@ -71,11 +71,11 @@ def spy(monkeypatch):
     calls = []
     real = par._run
 
-    def run(plan, src, pool):
+    def run(plan, src, pool, *keep):
         rec = {"plan": plan, "fallback": None}
         calls.append(rec)
         try:
-            return real(plan, src, pool)
+            return real(plan, src, pool, *keep)
         except par._Fallback as e:
             rec["fallback"] = str(e)
             raise

@@ -358,6 +358,44 @@ def test_long_log_mel_is_computed_in_chunks_equal_to_one_pass(monkeypatch):
         __import__("torch").from_numpy(x[:5000]), 80, 0)).all())
 
 
+def _segments() -> set[str]:
+    """Our shared-memory segments: those named by this process or one of its children (the test
+    servers and their engines), not another session's on the same machine."""
+    import os
+
+    import psutil
+
+    pids = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    parts = (n.split("_") for n in os.listdir("/dev/shm"))
+    return {"_".join(p) for p in parts if len(p) == 3 and p[0] == "flashasr" and p[1].isdigit() and int(p[1]) in pids}
+
+
+def test_a_long_upload_crosses_to_the_engine_without_a_copy(files, servers, tmp_path):
+    """Multi mode: a long upload decoded in processes lives in a shared-memory segment; its name is
+    kept (``keep_segment``) and sent to the engine, which maps the same pages (no second 880 MB
+    segment for 4 hours); no segment is left behind, and the transcript equals single mode's."""
+    from flashasr.audio import load_audio_parallel
+    from flashasr.serve.ipc import Flag, Frame, MsgType, pack_audio, unpack_audio
+
+    x = np.concatenate([load_audio(files["pair"]).samples, np.zeros(50 * SR, np.float32),
+                        load_audio(files["pair"]).samples])  # 70 s: decoded in time ranges
+    path = _write(tmp_path / "long.wav", x)
+    before = _segments()
+    plain = load_audio_parallel(path, workers=2, pool="process")
+    assert plain.segment is None and _segments() == before
+    wav = load_audio_parallel(path, workers=2, pool="process", keep_segment=True)
+    assert wav.segment in _segments() - before and np.array_equal(wav.samples, plain.samples)
+    flags, meta, payload, handle = pack_audio(wav.samples, 1024, None, segment=wav.segment)
+    assert flags & Flag.SHM and not flags & Flag.SHM_POOLED and meta["shm"] == wav.segment
+    assert payload == b"" and handle is None
+    got = unpack_audio(Frame(MsgType.TRANSCRIBE, 1, flags, meta, b""))  # the engine's side: mapped in place
+    assert np.array_equal(got, wav.samples) and _segments() == before  # ... and its name unlinked
+    multi, _ = _http(servers["multi"], path)
+    single, _ = _http(servers["single"], path)
+    assert multi["text"] == single["text"] and "greasy wash water" in " ".join(words(multi["text"]))
+    assert _segments() == before
+
+
 # ---------------------------------------------------------------------- 6. damaged input
 def test_a_truncated_file_gives_what_decodes_and_says_so_at_every_door(files, servers, tmp_path, capsys):
     cut = files["cut.wav"]

@@ -156,6 +156,14 @@ def test_plan_with_the_real_vad():
     for mode in ("none", "fixed"):
         assert plan_pieces(np.zeros(40 * SR, np.float32), TranscribeOptions(segmentation=mode), WHISPERISH) == []
     assert _plan(45, WHISPERISH)[0][0].speech is None
+    # the batched PyTorch VAD's probabilities (the GPU path, here on the CPU) give the same spans
+    from flashasr.audio.silero_torch import speech_probabilities_batch
+
+    (probs,) = speech_probabilities_batch([x], device="cpu")
+    for mode in ("vad", "none", "fixed"):
+        o = TranscribeOptions(segmentation=mode).resolve(WHISPERISH)
+        want, got = plan_pieces(x, o, WHISPERISH), plan_pieces(x, o, WHISPERISH, probs=probs)
+        assert got == want and [p.speech for p in got] == [p.speech for p in want], mode
 
 
 class Fake(ASRModel):

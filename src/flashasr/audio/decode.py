@@ -74,6 +74,9 @@ class DecodedAudio:
             report's ``resample`` stage).
         other_threads_cpu_s: CPU seconds of the decode spent in threads other than the caller's
             (:func:`flashasr.audio.load_audio_parallel`'s ranges; 0 for a sequential decode).
+        segment: the name of a POSIX shared-memory segment whose first bytes are ``samples``
+            (:func:`flashasr.audio.load_audio_parallel` with ``keep_segment=True``; the caller
+            unlinks it), else None.
     """
 
     samples: np.ndarray
@@ -86,6 +89,7 @@ class DecodedAudio:
     declared_duration: float | None = None
     resample_cpu_s: float = 0.0
     other_threads_cpu_s: float = 0.0
+    segment: str | None = None
 
     def __len__(self) -> int:
         return int(self.samples.shape[0])

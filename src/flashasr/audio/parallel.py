@@ -458,7 +458,8 @@ def _decode_span(plan: _Plan, src: _ContainerSource, av, k: int, p0: int, feed_e
 def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_duration: float | None = None,
                         workers: int | None = None, pool: cf.Executor | str | None = None,
                         min_duration: float = MIN_PARALLEL_S, sample_rate: int | None = None,
-                        raw_format: str | None = None, channels: int | None = None) -> DecodedAudio:
+                        raw_format: str | None = None, channels: int | None = None,
+                        keep_segment: bool = False) -> DecodedAudio:
     """:func:`~flashasr.audio.load_audio`, with one long file decoded by several workers.
 
     Args:
@@ -481,6 +482,12 @@ def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_dur
             own pool can deadlock it.
         min_duration: seconds below which the sequential path is used.
         sample_rate, raw_format, channels: as :func:`load_audio` (those inputs are sequential).
+        keep_segment: when the ranges ran in processes (the samples then live in a shared-memory
+            segment), keep the segment's name and give it as ``DecodedAudio.segment`` so that
+            another process can map the same pages (the server hands an upload to its engine
+            without a copy); the caller then owns the name and unlinks it
+            (:func:`flashasr.shm.unlink_segment`; a crashed process's segments go with
+            :func:`flashasr.shm.cleanup_stale_segments`). Otherwise ``segment`` is None.
     Returns:
         :class:`DecodedAudio`: ``samples`` float32 [N] at ``target_rate``, equal in length to
         the sequential decode's and within 1e-5 of it (measured: <= 2e-7 for wav, flac, mp3;
@@ -506,7 +513,7 @@ def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_dur
         if plan is None:
             return load_audio(source, target_rate=target_rate, max_duration=max_duration)
         try:
-            return _run(plan, src, pool)
+            return _run(plan, src, pool, keep_segment)
         except _Fallback as e:
             log.debug("%s: decoding sequentially: %s", label, e)
         return load_audio(source, target_rate=target_rate, max_duration=max_duration)
@@ -553,8 +560,10 @@ def _shm_output(size: int) -> tuple[str, np.ndarray]:
     return name, np.frombuffer(m, np.float32, count=size)
 
 
-def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None) -> DecodedAudio:
-    """Decode every range of ``plan`` in ``pool`` and join them; raises _Fallback."""
+def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None, keep_segment: bool = False) -> DecodedAudio:
+    """Decode every range of ``plan`` in ``pool`` and join them; raises _Fallback. ``keep_segment``:
+    a process pool's output segment keeps its name when the samples are its start (see
+    :func:`load_audio_parallel`)."""
     k = len(plan.bounds)
     declared = src.declared or 0.0
     size = max(int(declared * plan.out_rate * 1.01) + 4096, plan.out_index(plan.bounds[-1]) + 4096)
@@ -581,6 +590,7 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None) -> 
     error: BaseException | None = None
     end, tail = 0, []
     cpu_s = resample_s = 0.0
+    waited = False
     try:
         for i, f in enumerate(futures):
             try:
@@ -607,33 +617,47 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None) -> 
             resample_s += got[3]
             if i == k - 1:
                 end, tail = got[0], got[1]
+        waited = True
     except BaseException:  # interrupted while waiting: stop the other ranges
         if abort is not None:
             abort.set()
         raise
     finally:
-        if shm_name is not None:
-            from ..shm import unlink_segment
-
-            unlink_segment(shm_name)  # the mapping here keeps the memory as long as the array lives
-    if error is not None:
-        raise error
-    if fallback:
-        raise _Fallback("a range could not be joined exactly")
-    if tail:
-        samples = np.concatenate([out, *tail])
-    elif shm_name is None:
-        out.resize(end, refcheck=False)
-        samples = out
-    else:
-        samples = out[:end]
-    if samples.shape[0] == 0:
-        raise _Fallback("nothing decoded")
+        if shm_name is not None and not (keep_segment and waited):
+            _unlink(shm_name)  # the mapping here keeps the memory as long as the array lives
+    segment = shm_name if keep_segment else None
+    try:
+        if error is not None:
+            raise error
+        if fallback:
+            raise _Fallback("a range could not be joined exactly")
+        if tail:
+            samples = np.concatenate([out, *tail])
+            _unlink(segment)  # a copy: not the segment's pages
+            segment = None
+        elif shm_name is None:
+            out.resize(end, refcheck=False)
+            samples = out
+        else:
+            samples = out[:end]
+        if samples.shape[0] == 0:
+            raise _Fallback("nothing decoded")
+    except BaseException:
+        _unlink(segment)
+        raise
     dur = samples.shape[0] / plan.out_rate
     return DecodedAudio(samples=samples, sample_rate=plan.out_rate, duration=dur,
                         source_sample_rate=plan.in_rate, source_channels=plan.channels,
                         source_format=src.format, warnings=src.warnings(dur), declared_duration=src.declared,
-                        resample_cpu_s=resample_s, other_threads_cpu_s=cpu_s)
+                        resample_cpu_s=resample_s, other_threads_cpu_s=cpu_s,
+                        segment=segment)
+
+
+def _unlink(name: str | None) -> None:
+    if name is not None:
+        from ..shm import unlink_segment
+
+        unlink_segment(name)
 
 
 __all__ = ["load_audio_parallel", "default_workers", "default_pool_kind", "MIN_PARALLEL_S"]

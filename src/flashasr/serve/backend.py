@@ -105,9 +105,10 @@ class LocalBackend:
                                    timeout)
 
     async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
-                                priority: int = OFFLINE, timeout: float | None = None) -> list:
+                                priority: int = OFFLINE, timeout: float | None = None, segment: str | None = None) -> list:
         """The pieces of one recording (see BatchScheduler.submit_pieces): an upload's, or a stream
-        final's (``priority=FINAL``)."""
+        final's (``priority=FINAL``). ``segment`` (a shared-memory segment holding ``samples``) is
+        of no use in this process."""
         sched = self._scheduler()
         return await self._counted(sched, sched.submit_pieces(samples, pieces, options, priority=priority), timeout)
 
@@ -181,8 +182,11 @@ class RemoteBackend:
         return None if got is None else got[0]
 
     async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
-                                priority: int = OFFLINE, timeout: float | None = None) -> list:
-        return await self.client.transcribe(samples, options, pieces=pieces, priority=priority, timeout=timeout)
+                                priority: int = OFFLINE, timeout: float | None = None, segment: str | None = None) -> list:
+        """The pieces through the engine; ``segment``: the shared-memory segment whose first bytes
+        are ``samples``, handed to the engine instead of a copy (the caller unlinks it after)."""
+        return await self.client.transcribe(samples, options, pieces=pieces, priority=priority, timeout=timeout,
+                                            segment=segment)
 
     async def stream_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False,
                            timeout: float | None = None):

@@ -330,13 +330,16 @@ class _Attached:
 _ATTACHED = _Attached()
 
 
-def pack_audio(samples: np.ndarray, shm_threshold: int, pool: ShmPool | None = None):
+def pack_audio(samples: np.ndarray, shm_threshold: int, pool: ShmPool | None = None, segment: str | None = None):
     """Prepare samples for a TRANSCRIBE frame.
 
     Args:
         samples: float32 [N] (or int16 [N]) mono samples.
         shm_threshold: payloads larger than this many bytes go through shared memory.
         pool: the sender's :class:`ShmPool` (None: a one-off segment the receiver unlinks).
+        segment: a segment whose first bytes already are ``samples`` (float32, contiguous): sent
+            by name as a one-off segment (the receiver maps it in place and unlinks the name), no
+            copy; the caller keeps its own mapping and unlinks the name too when done.
     Returns:
         ``(flags, meta, payload, handle)``; ``handle`` is None or must be given back with
         :func:`release_audio` once the request is over.
@@ -346,6 +349,9 @@ def pack_audio(samples: np.ndarray, shm_threshold: int, pool: ShmPool | None = N
     if a.dtype not in (np.int16, np.float32):
         a = a.astype(np.float32)
     meta = {"n": int(a.size)}
+    if segment is not None and a is samples and a.dtype == np.float32 and a.nbytes > shm_threshold:
+        meta["shm"] = str(segment)
+        return int(flags | Flag.SHM), meta, b"", None
     if a.nbytes > shm_threshold:
         pool = pool or _ONE_OFF
         seg = pool.acquire(a.nbytes)
@@ -560,12 +566,15 @@ class EngineClient:
 
     async def transcribe(self, samples: np.ndarray, options: TranscribeOptions, *, pieces=None,
                          priority: int = 2, coalesce_key: str | None = None,
-                         timeout: float | None = None) -> list[Transcript] | None:
+                         timeout: float | None = None, segment: str | None = None) -> list[Transcript] | None:
         """Transcribe float32 [N] 16 kHz samples in the engine: the whole waveform (``pieces`` None:
         one transcript), or its ``pieces`` ``[(start, end), ...]`` (one transcript per piece; the
-        samples cross once). Returns None for a superseded partial. Raises EngineUnavailable (503),
-        or the engine's error as an APIError with its code and status."""
-        flags, meta, payload, shm = pack_audio(samples, self.shm_threshold, self._pool)
+        samples cross once). ``segment``: a shared-memory segment whose first bytes are ``samples``
+        (the decode's, :attr:`flashasr.audio.DecodedAudio.segment`): the engine maps it in place
+        and unlinks its name, nothing is copied (the caller unlinks it too, after). Returns None for
+        a superseded partial. Raises EngineUnavailable (503), or the engine's error as an APIError
+        with its code and status."""
+        flags, meta, payload, shm = pack_audio(samples, self.shm_threshold, self._pool, segment=segment)
         meta.update(options=options.to_dict(), priority=int(priority))
         if pieces is not None:
             meta["pieces"] = [[int(a), int(b)] for a, b in pieces]

@@ -77,16 +77,18 @@ class UploadTranscriber:
             req = parse_upload(up, task)
             caps = ctx.capabilities()
             opts = req.options.resolve(caps)
-            wav, damage = await asyncio.get_running_loop().run_in_executor(ctx.pool, self._decode, up,
-                                                                           caps.sample_rate)
+            wav, damage = await _decoded(ctx.pool.submit(self._decode, up, caps.sample_rate))
         timing = StageTimes(upload=t1 - t0, decode=time.perf_counter() - t1)
         m.observe("decode", timing.decode)
         for w in damage:  # the server's log says it too (stderr)
             log.warning("upload %r: %s", up.filename, w["message"])
-        samples = wav.samples
+        samples, segment = wav.samples, wav.segment
         del wav  # the samples are all this request keeps of its decode
-        transcript = await _unless_client_leaves(request, self.transcribe(samples, opts, caps, timing=timing,
-                                                                          warnings=damage))
+        try:
+            transcript = await _unless_client_leaves(request, self.transcribe(samples, opts, caps, timing=timing,
+                                                                              warnings=damage, segment=segment))
+        finally:
+            unlink_segment(segment)
         if transcript is None:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         m.observe("request", time.perf_counter() - t1)
@@ -95,13 +97,14 @@ class UploadTranscriber:
 
     async def transcribe(self, samples, options: TranscribeOptions, caps: ModelCapabilities, *,
                          priority: int = OFFLINE, pool=None, warnings=(),
-                         timing: "StageTimes | None" = None) -> Transcript:
+                         timing: "StageTimes | None" = None, segment: str | None = None) -> Transcript:
         """Plan (CPU pool), transcribe the pieces (backend), merge: float32 ``[N]`` at
         ``caps.sample_rate`` and resolved ``options`` -> the recording's Transcript
         (``duration = N / sample_rate``). ``priority``: the scheduler's (a stream's final:
         ``FINAL``); ``pool``: where to plan (default the CPU pool); ``warnings``: the recording's
         own (a damaged upload), first in the transcript's; ``timing``, when given, gets the plan
-        and transcribe times."""
+        and transcribe times; ``segment``: the shared-memory segment that holds ``samples``
+        (the backend may hand it over instead of a copy; the caller unlinks it)."""
         ctx, m = self.ctx, self.ctx.metrics
         t0 = time.perf_counter()
         pieces = await asyncio.get_running_loop().run_in_executor(pool or ctx.pool, self._plan, samples, options, caps)
@@ -110,7 +113,7 @@ class UploadTranscriber:
         parts = []
         if pieces:
             parts = await ctx.backend.transcribe_pieces(samples, pieces, options, priority=priority,
-                                                        timeout=ctx.cfg.request_timeout_s)
+                                                        timeout=ctx.cfg.request_timeout_s, segment=segment)
         t2 = time.perf_counter()
         m.observe("transcribe", t2 - t1)
         if timing is not None:
@@ -156,7 +159,10 @@ class UploadTranscriber:
         """Container decode + resample to ``rate`` (runs in the CPU pool; PyAV and soxr release the GIL):
         ``(DecodedAudio, its damage warnings)`` (:meth:`~flashasr.audio.DecodedAudio.damage`, naming
         the upload). An upload on disk is decoded by :func:`~flashasr.audio.load_audio_parallel`
-        through its ``/proc/self/fd`` path (one long file on several threads, same samples)."""
+        through its ``/proc/self/fd`` path (one long file on several workers, same samples); in
+        multi mode, when those workers are processes, the samples' shared-memory segment keeps its
+        name (``DecodedAudio.segment``) so the engine maps the same pages: a 4-hour upload's 880 MB
+        are not copied into a second segment."""
         from ..audio import load_audio, load_audio_parallel
 
         workers = self.ctx.cfg.decode_workers
@@ -164,7 +170,7 @@ class UploadTranscriber:
         try:
             if path is not None:
                 wav = load_audio_parallel(path, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s,
-                                          workers=workers)
+                                          workers=workers, keep_segment=getattr(self.ctx.backend, "mode", "") == "multi")
             else:
                 wav = load_audio(up.file, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s)
             damage = wav.damage(path)
@@ -179,6 +185,25 @@ class UploadTranscriber:
             elif msg.startswith("<") and ">" in msg:  # name the upload, not our temp file object
                 msg = f"uploaded file {up.filename!r}" + msg[msg.index(">") + 1:]
             raise AudioError(msg, code=e.code) from None
+
+
+async def _decoded(job):
+    """The result of a decode submitted to the CPU pool (a concurrent future). When the request is
+    cancelled meanwhile (the client left), the decode still finishes: its shared-memory segment,
+    if it kept one, is unlinked then."""
+    try:
+        return await asyncio.wrap_future(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or unlink_segment(f.result()[0].segment))
+        raise
+
+
+def unlink_segment(name: str | None) -> None:
+    """Unlink a decode's shared-memory segment (None: there is none; a missing one is fine)."""
+    if name is not None:
+        from ..shm import unlink_segment as unlink
+
+        unlink(name)
 
 
 GPU_VAD_MIN_S = 120.0  # longer uploads in single mode on CUDA: the batched VAD on the GPU

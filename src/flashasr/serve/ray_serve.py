@@ -287,7 +287,7 @@ class RayBackend:
         return None if got.get("superseded") else got["transcripts"][0]
 
     async def transcribe_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
-                                priority: int = 2, timeout: float | None = None) -> list:
+                                priority: int = 2, timeout: float | None = None, segment: str | None = None) -> list:
         from ..pipeline.plan import Piece
 
         pieces = [Piece(p[0], p[1], getattr(p, "speech", None)) for p in pieces]  # the spans travel along
