@@ -290,18 +290,28 @@ def clip_words(api) -> list[str]:
     return words(text_of(api, MIC_CLIP.read_bytes()))
 
 
-def _snr_against(sent: np.ndarray, played: np.ndarray) -> tuple[int, float]:
-    """Where the fake device's file starts in what the page sent (``sent[i] == played[i + shift]``), found
-    by cross-correlation, and the SNR in dB of ``sent`` against ``played`` over the first pass."""
-    n = 1 << int(np.ceil(np.log2(len(sent) + len(played))))
-    corr = np.fft.irfft(np.fft.rfft(sent, n) * np.conj(np.fft.rfft(played, n)), n)
-    lag = int(np.argmax(corr))
-    shift = n - lag if lag > n // 2 else -lag  # sent[i] ~ played[i + shift]
-    a = sent[max(0, -shift):]
-    b = played[max(0, shift):]
-    m = min(len(a), len(b))
-    a, b = a[:m], b[:m]
-    return shift, float(10 * np.log10((b @ b) / max(((a - b) @ (a - b)), 1e-9)))
+def _block_snrs(sent: np.ndarray, played: np.ndarray, block: int = 8000) -> list[tuple[int, float]]:
+    """For each ``block``-sample stretch of ``sent`` that holds speech: where it sits in the fake device's
+    looped file (its shift, found by cross-correlation against two passes of ``played``) and its SNR in dB
+    there. Blockwise, because a loaded machine may drop a render quantum of capture now and then (Chromium's
+    fake device runs in real time): a dropped quantum shifts everything after it, which says nothing about
+    the page's resampler and would spoil one SNR over the whole recording (CI measured 4.4 dB that way)."""
+    loop = np.concatenate([played, played])
+    n = 1 << int(np.ceil(np.log2(len(loop) + block)))
+    spectrum = np.conj(np.fft.rfft(loop, n))
+    energy = np.concatenate([[0.0], np.cumsum(loop * loop)])
+    lags = np.arange(len(loop) - block + 1)
+    window = np.sqrt(np.maximum(energy[lags + block] - energy[lags], 1e-9))  # |loop[lag:lag + block]|
+    out = []
+    for i in range(0, len(sent) - block + 1, block):
+        a = sent[i:i + block]
+        if np.sqrt(np.mean(a * a)) < 300:  # the lead-in and tail are silence: no SNR to measure there
+            continue
+        corr = np.fft.irfft(np.fft.rfft(a, n) * spectrum, n)  # corr[(n - lag) % n] = a . loop[lag:lag + block]
+        lag = int(np.argmax(corr[(n - lags) % n] / window))  # normalised: the best match, not the loudest
+        b = loop[lag:lag + block]
+        out.append(((lag - i) % len(played), float(10 * np.log10((b @ b) / max((a - b) @ (a - b), 1e-9)))))
+    return out
 
 
 def _stop(page) -> None:
@@ -341,11 +351,13 @@ def test_microphone_with_server_vad_shows_partials_then_the_offline_final(watche
     assert watched.errors == []
     # the audio path is transparent: Chromium converts the file to the capture rate (44.1 or 48 kHz), the
     # page's AudioWorklet resamples it back to 16 kHz; what it sent is the file, shifted by whole samples
+    # (58 dB measured on an idle machine); most half-second blocks must be that faithful, so a dropped
+    # capture quantum on a loaded machine fails one block, not the test
     with wave.open(str(fake_mic)) as w:
         played = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float64)
-    sent = np.frombuffer(pcm, "<i2").astype(np.float64)[:len(played)]
-    shift, snr = _snr_against(sent, played)
-    assert abs(shift) < 16000 and snr >= 40, (shift, snr)
+    blocks = _block_snrs(np.frombuffer(pcm, "<i2").astype(np.float64), played)
+    good = [snr for _, snr in blocks if snr >= 40]
+    assert len(blocks) >= 10 and len(good) >= 0.75 * len(blocks), blocks
 
 
 def test_microphone_manual_commit_after_the_clip(watched, server, api, clip_words):
