@@ -16,6 +16,11 @@
 #   bash scripts/gpu_bench_stream.sh scale500   # 1,000 / 2,000 streams at a 500 ms cadence, manual commits
 #                                               # and server VAD, then the most streams held (+1,000 steps)
 #   bash scripts/gpu_bench_stream.sh scale1000  # the same at a 1 s cadence (aim >= 4,000)
+#   bash scripts/gpu_bench_stream.sh final      # issue #17: a stream final and a short upload under 32 x 600 s
+#                                               # uploads (bench_final_latency.py; MODE multi|single); the
+#                                               # server decodes uploads with PyAV, which does not fit beside
+#                                               # .whl: carry [".whav"] in a call just before (machine warm),
+#                                               # command `bash scripts/gpu_bench_stream.sh av`
 # Env: WORKERS (front ends, 6), CLIENTS (client processes, 8), PACKET (ms, 20), LEFT (left context s, 5.12:
 # 6.4 MB of state per stream, 8,000 streams = 51 GB), STREAMS, MAXSTREAMS, BUDGET.
 # JSON: bench/results/stream_scale_h200_<phase>.json (and under $OUT).
@@ -36,12 +41,26 @@ if [ "${1:-}" = prepare ]; then
   python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d .whl "${pins[@]}"
+  v=$(python -m pip show av | awk '/^Version:/{print $2}')
+  rm -rf .whav && mkdir -p .whav
+  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whav "av==$v"
   rm -rf .devstream && mkdir -p .devstream/shared/audio/en
   cp -r "$SHARED/fixtures" .devstream/shared/fixtures
   cp "$SHARED"/audio/en/*.wav .devstream/shared/audio/en/
   cp "$SHARED/audio/manifest.jsonl" .devstream/shared/audio/
-  du -sh .whl .devstream
+  # the long recording bench_final_latency.py uploads, as 16 kHz WAV (no audio decoder over there)
+  mkdir -p .devstream/shared/audio/long
+  PYTHONPATH=src python -c "import sys, numpy as np, wave; from flashasr.audio import load_audio
+x = load_audio(sys.argv[1]).samples; w = wave.open(sys.argv[2], 'wb'); w.setnchannels(1); w.setsampwidth(2)
+w.setframerate(16000); w.writeframes((np.clip(x, -1, 1) * 32767).astype('<i2').tobytes()); w.close()" \
+    "$SHARED/audio/long/long-en-voxpopuli-000.ogg" .devstream/shared/audio/long/long-en-voxpopuli-000.wav
+  du -sh .whl .whav .devstream
   exit 0
+fi
+if [ "${1:-}" = av ]; then  # PyAV alone, into the same /tmp/site (the next call's .whl install keeps it)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whav/*.whl
+  exit $?
 fi
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -61,6 +80,11 @@ case "${1:-cost}" in
       "${COMMON[@]}" --mode multi --workers "${WORKERS:-6}" --client-procs "${CLIENTS:-8}" --max-batch 256 \
       --packet-ms "${PACKET:-20}" --cadences "$CAD" --streams "${STREAMS:-1000,2000}" --vad both --utterances 2 \
       --find-max --max-step 1000 --max-streams "${MAXSTREAMS:-8000}" ;;
-  *) echo "usage: $0 prepare | cost | scale500 | scale1000"; exit 2 ;;
+  final)  # issue #17 item 4: time to a stream final and a short upload's reply under long uploads (after `av`)
+    [ -d /tmp/site/av ] || { echo "PyAV is not installed here: run the av step first on this warm machine"; exit 1; }
+    timeout 575 python3 -W ignore bench/bench_final_latency.py --device cuda --model $MODEL --mode "${MODE:-multi}" \
+      --uploads "${UPLOADS:-32}" --upload-s "${UPLOAD_S:-600}" --label "_h200${LABEL:-}" \
+      --out "$OUT/final_latency_h200${LABEL:-}.json" ;;
+  *) echo "usage: $0 prepare | cost | scale500 | scale1000 | final"; exit 2 ;;
 esac
 ls -la "${OUT:-.}"
