@@ -272,15 +272,19 @@ def test_a_port_in_use_or_a_bad_host_exits_2_naming_the_option(mode):
     assert r.returncode == 2 and "argument --host:" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_an_unusable_device_stops_before_listening():
-    """Found by a new user: `serve --device cuda` without CUDA announced "listening on ..." first."""
+@pytest.mark.parametrize("mode", ["single", "multi"])
+def test_an_unusable_device_stops_before_listening(mode):
+    """Found by a new user: `serve --device cuda` without CUDA announced "listening on ..." first (and in
+    multi mode the engine process then failed to load)."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is usable here")
-    r = _serve("--device", "cuda", "--port", "0")
+    r = _serve("--device", "cuda", "--port", "0", "--mode", mode)
     assert r.returncode == 2 and "argument --device:" in r.stderr and "no CUDA" in r.stderr, r.stderr
-    assert "listening on" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "listening on" not in r.stderr + r.stdout and "Traceback" not in r.stderr, r.stderr
+    r = _serve("--device", "gpu", "--port", "0", "--mode", mode)
+    assert r.returncode == 2 and "argument --device: must be cpu, cuda or cuda:N, got 'gpu'" in r.stderr, r.stderr
 
 
 def test_edge_values_are_accepted():

@@ -30,21 +30,36 @@ from .config import ACCESS_LOGGER, ServeConfig, parse_args
 log = logging.getLogger("flashasr.serve")
 
 
-def _check_serve_device(device: str) -> None:
-    """:class:`ListenError`-style stop (exit 2, ``argument --device: ...``) for a device torch cannot use
-    here (``cuda`` without CUDA), checked before the server announces itself (a new user saw
-    "listening on ..." and then the model's load failing). Single mode only: this process loads the
-    model anyway; in multi mode the engine process does (CUDA must not be touched before its fork)."""
+def _device_problem(device: str) -> str | None:
+    """Why torch cannot use ``device`` here (:func:`~flashasr.pipeline.engines.check_device`), or None."""
     from ..errors import FlashASRError
-
-    if str(device) == "cpu":
-        return  # nothing to check (and no torch import here)
     from ..pipeline.engines import check_device
 
     try:
         check_device(device)
     except FlashASRError as e:
-        raise ListenError(f"argument --device: {e}") from None
+        return str(e)
+    return None
+
+
+def _check_serve_device(device: str, in_child: bool = False) -> None:
+    """:class:`ListenError`-style stop (exit 2, ``argument --device: ...``) for a device torch cannot use
+    here (``cuda`` without CUDA), checked before the server announces itself (a new user saw
+    "listening on ..." and then the model's load failing). Single mode checks here (this process loads
+    the model anyway); multi mode (``in_child``) asks a short-lived spawned process, so this front end
+    never imports torch nor touches CUDA (about a second of start-up, only for a device other than cpu)."""
+    if str(device) == "cpu":
+        return  # nothing to check (and no torch import here)
+    if in_child:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+            problem = pool.submit(_device_problem, device).result(timeout=120)
+    else:
+        problem = _device_problem(device)
+    if problem:
+        raise ListenError(f"argument --device: {problem}")
 
 
 class ListenError(Exception):
@@ -254,6 +269,7 @@ def _run_multi(cfg: ServeConfig, make_app) -> int:
 
     cleanup_stale_segments()  # shared memory left by crashed front ends of earlier runs
     sock = _listen_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)  # first: a bad --port leaves nothing
+    _check_serve_device(cfg.device, in_child=True)  # before "listening on ..." as in single mode
     tmpdir = None
     path = cfg.engine_socket
     if path is None:
