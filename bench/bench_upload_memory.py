@@ -21,7 +21,9 @@ default of ``flashasr transcribe`` and ``flashasr serve``), default options othe
 * ``cli``: ``python -m flashasr transcribe FILE --model M -q`` (text on stdout);
 * ``single``: ``python -m flashasr serve --model M`` and one ``POST /v1/audio/transcriptions`` of
   the file (``response_format=json``; the reply must hold text);
-* ``multi``: the same with ``--mode multi`` (engine process + one front end).
+* ``multi``: the same with ``--mode multi`` (engine process + one front end);
+* ``cli_batch1`` (not in the default list): the CLI with ``--batch-size 1``, the server's CPU
+  ``--max-batch``, to separate the batch's working memory from the rest.
 
 Memory: a sampler thread walks the door's process tree (the process and all its descendants:
 decode processes, the forkserver, the engine) every ``--interval-ms`` (50) and sums the RSS of
@@ -307,9 +309,11 @@ class DoorResult:
     trace: list = field(default_factory=list)
 
 
-def run_cli(wav: Path, model: str, interval: float, log: Path) -> DoorResult:
-    """``flashasr transcribe WAV`` as a process: its tree's peak memory and wall time."""
-    cmd = [sys.executable, "-m", "flashasr", "transcribe", str(wav), "--model", model, "-q"]
+def run_cli(wav: Path, model: str, interval: float, log: Path, extra: tuple[str, ...] = (),
+            door: str = "cli") -> DoorResult:
+    """``flashasr transcribe WAV`` (+ ``extra`` options) as a process: its tree's peak memory and
+    wall time."""
+    cmd = [sys.executable, "-m", "flashasr", "transcribe", str(wav), "--model", model, "-q", *extra]
     t0 = time.perf_counter()
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=_env())
@@ -320,7 +324,7 @@ def run_cli(wav: Path, model: str, interval: float, log: Path) -> DoorResult:
     rc, maxrss = _wait4(proc)
     wall = time.perf_counter() - t0
     ok = rc == 0 and len(out.strip()) > 0
-    return DoorResult("cli", round(wall, 1), peaks(sampler.samples), len(out.strip()), ok,
+    return DoorResult(door, round(wall, 1), peaks(sampler.samples), len(out.strip()), ok,
                       round(maxrss / MIB, 1), error=None if ok else f"exit {rc}: {log.read_text()[-2000:]}",
                       trace=trace(sampler.samples))
 
@@ -437,7 +441,7 @@ def ratios(doors: dict[str, DoorResult]) -> dict:
     if cli is None or not cli.ok:
         return out
     for name, d in doors.items():
-        if name == "cli" or not d.ok:
+        if name.startswith("cli") or not d.ok:
             continue
         r = {k: round(d.peak[k] / cli.peak[k], 2) for k in ("rss_mib", "pss_mib") if d.peak[k] and cli.peak[k]}
         out[name] = {**r, "target": TARGET_RATIO, "met_rss": r.get("rss_mib", 9) <= TARGET_RATIO,
@@ -470,7 +474,8 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=60.0, help="length of the dense recording (default 60)")
     ap.add_argument("--sparse-minutes", type=float, default=240.0, help="length of the sparse one (default 240)")
     ap.add_argument("--sets", default="dense,sparse", help="recordings to run: dense, sparse or both")
-    ap.add_argument("--doors", default="cli,single,multi", help="doors to measure (default all three)")
+    ap.add_argument("--doors", default="cli,single,multi",
+                    help="doors to measure: cli, single, multi (the default) and cli_batch1")
     ap.add_argument("--model", default="tiny.en", help="model for every door (default tiny.en, the embedded default)")
     ap.add_argument("--interval-ms", type=float, default=50.0, help="RSS sampling interval (default 50)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "flashasr" / "bench_upload_memory",
@@ -505,6 +510,8 @@ def main() -> None:
             log = logs / f"{kind}_{door}.log"
             if door == "cli":
                 doors[door] = run_cli(wav, a.model, a.interval_ms / 1000, log)
+            elif door == "cli_batch1":
+                doors[door] = run_cli(wav, a.model, a.interval_ms / 1000, log, ("--batch-size", "1"), door)
             else:
                 doors[door] = run_server(wav, a.model, door, a.interval_ms / 1000, log)
             loads[door]["after"] = os.getloadavg()
