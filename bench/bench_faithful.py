@@ -275,10 +275,10 @@ def score(inp: dict, run: dict) -> dict:
 # ----------------------------------------------------------------------------- the run
 
 
-def run_all(inputs: dict[str, list[dict]], trees: dict[str, Path], log_dir: Path) -> list[dict]:
+def run_all(inputs: dict[str, list[dict]], trees: dict[str, Path], log_dir: Path, on_row=None) -> list[dict]:
     """Every system on every input of each model (``inputs``: model -> inputs). Rows: model, system,
-    tree (after / before / None for the peer), input, metrics."""
-    rows = []
+    tree (after / before / None for the peer), input, metrics; ``on_row(rows)`` after each."""
+    rows: list[dict] = []
 
     def add(model, system, tree, inp, run):
         rows.append({"model": model, "system": system, "tree": tree, "input": inp["name"]} | score(inp, run))
@@ -286,6 +286,8 @@ def run_all(inputs: dict[str, list[dict]], trees: dict[str, Path], log_dir: Path
         print(f"  {model:8} {system:15} {tree or '':6} {inp['name']:28} words {r['words']:5} "
               f"wer {r.get('wer', '-')} recall {r.get('recall', '-')} invented {r.get('invented', '-')} "
               f"repeated {r['repeated']} ({r['max_run']}) {r['wall_s']:.1f} s", flush=True)
+        if on_row:
+            on_row(rows)
 
     for model, inps in inputs.items():
         peer = FasterWhisperPeer(model, threads=2)
@@ -339,38 +341,11 @@ def _f(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--src", default=str(REPO / "src"), help="the flashasr tree of the doors (default this checkout)")
-    ap.add_argument("--before-src", default=None, help="also run the doors from this tree (the code before)")
-    ap.add_argument("--long-models", default="tiny.en", help="models run on the long-form clips (comma-separated)")
-    ap.add_argument("--mix-models", default="tiny.en,base", help="models run on the generated recording")
-    ap.add_argument("--smoke", action="store_true", help="a 40 s mixture, tiny.en only")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(2)
-    clips = manifest()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-faithful-"))
-    if a.smoke:
-        mix = build_mix(clips, tmp, SMOKE_SPEECH, SMOKE_NON_SPEECH, name="smoke")
-        inputs = {"tiny.en": [mix]}
-    else:
-        mix = build_mix(clips, tmp)
-        inputs: dict[str, list[dict]] = {}
-        for m in filter(None, a.long_models.split(",")):
-            inputs.setdefault(m, []).extend(long_inputs(clips))
-        for m in filter(None, a.mix_models.split(",")):
-            inputs.setdefault(m, []).append(mix)
-    trees = {"after": Path(a.src).resolve()} | ({"before": Path(a.before_src).resolve()} if a.before_src else {})
-    print(f"mix: {mix['duration_s']:.0f} s, {len(mix['speech_clips'])} speech clips, "
-          f"{len(mix['non_speech'])} non-speech spans ({sum(s['end'] - s['start'] for s in mix['non_speech']):.0f} s)")
-    load0 = os.getloadavg()
-    t0 = time.perf_counter()
-    rows = run_all(inputs, trees, tmp)
-    res = {
-        "bench": "faithful", "time": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": round(time.perf_counter() - t0, 1),
+def record(rows: list[dict], *, complete: bool, trees: dict[str, Path], inputs: dict[str, list[dict]], mix: dict,
+           load0: tuple, wall_s: float) -> dict:
+    """The JSON of a run: conditions, the trees and their commits, the mix's spans, totals and rows."""
+    return {
+        "bench": "faithful", "complete": complete, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": wall_s,
         "trees": {k: {"src": str(v), "commit": _commit(v)} for k, v in trees.items()},
         "conditions": {
             "cli": "python -m flashasr transcribe FILE -f verbose_json --word-timestamps -q (a process per file; "
@@ -385,7 +360,6 @@ def main(argv: list[str] | None = None) -> int:
             "repeated": "segments in runs of > 3 consecutive equal normalised segment texts",
             "models": {m: [i["name"] for i in v] for m, v in inputs.items()},
             "loadavg_at_start": [round(x, 2) for x in load0],
-            "note": "another agent's benchmarks shared this 2-core machine during the run (see loadavg)",
         },
         "mix": {k: mix[k] for k in ("duration_s", "speech_clips", "non_speech")} | {
             "reference_words": len(normalize(mix["reference"], "en").split())},
@@ -394,10 +368,47 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions() | {k: _version(k) for k in ("faster-whisper", "ctranslate2", "jiwer",
                                                            "whisper-normalizer")},
     }
-    print_table(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--src", default=str(REPO / "src"), help="the flashasr tree of the doors (default this checkout)")
+    ap.add_argument("--before-src", default=None, help="also run the doors from this tree (the code before)")
+    ap.add_argument("--long-models", default="tiny.en", help="models run on the long-form clips (comma-separated)")
+    ap.add_argument("--mix-models", default="tiny.en,base", help="models run on the generated recording")
+    ap.add_argument("--smoke", action="store_true", help="a 37 s mixture, tiny.en only")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(2)
+    clips = manifest()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-faithful-"))
+    inputs: dict[str, list[dict]] = {}
+    if a.smoke:
+        mix = build_mix(clips, tmp, SMOKE_SPEECH, SMOKE_NON_SPEECH, name="smoke")
+        inputs["tiny.en"] = [mix]
+    else:
+        mix = build_mix(clips, tmp)
+        for m in filter(None, a.long_models.split(",")):
+            inputs.setdefault(m, []).extend(long_inputs(clips))
+        for m in filter(None, a.mix_models.split(",")):
+            inputs.setdefault(m, []).append(mix)
+    trees = {"after": Path(a.src).resolve()} | ({"before": Path(a.before_src).resolve()} if a.before_src else {})
     out = Path(a.out) if a.out else (tmp / "faithful_smoke.json" if a.smoke
                                      else REPO / "bench" / "results" / "faithful_cpu.json")
-    out.write_text(json.dumps(res, indent=1, ensure_ascii=False) + "\n")
+    print(f"mix: {mix['duration_s']:.0f} s, {len(mix['speech_clips'])} speech clips, "
+          f"{len(mix['non_speech'])} non-speech spans ({sum(s['end'] - s['start'] for s in mix['non_speech']):.0f} s)")
+    load0, t0 = os.getloadavg(), time.perf_counter()
+
+    def save(rows: list[dict], complete: bool = False) -> None:  # after every row: a cut run keeps its rows
+        res = record(rows, complete=complete, trees=trees, inputs=inputs, mix=mix, load0=load0,
+                     wall_s=round(time.perf_counter() - t0, 1))
+        out.write_text(json.dumps(res, indent=1, ensure_ascii=False) + "\n")
+
+    rows = run_all(inputs, trees, tmp, on_row=save)
+    save(rows, complete=True)
+    print_table(rows)
     print(f"wrote {out}")
     return 0
 
