@@ -37,7 +37,7 @@ Metrics per system and input (text through the Whisper English normaliser, as ``
 * ``words`` (normalised words of the transcript) and ``wall_s``.
 
 Usage: ``python bench/bench_faithful.py --before-src /work/wt-before/src`` (writes
-``bench/results/faithful_cpu.json``); ``--smoke``: a 40 s mixture, tiny.en, every system (about a
+``bench/results/faithful_cpu.json``); ``--smoke``: a 37 s mixture, tiny.en, every system (about a
 minute, written to a temporary file unless ``--out``).
 """
 
