@@ -288,6 +288,24 @@ class FasterWhisperPeer:
         text = "".join(s.text for s in segs).strip()
         return text, info.language
 
+    def transcribe_timed(self, samples, language: str | None, *,
+                         vad_filter: bool = True) -> tuple[list[dict], str | None]:
+        """(segments, language) for float32 16 kHz samples, with word times, as faster-whisper is used
+        on long audio: its Silero VAD filter on (``vad_filter``, default options) and its temperature
+        fallback (0.0 to 1.0 when a window is too repetitive or unlikely, as flashasr's decoder);
+        otherwise the settings of :meth:`transcribe` (greedy, no conditioning on previous text).
+
+        Each segment: ``{"start", "end", "text", "words": [{"word", "start", "end"}]}``, seconds.
+        """
+        lang = language if self.multilingual else "en"
+        segs, info = self.model.transcribe(samples, language=lang, beam_size=1, best_of=1,
+                                           condition_on_previous_text=False, vad_filter=vad_filter,
+                                           word_timestamps=True)
+        out = [{"start": s.start, "end": s.end, "text": s.text,
+                "words": [{"word": w.word, "start": w.start, "end": w.end} for w in (s.words or [])]}
+               for s in segs]
+        return out, info.language
+
 
 # --------------------------------------------------------------------------- evaluation
 
