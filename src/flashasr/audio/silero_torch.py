@@ -15,9 +15,10 @@ the convolutions as one batch ``[F, 576]``; the LSTM then runs as one cuDNN/oneD
 recording's frame sequence ``[T, B, 128]`` (recordings padded at their ends: the LSTM is causal,
 so padding changes nothing before it). A recording longer than ``chunk_frames`` is cut into chunks
 that run side by side in the batch, each started ``warmup_frames`` early from a zero state; the
-warm-up outputs are dropped (the state forgets a zero start within a few seconds: on the shared
-long clips the probabilities of the 4 s warm-up agree with the sequential ones to about 1e-4 and
-the cut points are the same, ``tests/test_vad.py``).
+warm-up outputs are dropped. The defaults are the ONNX path's state restarts
+(:data:`flashasr.audio.vad.STATE_CHUNK_FRAMES`: 16.4 s chunks, 4 s warm-up), so both give the
+same probabilities; a state carried longer drifts (quiet speech after a minute of whale song was
+not found).
 
 Frame ``t`` of a recording covers seconds ``[t * 0.032, (t + 1) * 0.032)``; the last frame is
 zero-padded, as :func:`flashasr.audio.vad.speech_probabilities` (ONNX) does; both give the same
@@ -109,16 +110,18 @@ def _encode(frames, w):
     return x[:, 0]
 
 
-def speech_probabilities_batch(signals: Sequence[np.ndarray], *, device: str = "cpu", chunk_frames: int = 4096,
-                               warmup_frames: int = 1024) -> list[np.ndarray]:
+def speech_probabilities_batch(signals: Sequence[np.ndarray], *, device: str = "cpu", chunk_frames: int | None = None,
+                               warmup_frames: int | None = None) -> list[np.ndarray]:
     """Silero speech probability per 32 ms frame for every 16 kHz recording, in one computation.
 
     Args:
         signals: float32 ``[N_i]`` arrays at 16 kHz.
         device: where to compute (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
-        chunk_frames: a recording longer than this (4,096 frames = 131 s) runs as chunks side by
-            side; up to it, the result equals the sequential ONNX model's up to float rounding.
-        warmup_frames: frames each later chunk starts early (run, then dropped) to warm its state.
+        chunk_frames: a recording longer than this runs as chunks side by side, each from a zero
+            state (default :data:`~flashasr.audio.vad.STATE_CHUNK_FRAMES`, 512 frames = 16.4 s: then
+            the result equals :func:`flashasr.audio.vad.speech_probabilities` up to float rounding).
+        warmup_frames: frames each later chunk starts early (run, then dropped) to warm its state
+            (default :data:`~flashasr.audio.vad.STATE_WARMUP_FRAMES`, 125 = 4 s).
     Returns:
         float32 ``[ceil(N_i / 512)]`` per recording (empty for an empty one).
     Raises:
@@ -126,6 +129,10 @@ def speech_probabilities_batch(signals: Sequence[np.ndarray], *, device: str = "
     """
     import torch
 
+    from .vad import STATE_CHUNK_FRAMES, STATE_WARMUP_FRAMES
+
+    chunk_frames = STATE_CHUNK_FRAMES if chunk_frames is None else int(chunk_frames)
+    warmup_frames = STATE_WARMUP_FRAMES if warmup_frames is None else int(warmup_frames)
     w, lstm = _net(str(device))
     # one buffer for all signals, each at a multiple of 512 samples plus 64 (its first frame's
     # context: zeros), one frame of zeros between signals: then frame g of the whole buffer

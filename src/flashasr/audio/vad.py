@@ -40,6 +40,14 @@ FRAME = 512  # samples per VAD frame at 16 kHz (32 ms)
 CONTEXT = 64  # samples of left context per frame
 FRAME_S = FRAME / VAD_RATE
 _MAX_FRAMES_PER_CALL = 512  # 16.4 s of audio per ONNX call
+# Whole-recording probabilities restart the LSTM from a zero state every STATE_CHUNK_FRAMES frames,
+# each chunk warmed up on the STATE_WARMUP_FRAMES before it (run, then dropped): one state carried
+# over a long recording drifts, and after a minute of whale song quiet speech (-63 dBFS FLEURS
+# clips) stayed below 0.32 for 33 s, lost at every door and by faster-whisper too
+# (bench/bench_faithful.py's generated recording); restarted, it reads 0.99, as alone. The state
+# forgets a zero start within a few seconds, so on ordinary speech nothing changes (tests/test_vad.py).
+STATE_CHUNK_FRAMES = 512  # 16.4 s
+STATE_WARMUP_FRAMES = 125  # 4 s (a quarter more frames: ONNX VAD 3.96 -> 4.84 CPU-s per audio hour, 2-core VM)
 
 _session = None
 _batch_session = None
@@ -129,6 +137,12 @@ def _as_16k(samples: np.ndarray, sample_rate: int) -> np.ndarray:
 def speech_probabilities(samples: np.ndarray, sample_rate: int = 16000) -> np.ndarray:
     """Silero speech probability per 32 ms frame.
 
+    The LSTM state restarts from zero every :data:`STATE_CHUNK_FRAMES` frames (16.4 s), each
+    chunk warmed up on the :data:`STATE_WARMUP_FRAMES` (4 s) before it, as
+    :func:`flashasr.audio.silero_torch.speech_probabilities_batch` does on the GPU (same result
+    up to float rounding): see :data:`STATE_CHUNK_FRAMES` for why. (Silero's own
+    ``get_speech_timestamps`` carries one state over the whole file.)
+
     Args:
         samples: float32 [N] mono (other rates are resampled to 16 kHz with soxr first).
         sample_rate: Hz of ``samples``.
@@ -137,14 +151,26 @@ def speech_probabilities(samples: np.ndarray, sample_rate: int = 16000) -> np.nd
         seconds [t * 0.032, (t + 1) * 0.032). The last frame is zero-padded.
     """
     x = _as_16k(samples, sample_rate)
-    n = x.shape[0]
-    t_total = -(-n // FRAME)
+    t_total = -(-x.shape[0] // FRAME)
     out = np.empty(t_total, np.float32)
+    for keep in range(0, t_total, STATE_CHUNK_FRAMES):
+        start = max(0, keep - STATE_WARMUP_FRAMES)
+        stop = min(t_total, keep + STATE_CHUNK_FRAMES)
+        out[keep:stop] = _frames_from_zero_state(x, start, stop)[keep - start:]
+    return out
+
+
+def _frames_from_zero_state(x: np.ndarray, first: int, stop: int) -> np.ndarray:
+    """Probabilities of frames ``[first, stop)`` of 16 kHz ``x``, the LSTM started from zero at
+    ``first`` (its frame context: the 64 samples before it, zeros at the start)."""
+    out = np.empty(stop - first, np.float32)
     h = np.zeros((1, 1, 128), np.float32)
     c = np.zeros((1, 1, 128), np.float32)
     prev_ctx = np.zeros(CONTEXT, np.float32)
-    for t0 in range(0, t_total, _MAX_FRAMES_PER_CALL):
-        tb = min(_MAX_FRAMES_PER_CALL, t_total - t0)
+    if first:
+        prev_ctx[:] = x[first * FRAME - CONTEXT:first * FRAME]
+    for t0 in range(first, stop, _MAX_FRAMES_PER_CALL):
+        tb = min(_MAX_FRAMES_PER_CALL, stop - t0)
         block = np.zeros((tb, CONTEXT + FRAME), np.float32)
         seg = x[t0 * FRAME:(t0 + tb) * FRAME]
         whole = seg.shape[0] // FRAME
@@ -155,7 +181,7 @@ def speech_probabilities(samples: np.ndarray, sample_rate: int = 16000) -> np.nd
         if tb > 1:
             block[1:, :CONTEXT] = block[:-1, -CONTEXT:]
         prev_ctx = block[-1, -CONTEXT:].copy()
-        out[t0:t0 + tb], h, c = _run_frames(block, h, c)
+        out[t0 - first:t0 - first + tb], h, c = _run_frames(block, h, c)
     return out
 
 
@@ -651,7 +677,7 @@ class StreamingVAD:
         return events
 
 
-__all__ = ["speech_probabilities", "speech_segments", "split_for_asr", "asr_speech_spans", "ASR_VAD", "iter_asr_chunks",
+__all__ = ["STATE_CHUNK_FRAMES", "STATE_WARMUP_FRAMES", "speech_probabilities", "speech_segments", "split_for_asr", "asr_speech_spans", "ASR_VAD", "iter_asr_chunks",
            "StreamingVAD",
            "VADEvent",
            "FRAME_S", "VAD_RATE"]

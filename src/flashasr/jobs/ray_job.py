@@ -34,7 +34,7 @@ same transcript (text and times) on a laptop and on a cluster::
 * Ctrl-C / SIGTERM: the pipeline stops, finished outputs are kept, the journal compacted;
   ``report.interrupted`` (exit 130); the re-run resumes.
 * The VAD runs on the CPU in the decode tasks (the local job runs it on the GPU for CUDA jobs:
-  the same pieces for recordings up to 131 s, ``docs/JOBS.md``).
+  the same pieces, ``docs/JOBS.md``).
 
 Inputs must be readable at the same path on every node (shared storage); outputs and the journal
 are written by the driver only (``docs/RAY.md``).

@@ -391,7 +391,7 @@ def run_job(
         vad_device: where the Silero VAD runs: ``"cpu"`` (ONNX, in the decode workers) or a CUDA
             device (one batched PyTorch computation for the files decoded since the last look, in
             the main process; the workers only decode); None: the model's device when it is CUDA,
-            else ``"cpu"``. The same pieces either way for recordings up to 131 s
+            else ``"cpu"``. The same pieces either way
             (:func:`flashasr.pipeline.plan_many`).
         min_batch: pieces pending at which an idle model gets a batch before it is full (default a
             quarter of ``batch_size``, at least 32).

@@ -201,8 +201,8 @@ def plan_many(recordings: list[np.ndarray], options: TranscribeOptions, caps: Mo
 
     With ``vad_device`` other than ``"cpu"`` (e.g. ``"cuda"``), the Silero VAD of every recording
     that needs it runs as ONE batched PyTorch computation on that device
-    (:func:`flashasr.audio.silero_torch.speech_probabilities_batch`: the same network; for
-    recordings up to 131 s the same probabilities up to float rounding, hence the same pieces);
+    (:func:`flashasr.audio.silero_torch.speech_probabilities_batch`: the same network and state
+    restarts, the same probabilities up to float rounding, hence the same pieces);
     the cutting itself stays on the CPU. ``"cpu"``: the ONNX VAD per recording, as
     :func:`plan_pieces`.
     """

@@ -126,7 +126,7 @@ class UploadTranscriber:
         """:func:`~flashasr.pipeline.plan_pieces` in the CPU pool; a recording longer than
         ``GPU_VAD_MIN_S`` in single mode with the model on CUDA has its VAD run there
         (:func:`~flashasr.pipeline.plan_many`, the job runner's rule: a 1-hour upload's VAD takes
-        a fraction of a second instead of ~8 CPU-seconds; below 131 s both give the same pieces,
+        a fraction of a second instead of ~8 CPU-seconds; both give the same pieces,
         so short uploads keep the CPU VAD and leave the GPU to the model)."""
         vad = "cpu"
         if samples.size > GPU_VAD_MIN_S * caps.sample_rate and getattr(self.ctx.backend, "mode", "") != "multi":
