@@ -344,6 +344,37 @@ def test_quiet_speech_after_a_minute_of_whale_song_is_found():
     assert float(np.abs(speech_probabilities_batch([x])[0] - p).max()) < 1e-4  # the GPU path's restarts too
 
 
+def test_a_stream_restarts_its_state_as_the_offline_vad_does():
+    """StreamingVAD (feed and feed_many, 20 ms packets) gives the offline probabilities of the same
+    audio over several state restarts, and after the whale song it hears the quiet sentence."""
+    from flashasr.audio import load_audio
+    from flashasr.audio.vad import STATE_CHUNK_FRAMES, speech_probabilities
+
+    whale = load_audio(AUDIO / "hard" / "hard-whale-humpback.ogg").samples
+    quiet = load_audio(AUDIO / "en" / "en-fleurs-002.ogg").samples
+    x = np.concatenate([whale, np.zeros(16000, np.float32), quiet])
+    assert x.size > 4 * STATE_CHUNK_FRAMES * 512
+    want = speech_probabilities(x)
+
+    class Recorded(StreamingVAD):
+        def _apply(self, probs, events):
+            self.seen.extend(np.asarray(probs).tolist())
+            super()._apply(probs, events)
+
+    one, many, other = Recorded(), Recorded(), Recorded()
+    for v in (one, many, other):
+        v.seen = []
+    events = []
+    for a in range(0, x.size, 320):
+        events += one.feed(x[a:a + 320])
+        StreamingVAD.feed_many([(many, x[a:a + 320]), (other, x[a:a + 160])])  # streams at other positions
+    n = x.size // 512
+    for v in (one, many):
+        assert float(np.abs(np.array(v.seen[:n]) - want[:n]).max()) < 1e-4
+    starts = [e.time for e in events if e.type == "speech_started"]
+    assert any(t >= (x.size - quiet.size) / 16000 - 0.5 for t in starts), starts
+
+
 def test_batched_torch_silero_equals_the_onnx_model():
     """flashasr.audio.silero_torch: the package's network over many recordings at once gives the
     sequence ONNX model's probabilities (float rounding) and so the same pieces; chunked recordings

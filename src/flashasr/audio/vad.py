@@ -506,8 +506,13 @@ class StreamingVAD:
     ``threshold - 0.15`` (reported at the end of the last speech frame). ``min_speech_ms``
     (default 0) delays ``speech_started`` until that much speech was seen.
 
-    State per stream is bounded: < 576 samples of pending audio, the LSTM state (2 x 128
-    floats) and a few counters (about 3 KB); the ONNX session is shared by all streams
+    The LSTM state restarts every :data:`STATE_CHUNK_FRAMES` frames (16.4 s) from a state warmed
+    up on the 4 s before, as :func:`speech_probabilities` does: a stream's probabilities equal the
+    offline ones on the same audio (float rounding), and hours of stream cannot drift the state
+    (after a minute of whale song one carried state missed quiet speech; a quarter more frames run).
+
+    State per stream is bounded: < 576 samples of pending audio, the LSTM state and the warming
+    one (2 x 2 x 128 floats) and a few counters (about 3 KB); the ONNX session is shared by all streams
     (onnxruntime ``run`` is thread-safe). Cost, measured on a loaded 2-core Xeon VM: about
     6-7 ms of one CPU core per second of audio fed in 20 ms chunks (one ONNX call per 32 ms
     frame), about 3-4 ms/s fed in 0.5 s chunks (bench/bench_cpu_audio.py, docs/AUDIO.md).
@@ -535,6 +540,7 @@ class StreamingVAD:
         """Forget everything (new stream; times restart at 0)."""
         self._h = np.zeros((1, 1, 128), np.float32)
         self._c = np.zeros((1, 1, 128), np.float32)
+        self._shadow: tuple[np.ndarray, np.ndarray] | None = None  # the next chunk's state, warming up
         self._buf = np.zeros(CONTEXT + FRAME, np.float32)  # [context | pending frame]
         self._fill = 0  # samples pending in the frame part
         self._pad = 0  # zero samples added by flush()
@@ -602,17 +608,25 @@ class StreamingVAD:
         sr = np.array(VAD_RATE, np.int64)
         for r in range(depth):
             idx = [i for i, f in enumerate(frames) if f.shape[0] > r]
-            batch = np.stack([frames[i][r] for i in idx])
-            state = np.empty((2, len(idx), 128), np.float32)
+            for i in idx:
+                vads[i]._restart_state(vads[i].frames + r)
+            shadows = [i for i in idx if vads[i]._shadow is not None]  # their rows follow the main ones
+            batch = np.stack([frames[i][r] for i in idx + shadows])
+            state = np.empty((2, len(idx) + len(shadows), 128), np.float32)
             for j, i in enumerate(idx):
                 state[0, j] = vads[i]._h[0, 0]
                 state[1, j] = vads[i]._c[0, 0]
+            for j, i in enumerate(shadows, start=len(idx)):
+                state[0, j] = vads[i]._shadow[0][0, 0]
+                state[1, j] = vads[i]._shadow[1][0, 0]
             p, state = _get_batch_session().run(None, {"input": batch, "state": state, "sr": sr})
             p = np.asarray(p, np.float32).reshape(-1)
             for j, i in enumerate(idx):
                 vads[i]._h = state[0:1, j:j + 1].copy()
                 vads[i]._c = state[1:2, j:j + 1].copy()
                 probs[i].append(p[j:j + 1])
+            for j, i in enumerate(shadows, start=len(idx)):
+                vads[i]._shadow = (state[0:1, j:j + 1].copy(), state[1:2, j:j + 1].copy())
         out = []
         for v, ps in zip(vads, probs):
             events: list[VADEvent] = []
@@ -621,10 +635,33 @@ class StreamingVAD:
             out.append(events)
         return out
 
+    def _restart_state(self, pos: int) -> None:
+        """Before frame ``pos``: the state restarts as :func:`speech_probabilities` restarts it
+        (every :data:`STATE_CHUNK_FRAMES` frames, from a shadow state that has run the
+        :data:`STATE_WARMUP_FRAMES` frames before), so a long stream's probabilities equal the
+        offline ones on the same audio and its state cannot drift for hours."""
+        r = pos % STATE_CHUNK_FRAMES
+        if r == 0 and self._shadow is not None:
+            (self._h, self._c), self._shadow = self._shadow, None
+        elif r == STATE_CHUNK_FRAMES - STATE_WARMUP_FRAMES:
+            self._shadow = (np.zeros((1, 1, 128), np.float32), np.zeros((1, 1, 128), np.float32))
+
     def _process(self, block: np.ndarray, events: list[VADEvent]) -> None:
         if block.shape[0] == 0:
             return
-        probs, self._h, self._c = _run_frames(block, self._h, self._c)
+        probs = np.empty(block.shape[0], np.float32)
+        i = 0
+        while i < block.shape[0]:  # runs of frames between the state's restart points
+            pos = self.frames + i
+            self._restart_state(pos)
+            r = pos % STATE_CHUNK_FRAMES
+            span = (STATE_CHUNK_FRAMES - STATE_WARMUP_FRAMES - r) if r < STATE_CHUNK_FRAMES - STATE_WARMUP_FRAMES \
+                else STATE_CHUNK_FRAMES - r
+            run = block[i:i + span]
+            probs[i:i + run.shape[0]], self._h, self._c = _run_frames(run, self._h, self._c)
+            if self._shadow is not None:
+                self._shadow = _run_frames(run, *self._shadow)[1:]
+            i += run.shape[0]
         self._apply(probs, events)
 
     def _apply(self, probs: np.ndarray, events: list[VADEvent]) -> None:
