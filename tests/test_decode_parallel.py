@@ -312,3 +312,20 @@ def test_range_processes_end_when_their_owner_is_killed(files, tmp_path):
     while any(alive(q) for q in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(q) for q in pids)
+
+
+@pytest.mark.parametrize("pool", ["thread", "process"])
+def test_a_truncated_long_file_falls_back_without_a_traceback(tmp_path, caplog, pool):
+    """Found by a new user: the first 1,048,000 bytes of a 169 s WAV through the server logged a
+    traceback per range (``BufferError: cannot close exported pointers exist`` from the range process,
+    masking the expected fallback); the result itself was right."""
+    import logging
+
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes((AUDIO / "long" / "long-8k-aepyx-169s.wav").read_bytes()[:1_048_000])
+    with caplog.at_level(logging.WARNING, logger="flashasr"):
+        got = load_audio_parallel(cut, workers=3, pool=pool)
+    want = load_audio(cut)
+    assert got.samples.shape == want.samples.shape and np.array_equal(got.samples, want.samples)
+    assert 60 < got.duration < 70 and any("trunc" in w or "declare" in w for w in got.warnings), got.warnings
+    assert not [r for r in caplog.records if "parallel decode" in r.getMessage()], caplog.text

@@ -229,7 +229,7 @@ def test_help_states_every_option_and_its_default():
         assert "default" in text, (a.option_strings, text)
         assert a.option_strings[0] in shown and text in shown, (a.option_strings, text)
     for default in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 1024.0)", "(default: single)",
-                    "(default: warning)", "(default: 500.0)"):
+                    "(default: warning)", "(default: 500.0)", "(default: 900.0)"):
         assert default in shown, default
 
 
@@ -297,3 +297,16 @@ def test_edge_values_are_accepted():
         (0, 0.0, 0.0, 0, 1)
     assert (cfg.log_level, cfg.workers, cfg.device, cfg.access_log) == ("debug", 3, "cuda:1", False)
     assert parse_args(["--port", "65535"]).access_log is True
+
+
+def test_multi_mode_stops_once_when_the_model_cannot_load(tmp_path):
+    """Found by a new user: `serve --mode multi --model <bad>` printed "engine process N exited (code
+    None); restarting" 0-6 times (the supervisor read the exit code before the process was reaped)
+    and gave up after 5-33 s. One load error, no restart, exit 2."""
+    bad = tmp_path / "model.nemo"
+    bad.write_bytes(b"not a model")
+    for _ in range(2):
+        r = _serve("--mode", "multi", "--model", str(bad), "--port", "0", "--no-warmup")
+        assert r.returncode == 2, r.stderr
+        assert "restarting" not in r.stderr and "code None" not in r.stderr, r.stderr
+        assert r.stderr.count("could not load the model") == 1, r.stderr

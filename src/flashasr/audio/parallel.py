@@ -537,9 +537,15 @@ def _decode_range_shm(plan: _Plan, k: int, name: str, size: int):
     out = np.frombuffer(m, np.float32, count=size)
     try:
         return _decode_range(plan, k, out, threading.Event())
+    except BaseException as e:
+        e.__traceback__ = None  # its frames hold views of the mapping (m.close() would raise BufferError)
+        raise
     finally:
         del out
-        m.close()
+        try:
+            m.close()
+        except BufferError:  # a view still alive somewhere: the mapping goes when it does
+            pass
 
 
 def _shm_output(size: int) -> tuple[str, np.ndarray]:

@@ -201,7 +201,7 @@ def _http_options(p: argparse.ArgumentParser) -> None:
                    help="an upload whose body stalls this many seconds gets 408")
     g.add_argument("--request-timeout-s", type=_number(float, 0, above=True), default=900.0,
                    help="an upload's transcription that takes longer gets 504 (on a CPU a 60-minute upload "
-                        "needs more than the default)")
+                        "needs more: raise it)")
     g.add_argument("--cpu-threads", type=_number(int, 1), default=2,
                    help="CPU pool of each front end: container decode, resampling, VAD cutting of uploads")
     g.add_argument("--decode-workers", type=_number(int, 1), default=None,

@@ -252,7 +252,10 @@ class EngineSupervisor:
 
     def _on_exit(self, p) -> None:
         self._loop.remove_reader(p.sentinel)
-        p.join(0)
+        # the sentinel closes as the process exits, a moment before it can be reaped: join(0) read
+        # exitcode None now and then, so a model that could not load was restarted up to 6 times
+        # ("exited (code None); restarting") before the server gave up; wait for the code
+        p.join(5)
         if self._closing:
             return
         if p.exitcode == EXIT_MODEL_FAILED:  # restarting cannot help: the server stops (exit 2)
