@@ -30,6 +30,9 @@ from .offline import UploadTranscriber
 from .status import StatusReporter
 
 
+
+OPENAI_MODEL_NAMES = frozenset({"whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe"})  # clients send these
+
 def check_auth(api_key: str | None, headers, subprotocols=(), query=None) -> None:
     """Accept the request when no key is configured or it carries the key: ``Authorization: Bearer
     KEY``, a WebSocket subprotocol ``openai-insecure-api-key.KEY`` or ``?api_key=KEY``.
@@ -105,9 +108,13 @@ def http_router(ctx: ServeContext) -> APIRouter:
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
-        """OpenAI ``models.retrieve``: the list's entry for its id; any other id is OpenAI's 404
-        ``model_not_found`` (param ``model``)."""
+        """OpenAI ``models.retrieve``: the list's entry for its id, and for the names of OpenAI's
+        transcription models (``whisper-1``, ...: the ``model`` a request names is accepted and the
+        loaded model serves it, so retrieving it answers the loaded model, as ``served_by``); any
+        other id is OpenAI's 404 ``model_not_found`` (param ``model``)."""
         check_auth(ctx.cfg.api_key, request.headers)
+        if model_id in OPENAI_MODEL_NAMES:
+            return model_object() | {"id": model_id, "served_by": ctx.model_name()}
         if model_id != ctx.model_name():
             raise APIError(f"the model {model_id[:100]!r} does not exist; this server serves "
                            f"{ctx.model_name()!r} (GET /v1/models)", status=404, code="model_not_found",
