@@ -438,3 +438,15 @@ def test_zero_channel_wav_header_reports_true_packet_counts(tmp_path):
     failed, total = map(int, re.search(r"(\d+) of (\d+) packets failed", r.stderr).groups())
     assert 0 < failed <= total, r.stderr
     assert "the header declares 0 channels" in r.stderr
+
+
+def test_options_the_model_changes_are_said_and_words_need_verbose_json():
+    """Found by a new user: --max-segment-s 100 was capped at the model's 30 s window without a word,
+    and --word-timestamps -f json gave no words and no warning (the server answers 400 for that)."""
+    r = _cli("transcribe", STELLA, "--max-segment-s", "100")
+    assert r.returncode == 0, r.stderr
+    assert "warning: --max-segment-s 100 is over model" in r.stderr and "at most 30 s" in r.stderr, r.stderr
+    assert "--max-segment-s" not in _cli("transcribe", STELLA, "--max-segment-s", "20").stderr
+    for fmt in ("json", "text", "srt"):
+        r = _cli("transcribe", STELLA, "--word-timestamps", "-f", fmt)
+        assert r.returncode == 2 and "--word-timestamps needs -f verbose_json" in r.stderr, r.stderr

@@ -139,10 +139,23 @@ def _install_sigterm() -> None:
         pass
 
 
+def _warn_about_options(args: argparse.Namespace, options, caps) -> None:
+    """One stderr line per option the model changes or does not use (``options``: resolved)."""
+    for name in caps.ignored(options):
+        _err(f"warning: model {caps.name} does not use --{name}; it is ignored")
+    if args.max_segment_s is not None and options.max_segment_s < args.max_segment_s:
+        _err(f"warning: --max-segment-s {args.max_segment_s:g} is over model {caps.name}'s window; "
+             f"pieces are at most {options.max_segment_s:g} s")
+
+
 def cmd_transcribe(args: argparse.Namespace) -> int:
     """``flashasr transcribe``: see :func:`build_parser` for the options."""
     from .jobs import InputError, expand_inputs, start_decode_pool
     from .options import TranscribeOptions
+
+    if args.word_timestamps and args.format != "verbose_json":  # as the server's 400 for timestamp_granularities
+        _err(f"error: [invalid_option] --word-timestamps needs -f verbose_json (-f {args.format} has no words)")
+        return EXIT_USAGE
 
     try:  # the one options object of this door, checked for syntax now and against the model below
         options = TranscribeOptions(language=args.language, task=args.task, word_timestamps=args.word_timestamps,
@@ -206,8 +219,7 @@ def _transcribe(args: argparse.Namespace, items: list, missing: list, options, p
     except FlashASRError as e:  # a language or task this model cannot do
         _err(f"error: [{e.code}] {e}")
         return EXIT_USAGE
-    for name in model.capabilities.ignored(options):
-        _err(f"warning: model {model.capabilities.name} does not use --{name}; it is ignored")
+    _warn_about_options(args, options, model.capabilities)
     printer = None
     if args.output_dir is None:
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
@@ -252,8 +264,7 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
     except FlashASRError as e:
         _err(f"error: [{e.code}] {e}")
         return EXIT_USAGE
-    for name in caps.ignored(options):
-        _err(f"warning: model {caps.name} does not use --{name}; it is ignored")
+    _warn_about_options(args, options, caps)
     printer = None
     if args.output_dir is None:
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
