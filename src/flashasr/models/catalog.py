@@ -43,6 +43,25 @@ def needs_weights(spec: str) -> str:
             "Face cache (huggingface-cli download ...). `flashasr models` lists what is loadable here.")
 
 
+def missing_model(spec: str | None) -> str | None:
+    """Why ``spec`` names nothing loadable here, decided without loading anything (no torch): a
+    Whisper size that is not embedded (:func:`needs_weights`) or a local path that does not exist;
+    None when it may load (embedded names, ``random:`` specs, hub ids, existing paths: their load
+    says the rest). The same messages as :func:`flashasr.models.registry.load_model`."""
+    if spec is None:
+        return None
+    s = str(spec)
+    if s in ("default", "tiny.en", "whisper-tiny.en", "base", "whisper-base") or s.startswith("random:"):
+        return None
+    p = Path(s).expanduser()
+    if p.exists() or (p.suffix != ".nemo" and s.count("/") == 1 and not s.startswith((".", "/", "~"))):
+        return None  # a file or folder, or a hub id (owner/name): its load decides
+    if is_whisper_size(s):
+        return needs_weights(s)
+    return (f"model {s!r}: no such file or directory (a model is tiny.en, base, a path to weights, or a hub "
+            "id; `flashasr models` lists what is loadable here)")
+
+
 def hub_cache_dir() -> Path:
     """The Hugging Face hub cache: ``HF_HUB_CACHE``, ``HF_HOME``/hub, else ``~/.cache/huggingface/hub``."""
     if os.environ.get("HF_HUB_CACHE"):

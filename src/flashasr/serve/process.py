@@ -62,6 +62,17 @@ def _check_serve_device(device: str, in_child: bool = False) -> None:
         raise ListenError(f"argument --device: {problem}")
 
 
+def _check_serve_model(spec: str | None) -> None:
+    """:class:`ListenError` (exit 2, ``argument --model: ...``) for a model name or path that names
+    nothing here (:func:`~flashasr.models.catalog.missing_model`: ``large-v3`` without its weights, a
+    mistyped path), before the server announces itself; the load decides everything else."""
+    from ..models.catalog import missing_model
+
+    why = missing_model(spec)
+    if why:
+        raise ListenError(f"argument --model: {why}")
+
+
 class ListenError(Exception):
     """The server cannot start as told (``--host``/``--port`` where it cannot listen, a ``--device``
     torch cannot use): exit 2 with this message."""
@@ -213,6 +224,7 @@ def run(cfg: ServeConfig, make_app, run_ray=None) -> int:
         if run_ray is None:
             raise ValueError("mode 'ray' needs run_ray (flashasr.serve.app.main passes it)")
         return run_ray(cfg, make_app)
+    _check_serve_model(cfg.model)  # before "listening on ...": a model that is not here stops the start
     if cfg.mode == "single":
         _check_serve_device(cfg.device)  # before "listening on ...": a device that cannot work stops the start
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
