@@ -383,7 +383,9 @@ def test_translate_task_on_an_english_only_model_is_a_usage_error(capsys):
 @pytest.mark.parametrize("mode", ["single", "multi"])
 def test_serve_stops_with_exit_2_when_the_model_cannot_load(mode, tmp_path):
     """A server that can never become ready does not keep running: `flashasr serve` with a model
-    that will not load says why and exits 2 (as `flashasr transcribe` does), in either mode."""
+    that will not load says why and exits 2 (as `flashasr transcribe` does), in either mode. (A path
+    that does not exist stops before listening: test_serve_logs.py.)"""
+    (tmp_path / "nope.nemo").write_bytes(b"not a .nemo archive")
     p = subprocess.run([sys.executable, "-m", "flashasr.serve.app", "--port", "0", "--mode", mode,
                         "--model", str(tmp_path / "nope.nemo")], capture_output=True, text=True, timeout=120,
                        env=ENV)
