@@ -258,6 +258,7 @@ def test_models_retrieve_by_id_and_unknown_id_404(server, client):
     assert e.body["type"] == "invalid_request_error" and "whisper-large-v9" in e.body["message"]
     r = httpx.get(server.base + "/v1/models/whisper-tiny.en")  # the key is still required
     assert r.status_code == 401
+    assert client.models.retrieve("tiny.en").id == "whisper-tiny.en"  # the name the server announced
     alias = client.models.retrieve("whisper-1")  # the README's client example names it
     assert alias.id == "whisper-1" and alias.served_by == "whisper-tiny.en" and alias.flashasr == got.flashasr
 

@@ -54,8 +54,13 @@ def missing_model(spec: str | None) -> str | None:
     if s in ("default", "tiny.en", "whisper-tiny.en", "base", "whisper-base") or s.startswith("random:"):
         return None
     p = Path(s).expanduser()
-    if p.exists() or (p.suffix != ".nemo" and s.count("/") == 1 and not s.startswith((".", "/", "~"))):
-        return None  # a file or folder, or a hub id (owner/name): its load decides
+    if p.exists():
+        return None  # a file or folder: its load decides
+    if p.suffix != ".nemo" and s.count("/") == 1 and not s.startswith((".", "/", "~")):  # owner/name
+        if "parakeet" in s.lower() or "whisper" in s.lower():
+            return None  # a hub id: the cache decides at load
+        return (f"model {s!r}: no such file or directory, and as a hub id: only Parakeet (nvidia/parakeet-...) "
+                "and Whisper (openai/whisper-..., */faster-whisper-...) repos are supported")
     if is_whisper_size(s):
         return needs_weights(s)
     return (f"model {s!r}: no such file or directory (a model is tiny.en, base, a path to weights, or a hub "

@@ -81,7 +81,8 @@ class UploadTranscriber:
         timing = StageTimes(upload=t1 - t0, decode=time.perf_counter() - t1)
         m.observe("decode", timing.decode)
         for w in damage:  # the server's log says it too (stderr)
-            log.warning("upload %r: %s", up.filename, w["message"])
+            msg = w["message"]  # the decoder's message names the upload already ("uploaded file 'x.wav': ...")
+            log.warning("%s", msg if repr(up.filename) in msg else f"upload {up.filename!r}: {msg}")
         samples, segment = wav.samples, wav.segment
         del wav  # the samples are all this request keeps of its decode
         try:

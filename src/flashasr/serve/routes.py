@@ -115,6 +115,8 @@ def http_router(ctx: ServeContext) -> APIRouter:
         check_auth(ctx.cfg.api_key, request.headers)
         if model_id in OPENAI_MODEL_NAMES:
             return model_object() | {"id": model_id, "served_by": ctx.model_name()}
+        if model_id == (ctx.cfg.model or "tiny.en"):  # the name it was started with (and announced)
+            return model_object()
         if model_id != ctx.model_name():
             raise APIError(f"the model {model_id[:100]!r} does not exist; this server serves "
                            f"{ctx.model_name()!r} (GET /v1/models)", status=404, code="model_not_found",
