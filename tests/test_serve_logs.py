@@ -317,7 +317,7 @@ def test_a_model_that_is_not_here_stops_before_listening(mode, tmp_path):
     """Found by a new user: `serve --model large-v3` (not embedded) said "listening on ..." and then
     failed to load; a mistyped path too. Both stop first, exit 2, naming the option."""
     for spec, says in (("large-v3", "is not embedded here"), (str(tmp_path / "nope.nemo"), "no such file"),
-                       ("mymodels/typo", "no such file or directory, and as a hub id")):
+                       ("mymodels/typo", "hub ids of Parakeet")):
         r = _serve("--model", spec, "--port", "0", "--mode", mode)
         assert r.returncode == 2 and "argument --model:" in r.stderr and says in r.stderr, r.stderr
         assert "listening on" not in r.stderr and "Traceback" not in r.stderr, r.stderr

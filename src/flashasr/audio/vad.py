@@ -635,16 +635,19 @@ class StreamingVAD:
             out.append(events)
         return out
 
-    def _restart_state(self, pos: int) -> None:
+    def _restart_state(self, pos: int) -> int:
         """Before frame ``pos``: the state restarts as :func:`speech_probabilities` restarts it
         (every :data:`STATE_CHUNK_FRAMES` frames, from a shadow state that has run the
         :data:`STATE_WARMUP_FRAMES` frames before), so a long stream's probabilities equal the
-        offline ones on the same audio and its state cannot drift for hours."""
+        offline ones on the same audio and its state cannot drift for hours. Returns the frames
+        from ``pos`` to the next restart point (a shadow's start or its taking over)."""
         r = pos % STATE_CHUNK_FRAMES
+        warm = STATE_CHUNK_FRAMES - STATE_WARMUP_FRAMES
         if r == 0 and self._shadow is not None:
             (self._h, self._c), self._shadow = self._shadow, None
-        elif r == STATE_CHUNK_FRAMES - STATE_WARMUP_FRAMES:
+        elif r == warm:
             self._shadow = (np.zeros((1, 1, 128), np.float32), np.zeros((1, 1, 128), np.float32))
+        return warm - r if r < warm else STATE_CHUNK_FRAMES - r
 
     def _process(self, block: np.ndarray, events: list[VADEvent]) -> None:
         if block.shape[0] == 0:
@@ -652,12 +655,7 @@ class StreamingVAD:
         probs = np.empty(block.shape[0], np.float32)
         i = 0
         while i < block.shape[0]:  # runs of frames between the state's restart points
-            pos = self.frames + i
-            self._restart_state(pos)
-            r = pos % STATE_CHUNK_FRAMES
-            span = (STATE_CHUNK_FRAMES - STATE_WARMUP_FRAMES - r) if r < STATE_CHUNK_FRAMES - STATE_WARMUP_FRAMES \
-                else STATE_CHUNK_FRAMES - r
-            run = block[i:i + span]
+            run = block[i:i + self._restart_state(self.frames + i)]
             probs[i:i + run.shape[0]], self._h, self._c = _run_frames(run, self._h, self._c)
             if self._shadow is not None:
                 self._shadow = _run_frames(run, *self._shadow)[1:]

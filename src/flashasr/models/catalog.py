@@ -43,6 +43,30 @@ def needs_weights(spec: str) -> str:
             "Face cache (huggingface-cli download ...). `flashasr models` lists what is loadable here.")
 
 
+EMBEDDED_SPECS = ("default", "tiny.en", "whisper-tiny.en", "base", "whisper-base")  # the loader's embedded names
+
+
+def is_hub_id(spec: str) -> bool:
+    """``owner/name`` that is not a local path: a Hugging Face repo id."""
+    return "/" in spec and not os.path.exists(spec) and spec.count("/") == 1 and not spec.startswith((".", "/"))
+
+
+def unsupported_hub_id(spec: str) -> str | None:
+    """Why the hub id ``spec`` cannot be loaded (neither a Parakeet nor a Whisper repo), or None."""
+    if "parakeet" in spec.lower() or "whisper" in spec.lower():
+        return None
+    return (f"model {spec!r}: hub ids of Parakeet (nvidia/parakeet-...) and Whisper (openai/whisper-..., "
+            "*/faster-whisper-...) repos are supported; for others pass the local path of the weights")
+
+
+def missing_path(spec: str) -> str:
+    """The loader's message for a name that is no file or folder here."""
+    if is_whisper_size(spec):
+        return needs_weights(spec)
+    return (f"model {spec!r}: no such file or directory (a model is tiny.en, base, a path to weights, or a hub "
+            "id; `flashasr models` lists what is loadable here)")
+
+
 def missing_model(spec: str | None) -> str | None:
     """Why ``spec`` names nothing loadable here, decided without loading anything (no torch): a
     Whisper size that is not embedded (:func:`needs_weights`) or a local path that does not exist;
@@ -51,20 +75,14 @@ def missing_model(spec: str | None) -> str | None:
     if spec is None:
         return None
     s = str(spec)
-    if s in ("default", "tiny.en", "whisper-tiny.en", "base", "whisper-base") or s.startswith("random:"):
+    if s in EMBEDDED_SPECS or s.startswith("random:"):
         return None
     p = Path(s).expanduser()
     if p.exists():
         return None  # a file or folder: its load decides
-    if p.suffix != ".nemo" and s.count("/") == 1 and not s.startswith((".", "/", "~")):  # owner/name
-        if "parakeet" in s.lower() or "whisper" in s.lower():
-            return None  # a hub id: the cache decides at load
-        return (f"model {s!r}: no such file or directory, and as a hub id: only Parakeet (nvidia/parakeet-...) "
-                "and Whisper (openai/whisper-..., */faster-whisper-...) repos are supported")
-    if is_whisper_size(s):
-        return needs_weights(s)
-    return (f"model {s!r}: no such file or directory (a model is tiny.en, base, a path to weights, or a hub "
-            "id; `flashasr models` lists what is loadable here)")
+    if p.suffix != ".nemo" and is_hub_id(s):
+        return unsupported_hub_id(s)  # a hub id: the cache decides at load
+    return missing_path(s)
 
 
 def hub_cache_dir() -> Path:
@@ -115,5 +133,5 @@ def local_models() -> list[dict]:
     return out
 
 
-__all__ = ["EMBEDDED", "WHISPER_SIZES", "is_whisper_size", "needs_weights", "hub_cache_dir", "flashasr_cache_dir",
+__all__ = ["EMBEDDED", "EMBEDDED_SPECS", "WHISPER_SIZES", "is_hub_id", "unsupported_hub_id", "missing_path", "missing_model", "is_whisper_size", "needs_weights", "hub_cache_dir", "flashasr_cache_dir",
            "local_models"]

@@ -25,10 +25,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from .base import ASRModel
-
-
-def _is_hub_id(spec: str) -> bool:
-    return "/" in spec and not os.path.exists(spec) and spec.count("/") == 1 and not spec.startswith((".", "/"))
+from .catalog import EMBEDDED_SPECS, is_hub_id, missing_path, unsupported_hub_id
 
 
 def load_model(spec: str | os.PathLike | None = None, *, device: str = "cpu", dtype: str | None = None) -> ASRModel:
@@ -39,7 +36,7 @@ def load_model(spec: str | os.PathLike | None = None, *, device: str = "cpu", dt
         UnsupportedModelError: the format or architecture is not one flashasr implements.
     """
     s = None if spec is None else str(spec)
-    if s is None or s in ("default", "tiny.en", "whisper-tiny.en", "base", "whisper-base"):
+    if s is None or s in EMBEDDED_SPECS:
         from .whisper.embedded import load_embedded
 
         return load_embedded(s or "tiny.en", device=device, dtype=dtype)
@@ -51,7 +48,7 @@ def load_model(spec: str | os.PathLike | None = None, *, device: str = "cpu", dt
         from .parakeet.model import load_parakeet
 
         return load_parakeet(p, device=device, dtype=dtype)
-    if _is_hub_id(s):
+    if is_hub_id(s):
         if "parakeet" in s.lower():
             from .parakeet.hub import resolve_hub_id
 
@@ -63,17 +60,9 @@ def load_model(spec: str | os.PathLike | None = None, *, device: str = "cpu", dt
             from .whisper.loaders import load_whisper
 
             return load_whisper(resolve_whisper_repo(s), device=device, dtype=dtype)
-        raise UnsupportedModelError(f"model {s!r}: hub ids of Parakeet (nvidia/parakeet-...) and Whisper "
-                                    "(openai/whisper-..., */faster-whisper-...) repos are supported; for others "
-                                    "pass the local path of the weights")
+        raise UnsupportedModelError(unsupported_hub_id(s))
     if not p.exists():
-        from .catalog import is_whisper_size, needs_weights
-
-        if is_whisper_size(s):
-            raise ModelLoadError(needs_weights(s), code="model_not_found")
-        raise ModelLoadError(f"model {s!r}: no such file or directory (a model is tiny.en, base, a path to "
-                             "weights, or a hub id; `flashasr models` lists what is loadable here)",
-                             code="model_not_found")
+        raise ModelLoadError(missing_path(s), code="model_not_found")
     from .whisper.loaders import load_whisper
 
     return load_whisper(p, device=device, dtype=dtype)

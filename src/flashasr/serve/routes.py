@@ -29,9 +29,8 @@ from .errors import APIError
 from .offline import UploadTranscriber
 from .status import StatusReporter
 
-
-
 OPENAI_MODEL_NAMES = frozenset({"whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe"})  # clients send these
+
 
 def check_auth(api_key: str | None, headers, subprotocols=(), query=None) -> None:
     """Accept the request when no key is configured or it carries the key: ``Authorization: Bearer
