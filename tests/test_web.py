@@ -351,12 +351,13 @@ def test_microphone_with_server_vad_shows_partials_then_the_offline_final(watche
     assert watched.errors == []
     # the audio path is transparent: Chromium converts the file to the capture rate (44.1 or 48 kHz), the
     # page's AudioWorklet resamples it back to 16 kHz; what it sent is the file, shifted by whole samples
-    # (58 dB measured on an idle machine); most half-second blocks must be that faithful, so a dropped
-    # capture quantum on a loaded machine fails one block, not the test
+    # (58 dB per block measured on an idle machine; 13-22 dB on a loaded one, where the fake device
+    # drops capture quanta all along); a wrong rate or a broken resampler gives about 0 dB or less, so
+    # most half-second blocks must reach 10 dB
     with wave.open(str(fake_mic)) as w:
         played = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float64)
     blocks = _block_snrs(np.frombuffer(pcm, "<i2").astype(np.float64), played)
-    good = [snr for _, snr in blocks if snr >= 40]
+    good = [snr for _, snr in blocks if snr >= 10]
     assert len(blocks) >= 10 and len(good) >= 0.75 * len(blocks), blocks
 
 
