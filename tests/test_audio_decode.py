@@ -203,6 +203,28 @@ def test_wave_module_file(tmp_path):
     assert _rms(d.samples[1000:-1000]) == pytest.approx(0.5 / np.sqrt(2), rel=0.01)
 
 
+
+@pytest.mark.parametrize("codec,rate,ch", [("pcm_s16le", 16000, 1), ("pcm_s24le", 48000, 6),
+                                           ("adpcm_ms", 22050, 1), ("adpcm_ima_wav", 16000, 2),
+                                           ("pcm_mulaw", 8000, 1)])
+def test_wav_without_stream_probe_decodes_the_same(monkeypatch, codec, rate, ch):
+    """The WAV shortcut (no FFmpeg stream probe: the header says it all) must lose nothing:
+    same samples, format, declared length and damage warnings as the probed open, whole and cut."""
+    import flashasr.audio.decode as decode
+
+    sig = _sine(rate, 1.5, freq=300.0)
+    data = encode_audio(np.stack([sig] * ch, 1) if ch > 1 else sig, rate, format="wav", codec=codec)
+    for blob in (data, data[: len(data) * 2 // 3]):
+        fast = load_audio(blob)
+        monkeypatch.setattr(decode, "_WAV_PROBE", {})
+        probed = load_audio(blob)
+        monkeypatch.undo()
+        assert np.array_equal(fast.samples, probed.samples)
+        assert (fast.source_format, fast.source_sample_rate, fast.source_channels, fast.declared_duration,
+                fast.warnings) == (probed.source_format, probed.source_sample_rate, probed.source_channels,
+                                   probed.declared_duration, probed.warnings)
+    assert fast.warnings  # the cut copy says it is truncated
+
 LOSSY = [
     ("flac", "flac", 44100, 2, 0.001),
     ("flac", "flac", 8000, 1, 0.001),
