@@ -136,6 +136,52 @@ def test_long_upload_is_cut_in_the_cpu_pool_and_takes_turns_with_a_short_one(mon
     assert 'flashasr_stage_seconds_count{stage="plan"} 2.0' in metrics
 
 
+
+def test_a_short_upload_is_cut_between_a_long_uploads_vad_slices(monkeypatch):
+    """Found on the H200 (multi mode, 2 CPU threads): a 3 s upload sent while 32 uploads of 600 s
+    were being cut waited 19 s in the CPU pool's queue. Now a long upload's VAD runs as slices of
+    about a minute (bulk jobs) and a short upload's decode and VAD are urgent jobs: with one CPU
+    thread and each VAD slice taking 0.3 s, the short upload is cut right after the slice in
+    progress, not after the long upload's ten."""
+    import flashasr.audio.vad as vad
+    from flashasr.serve.config import ServeConfig
+
+    log = []
+
+    def slow(samples, sample_rate=16000, frames=None):  # the VAD, 0.3 s a job, every frame speech
+        time.sleep(0.3)
+        log.append(("long" if samples.size > 30 * 16000 else "short", time.monotonic()))
+        total = -(-samples.size // vad.FRAME)
+        lo, hi = frames or (0, total)
+        return np.ones(min(hi, total) - lo, np.float32)
+
+    monkeypatch.setattr(vad, "speech_probabilities", slow)
+    cfg = ServeConfig(max_batch=8, batch_wait_ms=0, cpu_threads=1, warmup=False)
+    long_body, short_body = _noise(600, 0), _noise(3, 1)  # 600 s: 10 slices of 65.5 s
+
+    async def go():
+        base, stop = await _in_process_server(cfg, SlowModel())
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+                long_task = asyncio.ensure_future(c.post("/v1/audio/transcriptions",
+                                                         files={"file": ("long.wav", long_body)}))
+                t_end = time.monotonic() + 20
+                while not log:  # the long upload's first VAD slice is done: the rest are queued
+                    assert time.monotonic() < t_end and not long_task.done()
+                    await asyncio.sleep(0.01)
+                short = await c.post("/v1/audio/transcriptions", files={"file": ("short.wav", short_body)})
+                short_done = time.monotonic()
+                return (await long_task), short, short_done
+        finally:
+            await stop()
+
+    long_r, short_r, short_done = asyncio.run(go())
+    assert long_r.status_code == 200 and short_r.status_code == 200, (long_r.text, short_r.text)
+    kinds = [k for k, _ in log]
+    assert kinds.count("long") == 10 and kinds.count("short") == 1, kinds
+    assert kinds.index("short") <= 3, kinds  # after the slice in progress (FIFO: after all ten)
+    assert short_done < log[-1][1], "the short upload waited for the long upload's whole VAD"
+
 # --------------------------------------------------------------------- real server, tiny.en
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

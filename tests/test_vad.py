@@ -453,3 +453,19 @@ def test_server_vad_batcher_equals_per_stream_feed():
     assert sum(len(r) for r in ref) >= 6
     chunks = sum(-(-len(x) // 320) for x in clips)
     assert batches < chunks  # streams shared batches (one feed_many for several streams' chunks)
+
+
+def test_probability_slices_join_into_the_whole(long_speech):
+    """``frames=(lo, hi)`` on state-chunk boundaries gives exactly those frames of the whole result
+    (the server runs a long upload's VAD as such slices, one pool job each); other starts are refused."""
+    from flashasr.audio.vad import STATE_CHUNK_FRAMES
+
+    whole = speech_probabilities(long_speech)
+    step = 3 * STATE_CHUNK_FRAMES
+    parts = [speech_probabilities(long_speech, 16000, (lo, lo + step)) for lo in range(0, whole.size, step)]
+    assert len(parts) >= 2 and parts[-1].size < step
+    assert np.array_equal(np.concatenate(parts), whole)
+    assert np.array_equal(speech_probabilities(long_speech, 16000, (STATE_CHUNK_FRAMES, STATE_CHUNK_FRAMES + 7)),
+                          whole[STATE_CHUNK_FRAMES:STATE_CHUNK_FRAMES + 7])
+    with pytest.raises(AudioArgumentError, match="multiple of"):
+        speech_probabilities(long_speech, 16000, (5, 600))

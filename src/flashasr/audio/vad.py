@@ -134,7 +134,8 @@ def _as_16k(samples: np.ndarray, sample_rate: int) -> np.ndarray:
     return x
 
 
-def speech_probabilities(samples: np.ndarray, sample_rate: int = 16000) -> np.ndarray:
+def speech_probabilities(samples: np.ndarray, sample_rate: int = 16000,
+                         frames: tuple[int, int] | None = None) -> np.ndarray:
     """Silero speech probability per 32 ms frame.
 
     The LSTM state restarts from zero every :data:`STATE_CHUNK_FRAMES` frames (16.4 s), each
@@ -146,17 +147,27 @@ def speech_probabilities(samples: np.ndarray, sample_rate: int = 16000) -> np.nd
     Args:
         samples: float32 [N] mono (other rates are resampled to 16 kHz with soxr first).
         sample_rate: Hz of ``samples``.
+        frames: ``(lo, hi)``: only frames ``[lo, hi)`` (``lo`` a multiple of
+            :data:`STATE_CHUNK_FRAMES`, ``hi`` clipped to T): the same values as those frames of the
+            whole result, so slices computed apart (in parallel, or as separate jobs) join into it.
     Returns:
         float32 [T], T = ceil(N16 / 512) where N16 is the length at 16 kHz; frame t covers
-        seconds [t * 0.032, (t + 1) * 0.032). The last frame is zero-padded.
+        seconds [t * 0.032, (t + 1) * 0.032). The last frame is zero-padded. With ``frames``:
+        float32 [min(hi, T) - lo].
+    Raises:
+        AudioArgumentError: samples not 1-D, a bad rate, or ``lo`` not on a state chunk's start.
     """
     x = _as_16k(samples, sample_rate)
     t_total = -(-x.shape[0] // FRAME)
-    out = np.empty(t_total, np.float32)
-    for keep in range(0, t_total, STATE_CHUNK_FRAMES):
+    lo, hi = (0, t_total) if frames is None else (int(frames[0]), min(t_total, int(frames[1])))
+    if lo < 0 or lo % STATE_CHUNK_FRAMES or (frames is not None and hi < lo):
+        raise AudioArgumentError(f"frames {frames}: the start must be a multiple of {STATE_CHUNK_FRAMES} "
+                                 "and the end not before it")
+    out = np.empty(hi - lo, np.float32)
+    for keep in range(lo, hi, STATE_CHUNK_FRAMES):
         start = max(0, keep - STATE_WARMUP_FRAMES)
-        stop = min(t_total, keep + STATE_CHUNK_FRAMES)
-        out[keep:stop] = _frames_from_zero_state(x, start, stop)[keep - start:]
+        stop = min(hi, keep + STATE_CHUNK_FRAMES)
+        out[keep - lo:stop - lo] = _frames_from_zero_state(x, start, stop)[keep - start:]
     return out
 
 

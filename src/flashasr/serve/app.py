@@ -6,6 +6,7 @@ module              role
 :mod:`.app`         the app: lifespan (CPU pool, backend), error JSON, request counting and the
                     access log, routers
 :mod:`.context`     what the doors share: config, metrics, CPU pool, backend, model capabilities
+:mod:`.cpu_pool`    the CPU pool: decode and VAD jobs, short requests' first
 :mod:`.routes`      HTTP routes (``/health``, ``/ready``, ``/metrics``, ``/status``, ``/v1/models``,
                     ``/v1/audio/transcriptions``, ``/v1/audio/translations``), the API key check
 :mod:`.status`      ``/status``: the front end's and engine's figures as one JSON object
@@ -32,9 +33,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -45,6 +44,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import FlashASRError
 from .config import ACCESS_LOGGER, ServeConfig
 from .context import ServeContext
+from .cpu_pool import CPUPool
 from .errors import APIError, error_body
 from .metrics import FrontendMetrics
 from .process import main as _serve_main
@@ -75,8 +75,8 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app):
-        pool = _prestarted_pool(max(1, cfg.cpu_threads), "flashasr-cpu")
-        stream_pool = _prestarted_pool(1, "flashasr-stream")  # finals' VAD: never behind an upload's decode
+        pool = CPUPool(max(1, cfg.cpu_threads), "flashasr-cpu")  # short requests' decode and VAD first
+        stream_pool = CPUPool(1, "flashasr-stream")  # finals' VAD: never behind an upload's decode
         if backend_factory is None:
             from .backend import LocalBackend
 
@@ -140,15 +140,6 @@ async def _client_gone(request, exc: ClientDisconnect) -> Response:
 def _peer(scope) -> str:
     client = scope.get("client")
     return f"{client[0]}:{client[1]}" if client else "-"
-
-
-def _prestarted_pool(n: int, name: str) -> ThreadPoolExecutor:
-    """A fixed pool whose threads exist from the start (the thread count never moves later)."""
-    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix=name)
-    barrier = threading.Barrier(n)
-    for f in [pool.submit(barrier.wait, 10) for _ in range(n)]:
-        f.result()
-    return pool
 
 
 class _RequestLog:

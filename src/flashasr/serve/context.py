@@ -13,7 +13,7 @@ class ServeContext:
     """Args:
         cfg: the server's configuration.
         metrics: the front end's :class:`~.metrics.FrontendMetrics`.
-        state: ``{"pool": ThreadPoolExecutor, "stream_pool": ThreadPoolExecutor, "backend": LocalBackend |
+        state: ``{"pool": CPUPool, "stream_pool": CPUPool, "backend": LocalBackend |
             RemoteBackend}``, filled by the lifespan (``app.state.flashasr``).
     """
 

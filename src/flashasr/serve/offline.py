@@ -31,18 +31,19 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from ..errors import AudioError, EmptyAudioError, FlashASRError
 from ..formats import render
 from ..options import ModelCapabilities, TranscribeOptions
-from ..pipeline import default_vad_device, merge_pieces, plan_many, plan_pieces
+from ..pipeline import default_vad_device, merge_pieces, needs_vad, plan_many, plan_pieces
 from ..types import Transcript
 from .context import ServeContext
 from .errors import APIError
 from .protocol import UploadRequest, parse_upload, sse_events
-from .scheduler import OFFLINE
+from .scheduler import OFFLINE, SHORT_S
 from .upload import read_multipart
 
 log = logging.getLogger("flashasr.serve")
@@ -77,7 +78,8 @@ class UploadTranscriber:
             req = parse_upload(up, task)
             caps = ctx.capabilities()
             opts = req.options.resolve(caps)
-            wav, damage = await _decoded(ctx.pool.submit(self._decode, up, caps.sample_rate))
+            wav, damage = await _decoded(ctx.pool.submit(self._decode, up, caps.sample_rate,
+                                                         urgent=up.file_size <= SHORT_UPLOAD_BYTES))
         timing = StageTimes(upload=t1 - t0, decode=time.perf_counter() - t1)
         m.observe("decode", timing.decode)
         for w in damage:  # the server's log says it too (stderr)
@@ -108,7 +110,10 @@ class UploadTranscriber:
         (the backend may hand it over instead of a copy; the caller unlinks it)."""
         ctx, m = self.ctx, self.ctx.metrics
         t0 = time.perf_counter()
-        pieces = await asyncio.get_running_loop().run_in_executor(pool or ctx.pool, self._plan, samples, options, caps)
+        pool = pool or ctx.pool
+        probs = await self._speech_probabilities(samples, options, caps, pool)
+        pieces = await pool.run(self._plan, samples, options, caps, probs,
+                                urgent=samples.size <= SHORT_S * caps.sample_rate)
         t1 = time.perf_counter()
         m.observe("plan", t1 - t0)
         parts = []
@@ -123,17 +128,39 @@ class UploadTranscriber:
         return merge_pieces([(a / sr, t) for (a, _b), t in zip(pieces, parts)], samples.size / sr, options=options,
                             caps=caps, warnings=warnings)
 
-    def _plan(self, samples, options: TranscribeOptions, caps: ModelCapabilities) -> list[tuple[int, int]]:
+    async def _speech_probabilities(self, samples, options: TranscribeOptions, caps: ModelCapabilities, pool):
+        """A long recording's CPU VAD as bulk jobs of ``VAD_SLICE_CHUNKS`` state chunks each (about a
+        minute of audio, ~0.1 CPU-s), so a short request's work waits behind one slice, not behind a
+        whole upload's VAD; the slices are :func:`~flashasr.audio.vad.speech_probabilities` over
+        chunk-aligned frame ranges, so their concatenation equals one call's result. None: the
+        recording is short, needs no VAD, or gets it elsewhere (the GPU, see :meth:`_plan`)."""
+        sr = caps.sample_rate
+        if (samples.size <= SHORT_S * sr or sr != 16000 or self._vad_device(samples, caps) != "cpu"
+                or not needs_vad(int(samples.size), options, caps)):
+            return None
+        from ..audio.vad import FRAME, STATE_CHUNK_FRAMES, speech_probabilities
+
+        frames, step = -(-int(samples.size) // FRAME), VAD_SLICE_CHUNKS * STATE_CHUNK_FRAMES
+        parts = await asyncio.gather(*(pool.run(speech_probabilities, samples, sr, (lo, min(frames, lo + step)))
+                                       for lo in range(0, frames, step)))
+        return np.concatenate(parts)
+
+    def _vad_device(self, samples, caps: ModelCapabilities) -> str:
+        if samples.size > GPU_VAD_MIN_S * caps.sample_rate and getattr(self.ctx.backend, "mode", "") != "multi":
+            return default_vad_device(self.ctx.cfg.device)
+        return "cpu"
+
+    def _plan(self, samples, options: TranscribeOptions, caps: ModelCapabilities,
+              probs=None) -> list[tuple[int, int]]:
         """:func:`~flashasr.pipeline.plan_pieces` in the CPU pool; a recording longer than
         ``GPU_VAD_MIN_S`` in single mode with the model on CUDA has its VAD run there
         (:func:`~flashasr.pipeline.plan_many`, the job runner's rule: a 1-hour upload's VAD takes
         a fraction of a second instead of ~8 CPU-seconds; both give the same pieces,
-        so short uploads keep the CPU VAD and leave the GPU to the model)."""
-        vad = "cpu"
-        if samples.size > GPU_VAD_MIN_S * caps.sample_rate and getattr(self.ctx.backend, "mode", "") != "multi":
-            vad = default_vad_device(self.ctx.cfg.device)
+        so short uploads keep the CPU VAD and leave the GPU to the model). ``probs``: the CPU VAD's
+        probabilities when already computed (:meth:`_speech_probabilities`)."""
+        vad = self._vad_device(samples, caps)
         if vad == "cpu":
-            return plan_pieces(samples, options, caps)
+            return plan_pieces(samples, options, caps, probs=probs)
         return plan_many([samples], options, caps, vad_device=vad)[0]
 
     async def _refuse_task_early(self, request: Request, task: str) -> None:
@@ -208,6 +235,8 @@ def unlink_segment(name: str | None) -> None:
 
 
 GPU_VAD_MIN_S = 120.0  # longer uploads in single mode on CUDA: the batched VAD on the GPU
+SHORT_UPLOAD_BYTES = 2 << 20  # an upload this small (>= 65 s of 16 kHz PCM16, ~2 min of 128 kb/s mp3) decodes urgently
+VAD_SLICE_CHUNKS = 4  # a long recording's CPU VAD in jobs of 4 state chunks (65.5 s of audio)
 PARALLEL_MIN_BYTES = 256 << 10  # smaller uploads hold < 60 s at any usual bit rate: decoded from memory
 
 
