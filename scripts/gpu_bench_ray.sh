@@ -8,13 +8,15 @@
 # by two calls back to back (the machine stays warm in between: what the first call carried stays
 # in the working tree there), then the benchmark runs in a third and fourth call:
 #
-#   HERE, once:  bash scripts/prepare_device_data.sh     # .whl (PyAV, soxr, silero-vad, FastAPI stack)
+#   HERE, once:  bash scripts/gpu_bench_stream.sh prepare # .whl (soxr, silero-vad, FastAPI stack), .whav (PyAV)
 #                python bench/bench_offline_e2e.py prepare --out .devjobs/corpus --seconds 1050
 #                python bench/bench_offline_e2e.py shared --out .devjobs/shared
 #                bash scripts/prepare_ray_device.sh       # .rayw1 (ray wheel, part 1), .rayw2 (part 2 + deps)
 #   device call 1: carry [".rayw1"]            command: bash scripts/gpu_bench_ray.sh part1
 #   device call 2: carry [".rayw2"]            command: bash scripts/gpu_bench_ray.sh part2
-#                  (joins the two parts into the wheel, installs Ray and its deps into /tmp/site)
+#                  (joins the two parts into the wheel, installs Ray and its deps into /tmp/site-ray)
+#   device call 2b: carry [".whav"]            command: bash scripts/gpu_bench_stream.sh av (PyAV: the
+#                  corpus is compressed; .whav from `bash scripts/gpu_bench_stream.sh prepare`)
 #   device call 3: carry [".whl", ".devjobs"]  command: bash scripts/gpu_bench_ray.sh jobs
 #   device call 4: carry [".whl", ".devjobs"]  command: bash scripts/gpu_bench_ray.sh serve
 #   (calls 3 and 4 can be one, `... all`, when 10 minutes suffice: the job part takes ~3-4 min,
@@ -24,11 +26,11 @@ set -u
 STEP="${1:-all}"
 OUT="${OUT:-/tmp/flashasr-out}"; mkdir -p "$OUT"; export OUT
 case "$STEP" in
-  part1)
-    ls -la .rayw1; exit 0 ;;
+  part1)  # a carried folder does not stay for the next call (seen 2026-12-02): keep the part in /tmp
+    mkdir -p /tmp/rayw1 && cp .rayw1/* /tmp/rayw1/ && ls -la /tmp/rayw1; exit $? ;;
   part2)
-    [ -d .rayw1 ] || { echo "no .rayw1 here: run part 1 first, on the same warm machine"; exit 1; }
-    mkdir -p /tmp/rayw && cat .rayw1/*.part-* .rayw2/*.part-* > "/tmp/rayw/$(basename .rayw1/*.part-00 .part-00)"
+    [ -d /tmp/rayw1 ] || { echo "no /tmp/rayw1 here: run part 1 first, on the same warm machine"; exit 1; }
+    mkdir -p /tmp/rayw && cat /tmp/rayw1/*.part-* .rayw2/*.part-* > "/tmp/rayw/$(basename /tmp/rayw1/*.part-00 .part-00)"
     cp .rayw2/*.whl /tmp/rayw/
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-ray \
       /tmp/rayw/*.whl || exit 1
@@ -36,8 +38,8 @@ case "$STEP" in
     exit $? ;;
 esac
 [ -d /tmp/site-ray/ray ] || { echo "Ray is not installed here: run parts 1 and 2 first (same warm machine)"; exit 1; }
-[ -d /tmp/site/av ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+[ -d /tmp/site/av ] || { echo "PyAV is not installed here: run scripts/gpu_bench_stream.sh av first (carry .whav)"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:/tmp/site-ray:$PWD/src:$PWD/bench PYTHONUNBUFFERED=1 FLASHASR_SHARED=$PWD/.devjobs/shared
 export RAY_DEDUP_LOGS=0 RAY_AUTH_MODE=disabled
 nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader

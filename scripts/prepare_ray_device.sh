@@ -18,9 +18,11 @@ python -m pip download -q --only-binary=:all: --python-version 3.12 --implementa
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 \
   --platform manylinux_2_24_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 \
   -d "$tmp" "ray[data,serve]==2.60.0"
-# packages of the device image (KINDS.md, 2026-11-17) and of .whl, normalised (lower case, '-')
+# packages of the device image (KINDS.md, 2026-11-17) and of .whl, normalised (lower case, '-');
+# grpcio is not among them on purpose: the image's 1.84.0 is older than ray[serve]'s grpcio-reflection
+# needs (>= 1.85.1: `from ray import serve` raised on the H200, 2026-12-02), so its wheel travels too
 image="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi
-charset-normalizer click cloudpickle colorama filelock frozenlist fsspec grpcio h11 httpcore httpx
+charset-normalizer click cloudpickle colorama filelock frozenlist fsspec h11 httpcore httpx
 huggingface-hub idna jinja2 markupsafe msgpack multidict numpy packaging pandas pillow pip propcache
 protobuf psutil pyarrow pygments python-dateutil pyyaml requests rich setuptools six
 typing-extensions urllib3 uvloop wheel wrapt yarl zipp prometheus-client tqdm"
