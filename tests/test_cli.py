@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AUDIO, PARAKEET_FIXTURES
+from conftest import AUDIO, PARAKEET_FIXTURES, sigint_default
 from flashasr.cli import main
 
 GOLDEN = AUDIO / "en/en-ls-61-70968-0002.wav"      # "A GOLDEN FORTUNE AND A HAPPY LIFE", 2.97 s
@@ -235,7 +235,8 @@ def _job_inputs(root: Path, copies: int) -> Path:
 def _start(inputs: Path, out: Path):
     return subprocess.Popen([sys.executable, "-m", "flashasr.cli", "transcribe", str(inputs), "-f", "srt",
                              "-o", str(out), "--batch-size", "1", "--workers", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            preexec_fn=sigint_default)
 
 
 def _wait_for_outputs(p, out: Path, n: int, timeout=90.0) -> bool:
