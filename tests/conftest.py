@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,14 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FLASHASR_SHARED", REPO.parent / "shared"))
 AUDIO = SHARED / "audio"
 PARAKEET_FIXTURES = SHARED / "fixtures" / "parakeet"
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` for a child a test sends SIGINT (Ctrl-C): its SIGINT at the default action. A
+    shell without job control starts background commands (``pytest ... &`` in a CI script) with SIGINT
+    ignored, the child inherits that and Python keeps it, so the Ctrl-C never arrives and the job runs
+    to its end (seen: every output written, exit 0, "nothing to resume")."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 # Keep the 2-core CI machine responsive: tests that use torch run single-threaded
 # unless told otherwise.

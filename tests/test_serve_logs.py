@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import subprocess
@@ -208,9 +209,9 @@ def test_websocket_wrong_path_is_404(server, path):
 
 
 # ------------------------------------------------------------------------ 4. the options
-def _serve(*args: str) -> subprocess.CompletedProcess:
+def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flashasr", "serve", *args], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=None if env is None else {**os.environ, **env})
 
 
 def test_help_states_every_option_and_its_default():
@@ -312,12 +313,64 @@ def test_multi_mode_stops_once_when_the_model_cannot_load(tmp_path):
         assert r.stderr.count("could not load the model") == 1, r.stderr
 
 
+# names the loader refuses here, and what its message says (the Hugging Face cache is an empty one, offline)
+REFUSED = (("large-v3", "is not embedded here"), ("whisper-tiny", "is not embedded here"),
+           ("nope.nemo", "no such file"), ("mymodels/typo", "hub ids of Parakeet"),
+           ("parakeet-tdt-0.6b-v3", "a Parakeet hub id has its owner: nvidia/parakeet-tdt-0.6b-v3"),
+           ("openai/whisper-tiny", "not in the Hugging Face cache"),
+           ("nvidia/parakeet-tdt-0.6b-v3", "no .nemo file in the Hugging Face cache"))
+
+
+def _empty_hub(tmp_path) -> dict:
+    return {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+
+
 @pytest.mark.parametrize("mode", ["single", "multi"])
 def test_a_model_that_is_not_here_stops_before_listening(mode, tmp_path):
     """Found by a new user: `serve --model large-v3` (not embedded) said "listening on ..." and then
-    failed to load; a mistyped path too. Both stop first, exit 2, naming the option."""
-    for spec, says in (("large-v3", "is not embedded here"), (str(tmp_path / "nope.nemo"), "no such file"),
-                       ("mymodels/typo", "hub ids of Parakeet")):
-        r = _serve("--model", spec, "--port", "0", "--mode", mode)
+    failed to load; a mistyped path too; so did a hub id neither cached nor downloadable
+    (`openai/whisper-tiny` without a network). Each stops first, exit 2, naming the option."""
+    for spec, says in REFUSED:
+        spec = str(tmp_path / spec) if spec.endswith(".nemo") else spec
+        r = _serve("--model", spec, "--port", "0", "--mode", mode, env=_empty_hub(tmp_path))
         assert r.returncode == 2 and "argument --model:" in r.stderr and says in r.stderr, r.stderr
         assert "listening on" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_transcribe_refuses_the_same_names_with_the_same_message(tmp_path, monkeypatch, capsys):
+    """One rule (:func:`flashasr.models.registry.locate_model`) for both doors: `flashasr transcribe
+    --model X` exits 2 with the message `serve` stops with; the embedded names pass the check and are
+    the embedded loader's names."""
+    from flashasr.cli import main
+    from flashasr.models.catalog import EMBEDDED_SPECS
+    from flashasr.models.registry import missing_model
+    from flashasr.models.whisper.packages import EMBEDDED_NAMES
+
+    for k, v in _empty_hub(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    for spec, says in REFUSED:
+        spec = str(tmp_path / spec) if spec.endswith(".nemo") else spec
+        why = missing_model(spec)
+        assert why and says in why, (spec, why)
+        assert main(["transcribe", str(CLIP), "--model", spec]) == 2
+        assert why in capsys.readouterr().err, spec
+    assert set(EMBEDDED_SPECS) == set(EMBEDDED_NAMES)
+    assert [s for s in (None, *EMBEDDED_SPECS, "random:tiny") if missing_model(s)] == []
+
+
+def test_a_cached_hub_id_passes_the_check_and_loads(tmp_path, monkeypatch):
+    """A hub id in the Hugging Face cache (offline) is accepted before listening and loads: the
+    cache holds openai/whisper-tiny.en as the embedded tiny.en's files."""
+    from flashasr.models.registry import load_model, missing_model
+    from flashasr.models.whisper.packages import model_files
+
+    snap = tmp_path / "hub" / "models--openai--whisper-tiny.en" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("0123abcd")
+    for name, f in model_files("tiny.en").items():
+        (snap / name).symlink_to(f)
+    for k, v in _empty_hub(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    assert missing_model("openai/whisper-tiny.en") is None
+    assert load_model("openai/whisper-tiny.en").capabilities.languages == {"en"}

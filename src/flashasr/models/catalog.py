@@ -63,26 +63,11 @@ def missing_path(spec: str) -> str:
     """The loader's message for a name that is no file or folder here."""
     if is_whisper_size(spec):
         return needs_weights(spec)
+    hint = ""
+    if "/" not in spec and "parakeet" in spec.lower():  # a Parakeet repo named without its owner
+        hint = f"; a Parakeet hub id has its owner: nvidia/{spec}"
     return (f"model {spec!r}: no such file or directory (a model is tiny.en, base, a path to weights, or a hub "
-            "id; `flashasr models` lists what is loadable here)")
-
-
-def missing_model(spec: str | None) -> str | None:
-    """Why ``spec`` names nothing loadable here, decided without loading anything (no torch): a
-    Whisper size that is not embedded (:func:`needs_weights`) or a local path that does not exist;
-    None when it may load (embedded names, ``random:`` specs, hub ids, existing paths: their load
-    says the rest). The same messages as :func:`flashasr.models.registry.load_model`."""
-    if spec is None:
-        return None
-    s = str(spec)
-    if s in EMBEDDED_SPECS or s.startswith("random:"):
-        return None
-    p = Path(s).expanduser()
-    if p.exists():
-        return None  # a file or folder: its load decides
-    if p.suffix != ".nemo" and is_hub_id(s):
-        return unsupported_hub_id(s)  # a hub id: the cache decides at load
-    return missing_path(s)
+            f"id; `flashasr models` lists what is loadable here){hint}")
 
 
 def hub_cache_dir() -> Path:
@@ -133,5 +118,5 @@ def local_models() -> list[dict]:
     return out
 
 
-__all__ = ["EMBEDDED", "EMBEDDED_SPECS", "WHISPER_SIZES", "is_hub_id", "unsupported_hub_id", "missing_path", "missing_model", "is_whisper_size", "needs_weights", "hub_cache_dir", "flashasr_cache_dir",
+__all__ = ["EMBEDDED", "EMBEDDED_SPECS", "WHISPER_SIZES", "is_hub_id", "unsupported_hub_id", "missing_path", "is_whisper_size", "needs_weights", "hub_cache_dir", "flashasr_cache_dir",
            "local_models"]

@@ -63,10 +63,11 @@ def _check_serve_device(device: str, in_child: bool = False) -> None:
 
 
 def _check_serve_model(spec: str | None) -> None:
-    """:class:`ListenError` (exit 2, ``argument --model: ...``) for a model name or path that names
-    nothing here (:func:`~flashasr.models.catalog.missing_model`: ``large-v3`` without its weights, a
-    mistyped path), before the server announces itself; the load decides everything else."""
-    from ..models.catalog import missing_model
+    """:class:`ListenError` (exit 2, ``argument --model: ...``) for a model the loader would refuse
+    (:func:`~flashasr.models.registry.missing_model`, the loader's own rule: ``large-v3`` without its
+    weights, a mistyped path, a hub id neither cached nor downloadable), before the server announces
+    itself; a hub id is fetched here (once, before listening). The load decides everything else."""
+    from ..models.registry import missing_model
 
     why = missing_model(spec)
     if why:
@@ -223,8 +224,8 @@ def run(cfg: ServeConfig, make_app, run_ray=None) -> int:
     if cfg.mode == "ray":  # ingress + model replicas on Ray Serve (run_ray: flashasr.serve.ray_serve.run_ray)
         if run_ray is None:
             raise ValueError("mode 'ray' needs run_ray (flashasr.serve.app.main passes it)")
-        return run_ray(cfg, make_app)
-    _check_serve_model(cfg.model)  # before "listening on ...": a model that is not here stops the start
+        return run_ray(cfg, make_app)  # deploys (loads the model on its replicas' nodes) before announcing
+    _check_serve_model(cfg.model)  # before "listening on ...": a model the loader would refuse stops the start
     if cfg.mode == "single":
         _check_serve_device(cfg.device)  # before "listening on ...": a device that cannot work stops the start
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
