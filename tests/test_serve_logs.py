@@ -374,3 +374,21 @@ def test_a_cached_hub_id_passes_the_check_and_loads(tmp_path, monkeypatch):
         monkeypatch.setenv(k, v)
     assert missing_model("openai/whisper-tiny.en") is None
     assert load_model("openai/whisper-tiny.en").capabilities.languages == {"en"}
+
+
+@pytest.mark.parametrize("mode", ["single", "multi"])
+def test_ctrl_c_stops_the_server_quietly_with_status_0(tmp_path, mode):
+    """Ctrl-C (SIGINT) is the documented way to stop: the server shuts down gracefully and exits 0.
+    uvicorn raised the signal again after its shutdown, which cancelled Starlette's lifespan: an
+    ERROR traceback (KeyboardInterrupt, then CancelledError) on every Ctrl-C, and exit status 1."""
+    import signal
+
+    s = Server(tmp_path, "--mode", mode)
+    try:
+        s.proc.send_signal(signal.SIGINT)
+        rc = s.proc.wait(30)
+    finally:
+        s.stop()
+    log = s.log()
+    assert rc == 0, log
+    assert "Traceback" not in log and "ERROR" not in log, log

@@ -117,7 +117,7 @@ async def _serve(cfg: ServeConfig, app, sock: socket.socket) -> int:
                           ws_max_size=16 << 20, timeout_keep_alive=30, backlog=4096,
                           timeout_graceful_shutdown=5, ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile)
     _redact_api_keys()  # uvicorn.Config set up uvicorn's log handlers just now
-    server = uvicorn.Server(ucfg)
+    server = _quiet_stop_server(uvicorn)(ucfg)
     status = {"code": 0}
 
     def shutdown(code: int) -> None:
@@ -127,6 +127,33 @@ async def _serve(cfg: ServeConfig, app, sock: socket.socket) -> int:
     app.state.shutdown = shutdown
     await server.serve(sockets=[sock])
     return status["code"]
+
+
+def _quiet_stop_server(uvicorn):
+    """``uvicorn.Server`` whose SIGINT/SIGTERM stop the server gracefully and end there. uvicorn
+    (0.29+) raises the captured signal again once ``serve()`` has returned; under ``asyncio.run`` /
+    ``uvloop.run`` that SIGINT cancels the main task while Starlette's lifespan still waits, and every
+    Ctrl-C printed an ERROR traceback (KeyboardInterrupt, then CancelledError) and exited 1."""
+    import contextlib
+    import signal
+    import threading
+
+    from uvicorn.server import HANDLED_SIGNALS
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            before = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in before.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def _run_loop(coro):
