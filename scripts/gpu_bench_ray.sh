@@ -19,8 +19,10 @@
 #                  corpus is compressed; .whav from `bash scripts/gpu_bench_stream.sh prepare`)
 #   device call 3: carry [".whl", ".devjobs"]  command: bash scripts/gpu_bench_ray.sh jobs
 #   device call 4: carry [".whl", ".devjobs"]  command: bash scripts/gpu_bench_ray.sh serve
-#   (calls 3 and 4 can be one, `... all`, when 10 minutes suffice: the job part takes ~3-4 min,
-#    the serve part two server start-ups of ~90 s each plus the loads)
+#   (keep calls 3 and 4 apart: on 2026-12-02 the Ray job's GPU actor took ~110 s to start, so the corpus is
+#    repeated 60 times (~25 h of audio, ~35 s for the local job) for the Ray job's output to stream after
+#    its start-up and give a steady-state figure; the serve part is two server start-ups of ~125 s each
+#    plus the loads)
 # A call that finds a fresh machine (the last one went back) must start again at call 1.
 set -u
 STEP="${1:-all}"
@@ -45,7 +47,7 @@ export RAY_DEDUP_LOGS=0 RAY_AUTH_MODE=disabled
 nproc; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 PARTS=jobs,serve; [ "$STEP" = jobs ] && PARTS=jobs; [ "$STEP" = serve ] && PARTS=serve
 timeout "${LIMIT:-580}" python3 -W ignore bench/bench_ray.py --parts "$PARTS" --name "ray_gpu_${STEP}" \
-  --model random:parakeet-tdt-0.6b-v3 --device cuda --corpus .devjobs/corpus --reps "${REPS:-10}" \
+  --model random:parakeet-tdt-0.6b-v3 --device cuda --corpus .devjobs/corpus --reps "${REPS:-60}" \
   --workers "${WORKERS:-6}" --max-batch 256 --client-procs "${CLIENTS:-6}" --clips .devjobs/shared/audio/en \
   --clip-min-s 4 --clip-max-s 12 --offline-requests "${REQS:-2048}" --offline-concurrency 256 \
   --streams "${STREAMS:-250}" 2>&1 | grep -v -i warning | tail -40
