@@ -258,3 +258,34 @@ def test_shared_cross_attention_keys_change_nothing(monkeypatch):
         torch.testing.assert_close(got[:, n], full[layer][:, head], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="cross K/V of 2 windows"):
         mm.new_cache(feats[:1], 9, cross=mm.cross_kv(feats))
+
+
+def test_a_speech_run_is_decoded_as_if_alone():
+    """Issue #17: a quiet sentence (FLEURS, -65 dBFS) and loud music (trumpet, -22 dBFS) 3 s or more
+    apart in one piece: with the max-8 clamp over the whole piece the sentence's frames sank to the
+    floor ("two pools of genetic variation hidden and expressed" became "twofold of genetic and
+    getting an express"). Each run is clamped alone, and spans 30 dB apart in level are not joined;
+    a piece of one run gives exactly the reference's log-mel."""
+    import torch
+
+    from conftest import AUDIO
+    from flashasr.audio import load_audio
+    from flashasr.models.whisper.asr import _speech_runs
+    from flashasr.models.whisper.features import N_SAMPLES, log_mel_spectrogram, normalise_log_mel
+
+    quiet = load_audio(AUDIO / "en" / "en-fleurs-007.ogg").samples
+    loud = load_audio(AUDIO / "hard" / "hard-music-trumpet.ogg").samples
+    x = np.concatenate([quiet, np.zeros(16000 * 3, np.float32), loud])
+    ref = log_mel_spectrogram(x, 80, padding=N_SAMPLES)
+    raw = log_mel_spectrogram(x, 80, padding=N_SAMPLES, normalise=False)
+    assert torch.equal(normalise_log_mel(raw.clone(), [(0, raw.shape[1])]), ref)
+    q = quiet.size // 160
+    runs = _speech_runs(x, [(0, q), (q + 300, x.size // 160)], x.size // 160)
+    assert runs == [(0, q), (q + 300, x.size // 160)]
+    assert _speech_runs(x, [(0, q // 2), (q // 2 + 50, q)], x.size // 160) == [(0, q)]  # same level: joined
+    import flashasr
+
+    model = flashasr.load_model()
+    spans = [(0, quiet.size), (quiet.size + 3 * 16000, x.size)]
+    got = model.transcribe_batch([x], speech=[spans])[0].text.lower()
+    assert "two pools of genetic variation" in got and "expressed" in got, got

@@ -10,6 +10,11 @@ preceded by the previous frame's last 64 samples (zeros before the first):
           --conv 3 +ReLU--> [128] --LSTM cell (state carried from frame to frame)--> h [128]
           --ReLU, 1x1 conv, sigmoid--> speech probability
 
+Before the network each frame is multiplied by the VAD's level gain
+(:func:`flashasr.audio.vad.level_gains`: a target RMS over the RMS of the loudest frame of the
+second ending with it, at most 40 dB), computed here on the device from the same frames; applied to the reflect-padded
+frame, which is the same product.
+
 Everything before the LSTM is independent per frame, so all frames of all recordings go through
 the convolutions as one batch ``[F, 576]``; the LSTM then runs as one cuDNN/oneDNN call over each
 recording's frame sequence ``[T, B, 128]`` (recordings padded at their ends: the LSTM is causal,
@@ -95,12 +100,31 @@ def _conv(x, weight, bias, stride: int):
     return cols.flatten(2) @ weight.flatten(1).T + bias
 
 
-def _encode(frames, w):
-    """[F, 576] -> LSTM inputs [F, 128] (the per-frame part of the network), as matrix products."""
+def _level_gains(frames):
+    """:func:`flashasr.audio.vad.level_gains` of every frame of the buffer ``[G, 576]`` (the signals
+    are :data:`~flashasr.audio.vad.LEVEL_FRAMES` - 1 zero frames apart, so each frame's window sees
+    only its own signal, and silence before its start) -> float32 ``[G]`` on the device."""
     import torch
     import torch.nn.functional as F
 
+    from .vad import LEVEL_FRAMES, LEVEL_MAX_GAIN_DB, LEVEL_TARGET_DBFS
+
+    e = torch.linalg.vector_norm(frames[:, CONTEXT:], dim=1) ** 2 / FRAME  # [G] mean squares
+    level = F.pad(e, (LEVEL_FRAMES - 1, 0)).unfold(0, LEVEL_FRAMES, 1).amax(1)
+    target = 10.0 ** (LEVEL_TARGET_DBFS / 20.0)
+    floor = (target / 10.0 ** (LEVEL_MAX_GAIN_DB / 20.0)) ** 2
+    return target / torch.sqrt(torch.clamp(level, min=floor))
+
+
+def _encode(frames, w):
+    """[F, 576] -> LSTM inputs [F, 128] (the per-frame part of the network, on the frames times their
+    level gain), as matrix products."""
+    import torch
+    import torch.nn.functional as F
+
+    gains = _level_gains(frames)
     x = F.pad(frames.unsqueeze(1), (0, 64), mode="reflect").squeeze(1)  # [F, 640]
+    x.mul_(gains[:, None])
     x = x.unfold(1, 256, 128) @ w["stft_conv.weight"][:, 0, :].T  # [F, 4, 258]
     x = torch.sqrt(x[..., :129] ** 2 + x[..., 129:] ** 2)  # [F, 4, 129]
     x = torch.relu(_conv(x, w["conv1.weight"], w["conv1.bias"], 1))  # [F, 4, 128]
@@ -129,15 +153,17 @@ def speech_probabilities_batch(signals: Sequence[np.ndarray], *, device: str = "
     """
     import torch
 
-    from .vad import STATE_CHUNK_FRAMES, STATE_WARMUP_FRAMES
+    from .vad import LEVEL_FRAMES, STATE_CHUNK_FRAMES, STATE_WARMUP_FRAMES
 
     chunk_frames = STATE_CHUNK_FRAMES if chunk_frames is None else int(chunk_frames)
     warmup_frames = STATE_WARMUP_FRAMES if warmup_frames is None else int(warmup_frames)
     w, lstm = _net(str(device))
     # one buffer for all signals, each at a multiple of 512 samples plus 64 (its first frame's
-    # context: zeros), one frame of zeros between signals: then frame g of the whole buffer
-    # (buffer[512 g : 512 g + 576]) is frame t of signal i for g = base_i + t -- the frames are a
-    # view of the buffer on the device (no host-side framing, one copy of the audio)
+    # context: zeros), LEVEL_FRAMES - 1 frames of zeros between signals (the level gain's window sees
+    # silence before each start): then frame g of the whole buffer (buffer[512 g : 512 g + 576]) is
+    # frame t of signal i for g = base_i + t -- the frames are a view of the buffer on the device (no
+    # host-side framing, one copy of the audio)
+    gap = max(1, LEVEL_FRAMES - 1)
     xs, total, bases, rows, pos = [], [], [], [], 0  # rows: (signal, first kept, first run, frames run, base)
     for i, s in enumerate(signals):
         x = np.asarray(s, dtype=np.float32)
@@ -150,8 +176,8 @@ def speech_probabilities_batch(signals: Sequence[np.ndarray], *, device: str = "
         for keep in range(0, n_frames, chunk_frames):
             start = max(0, keep - warmup_frames)
             rows.append((i, keep, start, min(n_frames, keep + chunk_frames) - start, pos))
-        pos += n_frames + 1
-    buf = np.zeros(pos * FRAME + CONTEXT, np.float32)
+        pos += n_frames + gap
+    buf = np.zeros(pos * FRAME + CONTEXT, np.float32)  # (the last signal's gap frames: unused)
     for x, base in zip(xs, bases):
         buf[base * FRAME + CONTEXT: base * FRAME + CONTEXT + x.shape[0]] = x
     out = [np.zeros(0, np.float32) if t == 0 else np.empty(t, np.float32) for t in total]

@@ -48,6 +48,23 @@ _MAX_FRAMES_PER_CALL = 512  # 16.4 s of audio per ONNX call
 # forgets a zero start within a few seconds, so on ordinary speech nothing changes (tests/test_vad.py).
 STATE_CHUNK_FRAMES = 512  # 16.4 s
 STATE_WARMUP_FRAMES = 125  # 4 s (a quarter more frames: ONNX VAD 3.96 -> 4.84 CPU-s per audio hour, 2-core VM)
+# The network's input is level-normalised (automatic gain control): each frame (with its context) is
+# multiplied by LEVEL_TARGET_DBFS over the RMS of the loudest of the LEVEL_FRAMES frames ending with
+# it (frames before the start count as silence), at most LEVEL_MAX_GAIN_DB. Silero's LSTM remembers the
+# level it heard: alone, a FLEURS sentence at -63 dBFS reads p >= 0.5 in 86 % of its frames, but 20 s
+# of whale song (-9 dBFS) or jazz (-19 dBFS) before it leave 0-27 % (fleurs-003, -004, -007: 0 %), so
+# issue #17's interleaved recordings lost those sentences and handed Whisper their quiet ends with the
+# loud start of the music (a digit loop). Normalised, they read 59-81 % after the music, and no
+# no-speech clip of the shared set gains a speech frame. The loudest frame of the last second, not the
+# mean: a pause shorter than that keeps the gain of the speech before it, so the pauses stay (a 0.5 s
+# mean raised the room noise of pauses and merged 88 speech spans of the long clips into 56; this
+# gives 91). The cost: a sentence right after loud audio is found up to 0.9 s late (0.77 s: 0.6 s,
+# but 87 spans and 10 s pieces from tests/test_vad.py's 3 min of speech). Measurements:
+# docs/AUDIO.md section 6. The gain is a function of the last second of audio only, so the three
+# paths compute it alike.
+LEVEL_FRAMES = 32  # 1.024 s
+LEVEL_TARGET_DBFS = -26.0
+LEVEL_MAX_GAIN_DB = 40.0
 
 _session = None
 _batch_session = None
@@ -134,9 +151,65 @@ def _as_16k(samples: np.ndarray, sample_rate: int) -> np.ndarray:
     return x
 
 
+def frame_energies(frames: np.ndarray) -> np.ndarray:
+    """Mean square of each frame's samples: float32 ``[T, 512]`` (the frames without their context)
+    -> float64 ``[T]`` (full-scale units, 1.0 = 0 dBFS)."""
+    f = np.asarray(frames, np.float32).astype(np.float64)
+    return (f * f).mean(axis=1) if f.shape[0] else np.zeros(0, np.float64)
+
+
+def level_gains(energies: np.ndarray, previous: np.ndarray | None = None) -> np.ndarray:
+    """The gain applied to each frame before the network (the VAD's level normalisation).
+
+    Args:
+        energies: float64 ``[T]``, :func:`frame_energies` of consecutive frames.
+        previous: float64 ``[LEVEL_FRAMES - 1]``, the energies of the frames just before them (None:
+            the start of a recording, silence before it).
+    Returns:
+        float32 ``[T]``: ``10 ** (LEVEL_TARGET_DBFS / 20) / sqrt(largest of the LEVEL_FRAMES energies
+        ending with the frame)``, at most ``10 ** (LEVEL_MAX_GAIN_DB / 20)`` (digital silence stays
+        silence, a -60 dBFS hum is raised by 34 dB). A function of the last second of audio only, so
+        :func:`speech_probabilities`, :class:`StreamingVAD` and
+        :func:`flashasr.audio.silero_torch.speech_probabilities_batch` compute it alike (see
+        :data:`LEVEL_FRAMES` for why it exists).
+    """
+    e = np.asarray(energies, np.float64).reshape(-1)
+    if e.shape[0] == 0:
+        return np.zeros(0, np.float32)
+    prev = np.zeros(LEVEL_FRAMES - 1, np.float64) if previous is None else np.asarray(previous, np.float64)
+    level = np.lib.stride_tricks.sliding_window_view(np.concatenate([prev, e]), LEVEL_FRAMES).max(axis=1)
+    target = 10.0 ** (LEVEL_TARGET_DBFS / 20.0)
+    floor = (target / 10.0 ** (LEVEL_MAX_GAIN_DB / 20.0)) ** 2
+    return (target / np.sqrt(np.maximum(level, floor))).astype(np.float32)
+
+
+def _recording_gains(x: np.ndarray, first: int, stop: int) -> np.ndarray:
+    """:func:`level_gains` of frames ``[first, stop)`` of 16 kHz ``x`` (the last frame of ``x``
+    zero-padded), float32 ``[stop - first]``: the same values as those frames of the whole
+    recording's gains (the energies of the frames before ``first`` are read too)."""
+    e0 = max(0, first - (LEVEL_FRAMES - 1))
+    e = np.zeros(stop - e0, np.float64)
+    whole = min(stop, x.shape[0] // FRAME)
+    for t0 in range(e0, whole, _MAX_FRAMES_PER_CALL):  # a block at a time: no float64 copy of x
+        t1 = min(whole, t0 + _MAX_FRAMES_PER_CALL)
+        e[t0 - e0:t1 - e0] = frame_energies(x[t0 * FRAME:t1 * FRAME].reshape(-1, FRAME))
+    if whole < stop and whole * FRAME < x.shape[0]:
+        last = np.zeros((1, FRAME), np.float32)
+        last[0, :x.shape[0] - whole * FRAME] = x[whole * FRAME:]
+        e[whole - e0] = frame_energies(last)[0]
+    k = first - e0
+    prev = np.concatenate([np.zeros(LEVEL_FRAMES - 1 - k, np.float64), e[:k]])
+    return level_gains(e[k:], prev)
+
+
 def speech_probabilities(samples: np.ndarray, sample_rate: int = 16000,
                          frames: tuple[int, int] | None = None) -> np.ndarray:
-    """Silero speech probability per 32 ms frame.
+    """Silero speech probability per 32 ms frame, on level-normalised input.
+
+    Each frame (512 samples and its 64 of context) is multiplied by :func:`level_gains` of the
+    second ending with it before the network sees it (see :data:`LEVEL_FRAMES`: quiet speech after
+    loud music is otherwise missed), as :class:`StreamingVAD` and
+    :func:`flashasr.audio.silero_torch.speech_probabilities_batch` do.
 
     The LSTM state restarts from zero every :data:`STATE_CHUNK_FRAMES` frames (16.4 s), each
     chunk warmed up on the :data:`STATE_WARMUP_FRAMES` (4 s) before it, as
@@ -164,16 +237,19 @@ def speech_probabilities(samples: np.ndarray, sample_rate: int = 16000,
         raise AudioArgumentError(f"frames {frames}: the start must be a multiple of {STATE_CHUNK_FRAMES} "
                                  "and the end not before it")
     out = np.empty(hi - lo, np.float32)
+    g0 = max(0, lo - STATE_WARMUP_FRAMES)
+    gains = _recording_gains(x, g0, hi)
     for keep in range(lo, hi, STATE_CHUNK_FRAMES):
         start = max(0, keep - STATE_WARMUP_FRAMES)
         stop = min(hi, keep + STATE_CHUNK_FRAMES)
-        out[keep - lo:stop - lo] = _frames_from_zero_state(x, start, stop)[keep - start:]
+        out[keep - lo:stop - lo] = _frames_from_zero_state(x, start, stop, gains[start - g0:stop - g0])[keep - start:]
     return out
 
 
-def _frames_from_zero_state(x: np.ndarray, first: int, stop: int) -> np.ndarray:
+def _frames_from_zero_state(x: np.ndarray, first: int, stop: int, gains: np.ndarray) -> np.ndarray:
     """Probabilities of frames ``[first, stop)`` of 16 kHz ``x``, the LSTM started from zero at
-    ``first`` (its frame context: the 64 samples before it, zeros at the start)."""
+    ``first`` (its frame context: the 64 samples before it, zeros at the start); frame t's row
+    multiplied by ``gains[t - first]``."""
     out = np.empty(stop - first, np.float32)
     h = np.zeros((1, 1, 128), np.float32)
     c = np.zeros((1, 1, 128), np.float32)
@@ -192,6 +268,7 @@ def _frames_from_zero_state(x: np.ndarray, first: int, stop: int) -> np.ndarray:
         if tb > 1:
             block[1:, :CONTEXT] = block[:-1, -CONTEXT:]
         prev_ctx = block[-1, -CONTEXT:].copy()
+        block *= gains[t0 - first:t0 - first + tb, None]
         out[t0 - first:t0 - first + tb], h, c = _run_frames(block, h, c)
     return out
 
@@ -553,6 +630,7 @@ class StreamingVAD:
         self._c = np.zeros((1, 1, 128), np.float32)
         self._shadow: tuple[np.ndarray, np.ndarray] | None = None  # the next chunk's state, warming up
         self._buf = np.zeros(CONTEXT + FRAME, np.float32)  # [context | pending frame]
+        self._energies = np.zeros(LEVEL_FRAMES - 1, np.float64)  # the last frames' (level_gains)
         self._fill = 0  # samples pending in the frame part
         self._pad = 0  # zero samples added by flush()
         self.frames = 0  # frames processed
@@ -592,6 +670,16 @@ class StreamingVAD:
         self._fill = rest
         return out
 
+    def _level(self, frames: np.ndarray) -> np.ndarray:
+        """Completed frames ``[T, 576]`` -> the same multiplied by :func:`level_gains` (the offline
+        VAD's level normalisation; the last frames' energies carried from call to call)."""
+        if frames.shape[0] == 0:
+            return frames
+        e = frame_energies(frames[:, CONTEXT:])
+        gains = level_gains(e, self._energies)
+        self._energies = np.concatenate([self._energies, e])[-(LEVEL_FRAMES - 1):]
+        return frames * gains[:, None]
+
     def feed(self, chunk: np.ndarray) -> list[VADEvent]:
         """Process a float32 [n] 16 kHz chunk (any n >= 0); returns the events it decided."""
         events: list[VADEvent] = []
@@ -613,7 +701,7 @@ class StreamingVAD:
         vads = [v for v, _ in items]
         if len({id(v) for v in vads}) != len(vads):
             raise AudioArgumentError("feed_many: each stream may appear only once per call")
-        frames = [v._take_frames(c) for v, c in items]
+        frames = [v._level(v._take_frames(c)) for v, c in items]
         probs: list[list[np.ndarray]] = [[] for _ in items]
         depth = max((f.shape[0] for f in frames), default=0)
         sr = np.array(VAD_RATE, np.int64)
@@ -663,6 +751,7 @@ class StreamingVAD:
     def _process(self, block: np.ndarray, events: list[VADEvent]) -> None:
         if block.shape[0] == 0:
             return
+        block = self._level(block)
         probs = np.empty(block.shape[0], np.float32)
         i = 0
         while i < block.shape[0]:  # runs of frames between the state's restart points
@@ -723,7 +812,8 @@ class StreamingVAD:
         return events
 
 
-__all__ = ["STATE_CHUNK_FRAMES", "STATE_WARMUP_FRAMES", "speech_probabilities", "speech_segments", "split_for_asr", "asr_speech_spans", "ASR_VAD", "iter_asr_chunks",
+__all__ = ["STATE_CHUNK_FRAMES", "STATE_WARMUP_FRAMES", "LEVEL_FRAMES", "LEVEL_TARGET_DBFS", "LEVEL_MAX_GAIN_DB",
+           "frame_energies", "level_gains", "speech_probabilities", "speech_segments", "split_for_asr", "asr_speech_spans", "ASR_VAD", "iter_asr_chunks",
            "StreamingVAD",
            "VADEvent",
            "FRAME_S", "VAD_RATE"]

@@ -4,7 +4,8 @@ Data flow for a batch of waveforms (float32 ``[N_i]`` at 16 kHz), each with the 
 when the pipeline knows them (``speech=``):
 
 1. log-mel of each input with 30 s of zeros appended: ``[n_mels, N_i // 160 + 3000]``
-   (the max-8 clamp is over the whole input, as in the reference; long inputs in chunks);
+   (the max-8 clamp is over the whole input, as in the reference -- with speech spans, over each
+   speech run alone, below; long inputs in chunks);
 2. rounds of windows: each unfinished input contributes its window
    ``mel[:, seek : seek + min(3000, content_frames - seek)]`` zero-padded to 3000 frames;
    windows of all inputs are stacked ``[B, n_mels, 3000]`` and encoded together ``[B, 1500, D]``;
@@ -24,6 +25,14 @@ With speech spans (our additions; the reference has no VAD), in mel frames:
   as the last window of an input is), so long leading silence, music between speakers or a silent
   input are never decoded (nothing to invent there) and the language is detected on speech; an
   input without such stretches is decoded as without spans;
+* *a run is decoded as if alone*: its log-mel's max-8 clamp takes the maximum over the run only
+  (:func:`.features.normalise_log_mel`), and two spans whose levels (RMS, dB) differ by more than
+  :data:`LEVEL_JUMP_DB`, or whose gap is that much louder than the quieter of them, are never in
+  one run (nor is a lead-in or ending that much louder than its run joined to it). Otherwise loud
+  audio next to quiet speech -- music the VAD left out, or marked for a second, 43-54 dB above
+  -63 dBFS FLEURS sentences in issue #17's recordings -- pushes the speech's frames to the clamp's
+  floor and Whisper drops the sentence or loops ("1, 2, 4, 5, 4, 5"); an input of one run is
+  decoded exactly as before;
 * *no lost speech*: when a window ends on a single timestamp or without one (the decoder's
   "nothing more here", which moves the seek to the window's end) although the VAD has speech after
   the last timestamp -- at least :data:`REST_MIN_S` in spans after the one that timestamp fell in
@@ -55,7 +64,7 @@ from ...types import Segment, Transcript, Word, warning
 from ..base import SAMPLE_RATE, ASRModel, BatchRun, as_waveform, check_speech
 from .alignment import align_words, default_alignment_heads
 from .decoding import DecodingResult, decode_with_fallback, detect_language, is_no_speech
-from .features import HOP_LENGTH, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
+from .features import HOP_LENGTH, N_FRAMES, N_SAMPLES, log_mel_spectrogram, normalise_log_mel, pad_or_trim
 from .model import CrossKV, WhisperModel
 from .tokenizer import WhisperTokenizer
 
@@ -71,6 +80,9 @@ REST_MIN_S = 0.5  # speech in later VAD spans (after a pause) that makes decodin
 REST_SAME_SPAN_S = 2.0  # ... or left in the span the last timestamp fell in (more than a word's tail)
 REST_AFTER_S = 0.3  # both counted from this far after the last timestamp (end stamps are often early)
 MIN_PROGRESS_S = 1.0  # going on needs the window to have moved at least this far
+# Spans this much apart in level (or a gap this much louder than the quieter span) are never in one
+# run; issue #17's recordings: quiet FLEURS sentences 43-54 dB below the music or speech beside them
+LEVEL_JUMP_DB = 30.0
 LOOP_MIN_TOKENS = 8  # a token loop inside a segment covers at least this many tokens
 
 
@@ -123,6 +135,36 @@ class _Job:
     def speech_in(self, a: int, b: int) -> int:
         """Mel frames of VAD speech within ``[a, b)``."""
         return sum(max(0, min(e, b) - max(s, a)) for s, e in self.speech or ())
+
+
+def _level_db(x: np.ndarray, a: int, b: int) -> float:
+    """RMS level of mel frames ``[a, b)`` of waveform ``x`` in dBFS (-200 for digital silence)."""
+    seg = np.asarray(x[a * HOP_LENGTH:b * HOP_LENGTH], np.float64)
+    return 10.0 * float(np.log10(np.mean(seg * seg) + 1e-20)) if seg.size else -200.0
+
+
+def _speech_runs(x: np.ndarray, speech: list[tuple[int, int]], content: int) -> list[tuple[int, int]]:
+    """The speech runs (module docstring) of waveform ``x`` (float32 ``[N]``) from its VAD spans in
+    mel frames (sorted, within ``[0, content)``): spans joined across gaps shorter than
+    :data:`SPEECH_GAP_S` unless their levels, or the gap's and the quieter span's, differ by more than
+    :data:`LEVEL_JUMP_DB`; the first run starts at 0 and the last ends at ``content`` when that
+    close and the lead-in / ending is not that much louder. -> ``[(a, b)]`` mel frames."""
+    gap = int(SPEECH_GAP_S * FRAMES_PER_S)
+    runs: list[tuple[int, int]] = []
+    prev_db = None
+    for s, e in speech:
+        db = _level_db(x, s, e)
+        if runs and s - runs[-1][1] < gap and abs(db - prev_db) <= LEVEL_JUMP_DB \
+                and _level_db(x, runs[-1][1], s) - min(db, prev_db) <= LEVEL_JUMP_DB:
+            runs[-1] = (runs[-1][0], e)
+        else:
+            runs.append((s, e))
+        prev_db = db
+    if runs and runs[0][0] < gap and _level_db(x, 0, runs[0][0]) - _level_db(x, *runs[0]) <= LEVEL_JUMP_DB:
+        runs[0] = (0, runs[0][1])  # a short lead-in or ending stays, as in any window
+    if runs and content - runs[-1][1] < gap and _level_db(x, runs[-1][1], content) - _level_db(x, *runs[-1]) <= LEVEL_JUMP_DB:
+        runs[-1] = (runs[-1][0], content)
+    return runs
 
 
 class WhisperASR(ASRModel):
@@ -206,23 +248,17 @@ class WhisperASR(ASRModel):
     # ---- internals -----------------------------------------------------------------------
     def _make_job(self, i: int, w, language: str | None, speech=None) -> _Job:
         a = w
-        mel = log_mel_spectrogram(a, self.model.dims.n_mels, padding=N_SAMPLES, device=self.device)
         content = a.size // HOP_LENGTH
-        job = _Job(index=i, mel=mel, content_frames=content, duration=a.size / SAMPLE_RATE, language=language)
-        if speech is not None:
-            spans = [(s // HOP_LENGTH, min(content, -(-e // HOP_LENGTH))) for s, e in speech]
-            job.speech = [(s, e) for s, e in spans if e > s]
-            job.runs = []
-            gap = int(SPEECH_GAP_S * FRAMES_PER_S)
-            for s, e in job.speech:
-                if job.runs and s - job.runs[-1][1] < gap:
-                    job.runs[-1] = (job.runs[-1][0], e)
-                else:
-                    job.runs.append((s, e))
-            if job.runs and job.runs[0][0] < gap:  # a short lead-in or ending stays, as in any window
-                job.runs[0] = (0, job.runs[0][1])
-            if job.runs and content - job.runs[-1][1] < gap:
-                job.runs[-1] = (job.runs[-1][0], content)
+        if speech is None:
+            mel = log_mel_spectrogram(a, self.model.dims.n_mels, padding=N_SAMPLES, device=self.device)
+            return _Job(index=i, mel=mel, content_frames=content, duration=a.size / SAMPLE_RATE, language=language)
+        log = log_mel_spectrogram(a, self.model.dims.n_mels, padding=N_SAMPLES, device=self.device, normalise=False)
+        job = _Job(index=i, mel=log, content_frames=content, duration=a.size / SAMPLE_RATE, language=language)
+        spans = [(s // HOP_LENGTH, min(content, -(-e // HOP_LENGTH))) for s, e in speech]
+        job.speech = [(s, e) for s, e in spans if e > s]
+        job.runs = _speech_runs(a, job.speech, content)
+        # each run clamped alone; one reaching the end takes the padded tail too (as the whole input did)
+        job.mel = normalise_log_mel(log, [(s, e if e < content else log.shape[1]) for s, e in job.runs])
         return job
 
     def _settings(self, options: TranscribeOptions) -> "_Settings":

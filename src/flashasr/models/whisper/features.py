@@ -25,7 +25,7 @@ N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000 samples per window
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames per window
 FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # 100
 
-__all__ = ["mel_filterbank", "log_mel_spectrogram", "pad_or_trim", "CHUNK_FRAMES", "SAMPLE_RATE", "N_FFT", "HOP_LENGTH",
+__all__ = ["mel_filterbank", "log_mel_spectrogram", "normalise_log_mel", "pad_or_trim", "CHUNK_FRAMES", "SAMPLE_RATE", "N_FFT", "HOP_LENGTH",
            "N_SAMPLES", "N_FRAMES", "FRAMES_PER_SECOND"]
 
 
@@ -78,8 +78,8 @@ def _cached_tensors(n_mels: int, device: str):
 CHUNK_FRAMES = 60_000
 
 
-def log_mel_spectrogram(audio, n_mels: int = 80, *, padding: int = 0, device: str | torch.device | None = None
-                        ) -> torch.Tensor:
+def log_mel_spectrogram(audio, n_mels: int = 80, *, padding: int = 0, device: str | torch.device | None = None,
+                        normalise: bool = True) -> torch.Tensor:
     """Log-mel spectrogram of one waveform.
 
     Args:
@@ -88,6 +88,8 @@ def log_mel_spectrogram(audio, n_mels: int = 80, *, padding: int = 0, device: st
         padding: zeros appended before the STFT (the reference appends 30 s so the last window
             is complete; the max-8 clamp is then taken over the whole padded input).
         device: where to compute (default: the tensor's device / CPU).
+        normalise: False returns ``log10(max(mel, 1e-10))`` before the clamp and scaling (for
+            :func:`normalise_log_mel` over chosen frame ranges).
     Returns:
         float32 ``[n_mels, (N + padding) // 160]``. Inputs of more than :data:`CHUNK_FRAMES` frames
         are computed chunk by chunk into the result (memory: the result plus one chunk's STFT).
@@ -102,7 +104,7 @@ def log_mel_spectrogram(audio, n_mels: int = 80, *, padding: int = 0, device: st
         raise ValueError(f"log_mel_spectrogram expects a 1-D waveform, got shape {tuple(x.shape)}")
     total = x.numel() + max(padding, 0)
     if total // HOP_LENGTH > CHUNK_FRAMES:
-        return _log_mel_chunked(x, n_mels, max(padding, 0))
+        return _log_mel_chunked(x, n_mels, max(padding, 0), normalise)
     if padding > 0:
         x = F.pad(x, (0, padding))
     if x.numel() <= N_FFT // 2:  # reflect padding needs more than n_fft/2 samples
@@ -112,11 +114,39 @@ def log_mel_spectrogram(audio, n_mels: int = 80, *, padding: int = 0, device: st
     power = spec[..., :-1].abs() ** 2
     mel = fb @ power
     log_spec = torch.clamp(mel, min=1e-10).log10()
+    if not normalise:
+        return log_spec
     log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
     return (log_spec + 4.0) / 4.0
 
 
-def _log_mel_chunked(x: torch.Tensor, n_mels: int, padding: int) -> torch.Tensor:
+def normalise_log_mel(log_spec: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The reference's dynamic-range clamp and scaling, ``(max(x, max - 8) + 4) / 4``, with the
+    maximum taken over each frame range alone.
+
+    Args:
+        log_spec: float32 ``[n_mels, T]`` from ``log_mel_spectrogram(..., normalise=False)``;
+            overwritten (returned).
+        ranges: disjoint ``(a, b)`` frame ranges, each clamped with its own maximum (a stretch of
+            audio decoded in its own windows, so audio outside it cannot push its quiet frames to the
+            floor); frames outside every range get the whole input's maximum, as in the reference
+            (one range ``(0, T)``: exactly the reference's result).
+    Returns:
+        float32 ``[n_mels, T]``.
+    """
+    top = log_spec.max()
+    pos = 0
+    for a, b in sorted(ranges) + [(log_spec.shape[1], log_spec.shape[1])]:
+        if a > pos:  # frames outside every range: the whole input's maximum
+            torch.maximum(log_spec[:, pos:a], top - 8.0, out=log_spec[:, pos:a])
+        if b > a:
+            part = log_spec[:, a:b]
+            torch.maximum(part, part.max() - 8.0, out=part)
+        pos = max(pos, b)
+    return log_spec.add_(4.0).div_(4.0)
+
+
+def _log_mel_chunked(x: torch.Tensor, n_mels: int, padding: int, normalise: bool = True) -> torch.Tensor:
     """:func:`log_mel_spectrogram` of ``x`` + ``padding`` zeros, :data:`CHUNK_FRAMES` frames at a time.
 
     Frame ``t`` of the centred STFT covers samples ``[t * 160 - 200, t * 160 + 200)`` of the padded
@@ -137,6 +167,8 @@ def _log_mel_chunked(x: torch.Tensor, n_mels: int, padding: int) -> torch.Tensor
         seg = torch.where(idx < n, x[idx.clamp(max=n - 1)], torch.zeros((), device=x.device))
         spec = torch.stft(seg, N_FFT, HOP_LENGTH, window=win, center=False, return_complex=True)
         out[:, f0:f1] = torch.clamp(fb @ (spec.abs() ** 2), min=1e-10).log10()
+    if not normalise:
+        return out
     out = torch.maximum(out, out.max() - 8.0)
     return out.add_(4.0).div_(4.0)
 
