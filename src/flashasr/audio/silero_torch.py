@@ -12,7 +12,7 @@ preceded by the previous frame's last 64 samples (zeros before the first):
 
 Before the network each frame is multiplied by the VAD's level gain
 (:func:`flashasr.audio.vad.level_gains`: a target RMS over the RMS of the loudest frame of the
-second ending with it, at most 40 dB), computed here on the device from the same frames; applied to the reflect-padded
+second ending with it, at most 20 dB), computed here on the device from the same frames; applied to the reflect-padded
 frame, which is the same product.
 
 Everything before the LSTM is independent per frame, so all frames of all recordings go through
