@@ -392,3 +392,26 @@ def test_ctrl_c_stops_the_server_quietly_with_status_0(tmp_path, mode):
     log = s.log()
     assert rc == 0, log
     assert "Traceback" not in log and "ERROR" not in log, log
+
+
+def test_ctrl_c_while_the_model_loads_waits_for_it_and_exits_0():
+    """Ctrl-C a second after "listening on", while the model loads in the CPU pool: the load finishes,
+    then the server exits 0. With daemon pool threads the interpreter's exit cut the load short inside
+    native code and the process aborted ("terminate called without an active exception", SIGABRT)."""
+    import signal
+
+    from conftest import sigint_default
+
+    p = subprocess.Popen([sys.executable, "-m", "flashasr", "serve", "--port", "0"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, preexec_fn=sigint_default)
+    try:
+        first = p.stdout.readline()
+        assert "listening on" in first, first
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, first + out
+    assert "terminate called" not in out and "Traceback" not in out, out

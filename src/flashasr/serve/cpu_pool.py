@@ -17,7 +17,8 @@ bulk work is handed in as small jobs (a long upload's VAD as slices of about a m
 :func:`flashasr.serve.offline.UploadTranscriber.transcribe`) to keep that wait short. Urgent work
 can hold bulk work back only while urgent jobs keep arriving faster than the threads finish them;
 each is small by construction (at most ``SHORT_S`` of audio). The threads exist from the start and
-their number never changes (``cpu_threads``).
+their number never changes (``cpu_threads``); at interpreter exit the jobs running finish and
+the queued ones are dropped (as :mod:`concurrent.futures` does).
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ class CPUPool(Executor):
         self._bulk: deque = deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        # not daemons: at interpreter exit the jobs running finish (a model load stopped mid-way by
+        # exit aborted the process: "terminate called without an active exception" on a Ctrl-C one
+        # second after start), as concurrent.futures' pools do; queued jobs are dropped
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}") for i in range(n)]
+        threading._register_atexit(self._at_exit)  # runs before the interpreter joins the threads
         for t in self._threads:
             t.start()
 
@@ -82,6 +87,9 @@ class CPUPool(Executor):
                 f.set_result(fn(*args, **kwargs))
             except BaseException as e:  # noqa: BLE001 - handed to whoever awaits the future
                 f.set_exception(e)
+
+    def _at_exit(self) -> None:
+        self.shutdown(wait=False, cancel_futures=True)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No more jobs; ``cancel_futures`` cancels those not started (else they still run);
