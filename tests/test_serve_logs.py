@@ -318,7 +318,8 @@ REFUSED = (("large-v3", "is not embedded here"), ("whisper-tiny", "is not embedd
            ("nope.nemo", "no such file"), ("mymodels/typo", "hub ids of Parakeet"),
            ("parakeet-tdt-0.6b-v3", "a Parakeet hub id has its owner: nvidia/parakeet-tdt-0.6b-v3"),
            ("openai/whisper-tiny", "not in the Hugging Face cache"),
-           ("nvidia/parakeet-tdt-0.6b-v3", "no .nemo file in the Hugging Face cache"))
+           ("nvidia/parakeet-tdt-0.6b-v3", "no .nemo file in the Hugging Face cache"),
+           ("damaged.nemo", "is not a .nemo archive"))  # a text file named .nemo (a new user's run)
 
 
 def _empty_hub(tmp_path) -> dict:
@@ -330,6 +331,7 @@ def test_a_model_that_is_not_here_stops_before_listening(mode, tmp_path):
     """Found by a new user: `serve --model large-v3` (not embedded) said "listening on ..." and then
     failed to load; a mistyped path too; so did a hub id neither cached nor downloadable
     (`openai/whisper-tiny` without a network). Each stops first, exit 2, naming the option."""
+    (tmp_path / "damaged.nemo").write_text("hello")
     for spec, says in REFUSED:
         spec = str(tmp_path / spec) if spec.endswith(".nemo") else spec
         r = _serve("--model", spec, "--port", "0", "--mode", mode, env=_empty_hub(tmp_path))
@@ -348,6 +350,7 @@ def test_transcribe_refuses_the_same_names_with_the_same_message(tmp_path, monke
 
     for k, v in _empty_hub(tmp_path).items():
         monkeypatch.setenv(k, v)
+    (tmp_path / "damaged.nemo").write_text("hello")
     for spec, says in REFUSED:
         spec = str(tmp_path / spec) if spec.endswith(".nemo") else spec
         why = missing_model(spec)

@@ -59,6 +59,13 @@ def unsupported_hub_id(spec: str) -> str | None:
             "*/faster-whisper-...) repos are supported; for others pass the local path of the weights")
 
 
+def not_a_nemo(path, why) -> str:
+    """The message for a ``.nemo`` path that is no readable tar archive (``why``: the tar error);
+    the loader (:func:`flashasr.models.parakeet.nemo_format.read_nemo`) and the check before a
+    server listens (:func:`flashasr.models.registry.locate_model`) say the same."""
+    return f"model {str(path)!r} is not a .nemo archive (not a readable tar file: {why})"
+
+
 def missing_path(spec: str) -> str:
     """The loader's message for a name that is no file or folder here."""
     if is_whisper_size(spec):
@@ -118,5 +125,5 @@ def local_models() -> list[dict]:
     return out
 
 
-__all__ = ["EMBEDDED", "EMBEDDED_SPECS", "WHISPER_SIZES", "is_hub_id", "unsupported_hub_id", "missing_path", "is_whisper_size", "needs_weights", "hub_cache_dir", "flashasr_cache_dir",
+__all__ = ["EMBEDDED", "EMBEDDED_SPECS", "WHISPER_SIZES", "is_hub_id", "unsupported_hub_id", "missing_path", "not_a_nemo", "is_whisper_size", "needs_weights", "hub_cache_dir", "flashasr_cache_dir",
            "local_models"]

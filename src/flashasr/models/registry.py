@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from .base import ASRModel
-from .catalog import EMBEDDED_SPECS, is_hub_id, missing_path, unsupported_hub_id
+from .catalog import EMBEDDED_SPECS, is_hub_id, missing_path, not_a_nemo, unsupported_hub_id
 
 
 def locate_model(spec: str | os.PathLike | None) -> tuple[str, str | Path]:
@@ -55,7 +55,13 @@ def locate_model(spec: str | os.PathLike | None) -> tuple[str, str | Path]:
         raise UnsupportedModelError(f"model {s!r}: random-weight models are loaded by "
                                     "flashasr.pipeline.engines.load_model (flashasr.load_model)")
     p = Path(s).expanduser()
-    if p.suffix == ".nemo" and p.exists():
+    if p.suffix == ".nemo" and p.is_file():
+        import tarfile
+
+        try:  # the first header only: a damaged file is refused before a server listens
+            tarfile.open(p, "r:*").close()
+        except (tarfile.ReadError, EOFError, OSError) as e:
+            raise ModelLoadError(not_a_nemo(p, e)) from e
         return "parakeet", p
     if p.suffix != ".nemo" and is_hub_id(s):
         if "parakeet" in s.lower():

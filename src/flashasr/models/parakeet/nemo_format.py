@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ...errors import ModelLoadError
+from ..catalog import not_a_nemo
 
 CONFIG_NAME = "model_config.yaml"
 WEIGHTS_NAME = "model_weights.ckpt"
@@ -71,7 +72,7 @@ def read_nemo(path: str | os.PathLike) -> NemoArchive:
     try:
         tar = tarfile.open(p, "r:*")
     except (tarfile.ReadError, EOFError, OSError, zlib.error) as e:
-        raise ModelLoadError(f"model {str(p)!r} is not a .nemo archive (not a readable tar file: {e})") from e
+        raise ModelLoadError(not_a_nemo(p, e)) from e
     try:
         with tar:
             try:
