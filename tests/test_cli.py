@@ -425,14 +425,9 @@ def test_serve_stops_with_exit_2_when_the_model_cannot_load(mode, tmp_path):
     that will not load says why and exits 2 (as `flashasr transcribe` does), in either mode. (A path
     that does not exist, or is no tar archive, stops before listening: test_serve_logs.py; this one is
     a tar archive without a model in it, which only the load finds out.)"""
-    import io
-    import tarfile
+    from conftest import write_nemo_without_model
 
-    with tarfile.open(tmp_path / "nope.nemo", "w") as tar:
-        data = b"not a model"
-        info = tarfile.TarInfo("README.txt")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
+    write_nemo_without_model(tmp_path / "nope.nemo")
     p = subprocess.run([sys.executable, "-m", "flashasr.serve.app", "--port", "0", "--mode", mode,
                         "--model", str(tmp_path / "nope.nemo")], capture_output=True, text=True, timeout=120,
                        env=ENV)

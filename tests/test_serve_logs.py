@@ -304,8 +304,9 @@ def test_multi_mode_stops_once_when_the_model_cannot_load(tmp_path):
     """Found by a new user: `serve --mode multi --model <bad>` printed "engine process N exited (code
     None); restarting" 0-6 times (the supervisor read the exit code before the process was reaped)
     and gave up after 5-33 s. One load error, no restart, exit 2."""
-    bad = tmp_path / "model.nemo"
-    bad.write_bytes(b"not a model")
+    from conftest import write_nemo_without_model
+
+    bad = write_nemo_without_model(tmp_path / "model.nemo")  # passes the check, fails to load
     for _ in range(2):
         r = _serve("--mode", "multi", "--model", str(bad), "--port", "0", "--no-warmup")
         assert r.returncode == 2, r.stderr
