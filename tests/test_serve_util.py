@@ -50,15 +50,19 @@ class Server:
             assert time.monotonic() < t_end, f"no start-up line after {ready_timeout} s:\n{self.log()}"
             time.sleep(0.1)
         self.base = f"{scheme}://127.0.0.1:{self.port}"
-        while True:
+        in_a_row = 0  # /ready answers for the front end a connection reaches (multi mode: several
+        while True:   # behind one port, each connecting to the engine on its own): 8 in a row
             assert self.proc.poll() is None, f"server exited early:\n{self.log()}"
             try:
                 r = httpx.get(self.base + "/ready", timeout=2, verify=False)
-                if r.status_code == 200:
+                in_a_row = in_a_row + 1 if r.status_code == 200 else 0
+                if in_a_row >= 8:
                     self.info = r.json()
                     break
+                if in_a_row:
+                    continue
             except httpx.HTTPError:
-                pass
+                in_a_row = 0
             assert time.monotonic() < t_end, f"server not ready after {ready_timeout} s:\n{self.log()}"
             time.sleep(0.25)
 
