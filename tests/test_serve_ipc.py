@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import numpy as np
@@ -287,6 +288,65 @@ def test_translate_task_crosses_the_engine_socket(tmp_path):
     assert (b.text, b.task) == ("[transcribe]", "transcribe")
     assert seen == ["translate", "transcribe"]
     assert a.to_dict()["task"] == "translate"
+
+
+def test_a_request_before_the_engine_connects_waits_for_it_then_says_why_not(tmp_path):
+    """Multi mode: each front end connects to the engine on its own, so a request can reach one a
+    moment before its connection is up (CI once got 503 'restarting' there). Such a request waits for
+    the connection (connect_wait_s) and succeeds; with no engine at all it gets the 503 saying the
+    engine is starting, after a lost connection restarting, after close() shutting down."""
+    from flashasr.models.base import ASRModel
+    from flashasr.options import TranscribeOptions
+    from flashasr.serve.config import ServeConfig
+    from flashasr.serve.engine_proc import EngineServer, serve_unix
+    from flashasr.serve.errors import EngineUnavailable
+
+    class Echo(ASRModel):
+        name, family = "fake-echo", "whisper"
+
+        def _transcribe(self, waves, options):
+            return [Transcript(text=f"{w.size}", language="en", duration=w.size / 16000) for w in waves]
+
+    async def go():
+        path = str(tmp_path / "e.sock")
+        out = {}
+        lonely = ipc.EngineClient(str(tmp_path / "nobody.sock"), connect_wait_s=0.2)
+        await lonely.start()
+        with pytest.raises(EngineUnavailable) as e:
+            await lonely.transcribe(np.zeros(160, np.float32), TranscribeOptions(), timeout=5)
+        out["starting"] = (str(e.value), e.value.status)
+        await lonely.close()
+        with pytest.raises(EngineUnavailable) as e:
+            await lonely.transcribe(np.zeros(160, np.float32), TranscribeOptions(), timeout=5)
+        out["closed"] = str(e.value)
+
+        client = ipc.EngineClient(path, connect_wait_s=5.0)
+        await client.start()  # nothing listens at path yet
+        held = asyncio.ensure_future(client.transcribe(np.zeros(1600, np.float32), TranscribeOptions(), timeout=10))
+        await asyncio.sleep(0.3)
+        out["pending_before_engine"] = not held.done()
+        server = EngineServer(Echo(), ServeConfig())
+        server.scheduler.start()
+        srv = asyncio.ensure_future(serve_unix(path, server.handle))
+        [t] = await held
+        out["text"] = t.text
+        srv.cancel()  # the engine goes away, as when it dies: no listener, the connection closed
+        await asyncio.sleep(0.05)
+        if os.path.exists(path):
+            os.unlink(path)
+        if client._conn is not None:
+            client._conn.close()
+        await asyncio.sleep(0.3)
+        out["restarting"] = client.unavailable_reason() if client._conn is None else "still connected"
+        await client.close()
+        await server.scheduler.stop()
+        return out
+
+    out = asyncio.run(go())
+    assert out["starting"][1] == 503 and "starting" in out["starting"][0], out
+    assert "shutting down" in out["closed"], out
+    assert out["pending_before_engine"] and out["text"] == "1600", out
+    assert "restarting" in out["restarting"], out
 
 
 def test_scheduler_short_requests_first_bulk_shared_fairly_nothing_starves():

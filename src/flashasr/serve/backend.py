@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import FlashASRError
 from ..options import ModelCapabilities, TranscribeOptions
-from .config import ServeConfig
+from .config import ENGINE_WAIT_S, ServeConfig
 from .errors import APIError
 from .ipc import EngineClient
 from .scheduler import OFFLINE, BatchScheduler
@@ -145,7 +145,8 @@ class RemoteBackend:
 
     def __init__(self, cfg: ServeConfig, socket_path: str, metrics=None, supervisor=None):
         self.cfg = cfg
-        self.client = EngineClient(socket_path, shm_threshold=cfg.shm_threshold_bytes, metrics=metrics)
+        self.client = EngineClient(socket_path, shm_threshold=cfg.shm_threshold_bytes, metrics=metrics,
+                                   connect_wait_s=ENGINE_WAIT_S)
         self.supervisor = supervisor
 
     @property

@@ -111,6 +111,7 @@ class ServeConfig:
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 ACCESS_LOGGER = "flashasr.serve.access"  # the access log's logger: level INFO in every front end
+ENGINE_WAIT_S = 5.0  # multi/Ray mode: how long a request waits for the engine connection before its 503
 UNIX_PATH_MAX = 107  # bytes of a Unix socket path (sun_path holds 108 with the terminating NUL)
 
 

@@ -4,7 +4,7 @@ backend (the last two exist once the app's lifespan has started them)."""
 from __future__ import annotations
 
 from ..options import ModelCapabilities
-from .config import ServeConfig
+from .config import ENGINE_WAIT_S, ServeConfig
 from .errors import APIError, EngineUnavailable
 from .metrics import FrontendMetrics
 
@@ -35,22 +35,37 @@ class ServeContext:
         """One thread for the VAD of streaming finals (never queued behind an upload's decode)."""
         return self.state.get("stream_pool") or self.state["pool"]
 
-    def capabilities(self) -> ModelCapabilities:
-        """The loaded model's capabilities.
+    async def capabilities(self) -> ModelCapabilities:
+        """The loaded model's capabilities. Multi and Ray mode: when the engine (model replica) is not
+        connected yet, waits up to :data:`ENGINE_WAIT_S` for it (a front end that has just started, or
+        one whose engine restarts, connects on its own a moment after the port takes requests).
 
         Raises:
-            EngineUnavailable (503): multi mode, the engine is not connected (starting, restarting).
-            APIError (503 ``model_not_ready``): single mode, the model is still loading or failed.
+            EngineUnavailable (503): multi mode, still not connected after the wait; the message says
+                whether the engine is starting, restarting or the server shutting down.
+            APIError (503 ``model_not_ready``): single mode, the model is still loading or failed;
+                Ray mode, no model replica is ready.
         """
         b = self.backend
-        caps = b.capabilities
+        caps = b.capabilities or await self.engine_connected()
         if caps is not None:
             return caps
         if getattr(b, "mode", "") == "multi":
-            raise EngineUnavailable()
+            raise EngineUnavailable(b.client.unavailable_reason())
         err = getattr(b, "error", None)
+        if getattr(b, "mode", "") == "ray":
+            raise APIError("no model replica is ready yet; retry shortly", status=503, code="model_not_ready")
         raise APIError("the model is still loading" if err is None else f"model failed: {err}", status=503,
                        code="model_not_ready")
+
+    async def engine_connected(self) -> ModelCapabilities | None:
+        """Multi and Ray mode: wait up to :data:`ENGINE_WAIT_S` for the engine connection (model
+        replica) when there is none; returns the capabilities then, None if it did not come (or
+        single mode, still loading). Never raises."""
+        b = self.backend
+        if b.capabilities is None and getattr(b, "mode", "") in ("multi", "ray"):
+            await b.wait_ready(ENGINE_WAIT_S)
+        return b.capabilities
 
     def model_name(self) -> str:
         return self.backend.info.get("model") or (self.cfg.model or "whisper-tiny.en")

@@ -456,10 +456,14 @@ class EngineClient:
     Requests are multiplexed over one Unix socket by request id. When the connection
     drops (engine died), every in-flight request fails at once with
     :class:`EngineUnavailable` (HTTP 503) and the client reconnects in the background.
+    A request made while no connection is up waits for one up to ``connect_wait_s`` (each
+    front end connects on its own: one can take requests a moment before the engine has
+    greeted it), then gets the 503 naming why (:meth:`unavailable_reason`).
     """
 
-    def __init__(self, path: str, *, shm_threshold: int = 1 << 20, metrics=None):
+    def __init__(self, path: str, *, shm_threshold: int = 1 << 20, metrics=None, connect_wait_s: float = 5.0):
         self.path = path
+        self.connect_wait_s = connect_wait_s
         self.shm_threshold = shm_threshold
         self.metrics = metrics
         self.info: dict = {}
@@ -480,11 +484,32 @@ class EngineClient:
         self._task = asyncio.get_running_loop().create_task(self._connect_loop(), name="flashasr-engine-client")
 
     async def wait_ready(self, timeout: float) -> bool:
+        if self._closed:
+            return False
         try:
             await asyncio.wait_for(self._connected.wait(), timeout)
             return True
         except asyncio.TimeoutError:
             return False
+
+    def unavailable_reason(self) -> str:
+        """Why no request can go to the engine now: shutting down, starting (never connected yet:
+        the engine is loading the model) or restarting (the connection was lost)."""
+        if self._closed:
+            return "the server is shutting down"
+        if self.connects == 0:
+            return "the transcription engine is starting (loading the model); retry shortly"
+        return "the transcription engine is restarting; retry shortly"
+
+    async def connection(self) -> "Conn":
+        """The engine connection, waiting up to ``connect_wait_s`` for one; raises
+        :class:`EngineUnavailable` (503) with :meth:`unavailable_reason` when none comes."""
+        c = self._conn
+        if c is None and await self.wait_ready(self.connect_wait_s):
+            c = self._conn
+        if c is None:
+            raise EngineUnavailable(self.unavailable_reason())
+        return c
 
     async def close(self) -> None:
         self._closed = True
@@ -492,7 +517,7 @@ class EngineClient:
             self._task.cancel()
         if self._conn:
             self._conn.close()
-        self._fail_all(EngineUnavailable("server shutting down"))
+        self._fail_all(EngineUnavailable(self.unavailable_reason()))
         self._pool.close()
 
     def _fail_all(self, err: Exception) -> None:
@@ -534,13 +559,11 @@ class EngineClient:
                 self.info = {}
                 self._connected.clear()
                 conn.close()
-                self._fail_all(EngineUnavailable())
+                self._fail_all(EngineUnavailable(self.unavailable_reason()))
             await asyncio.sleep(delay)
 
     async def _request(self, mtype: int, meta: dict, payload=b"", flags: int = 0, timeout: float | None = None):
-        c = self._conn
-        if c is None:
-            raise EngineUnavailable()
+        c = await self.connection()
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
@@ -555,7 +578,7 @@ class EngineClient:
             self._cancel(c, rid)
             raise APIError("transcription timed out", status=504, code="timeout") from None
         except (ConnectionError, OSError):
-            raise EngineUnavailable() from None
+            raise EngineUnavailable(self.unavailable_reason()) from None
         finally:
             self._pending.pop(rid, None)
 

@@ -76,7 +76,7 @@ class UploadTranscriber:
             if up.file_size == 0:
                 raise EmptyAudioError(f"uploaded file {up.filename!r} is empty (0 bytes)")
             req = parse_upload(up, task)
-            caps = ctx.capabilities()
+            caps = await ctx.capabilities()
             opts = req.options.resolve(caps)
             wav, damage = await _decoded(ctx.pool.submit(self._decode, up, caps.sample_rate,
                                                          urgent=up.file_size <= SHORT_UPLOAD_BYTES))

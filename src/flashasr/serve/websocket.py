@@ -268,7 +268,7 @@ def websocket_router(ctx: ServeContext) -> APIRouter:
     finals = UploadTranscriber(ctx)
 
     async def finalize(audio, options):  # a final: the upload pipeline, ahead of every upload
-        caps = ctx.capabilities()
+        caps = await ctx.capabilities()
         return await finals.transcribe(audio, options.resolve(caps), caps, priority=FINAL, pool=ctx.stream_pool)
 
     def session(emit, rate, options, turn_detection, partial_interval_ms, full_partials=False) -> StreamSession:
@@ -289,6 +289,7 @@ def websocket_router(ctx: ServeContext) -> APIRouter:
         except APIError as e:
             return await door.refuse(ws, emit, e, "invalid sample_rate")
         td = default_turn_detection(cfg)
+        await ctx.engine_connected()  # a front end just started: its engine connection is a moment away
         s = session(emit, rate, stream_options(None, ctx.backend.capabilities), td, cfg.partial_interval_ms)
         await door.serve(ws, Realtime(ctx, ws, emit, s, td))
 
@@ -298,6 +299,7 @@ def websocket_router(ctx: ServeContext) -> APIRouter:
         emit = await door.open(ws)
         if emit is None:
             return
+        await ctx.engine_connected()
         try:
             q = parse_stream_query(ws.query_params, ctx.backend.capabilities, cfg)
         except FlashASRError as e:
