@@ -384,3 +384,27 @@ def test_no_memory_for_more_slots_refuses_new_streams_only(tiny, speech, monkeyp
     out = s.step([("a", speech[8000:16000]), ("b", speech[:8000])])
     assert out[0].frames > 6 and isinstance(out[1], StreamError) and "memory" in str(out[1])
     assert s.pool.ceiling == 1 and isinstance(s.step([("c", speech[:100])])[0], StreamError)
+
+
+def test_texts_grown_word_by_word_equal_decoding_every_token(tiny):
+    """The stream's texts are extended by the words completed each step, not re-decoded whole: for
+    random token sequences (the fixture's SentencePiece vocabulary, word-start pieces, the unknown
+    piece, growing by a few tokens per step) they equal decode(tokens) and decode(tokens[:word
+    start]) at every step, and stable_text only grows."""
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=4, left_frames=4))
+    tok = tiny.tokenizer
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        st = s._open(f"t{trial}", None)
+        before = ""
+        for _ in range(30):
+            for t in rng.integers(0, tok.vocab_size, int(rng.integers(0, 4))).tolist():
+                if s._starts_word(t):
+                    st.word_start = len(st.tokens)
+                st.tokens.append(t)
+            r = s._result(st, 0)
+            assert r.text == tok.decode(st.tokens)
+            assert r.stable_text == (tok.decode(st.tokens[: st.word_start]) if st.word_start else "")
+            assert r.stable_text.startswith(before)
+            before = r.stable_text
+        s.close(f"t{trial}")

@@ -116,10 +116,12 @@ class StatePool:
     """Per-stream state on the model's device, one slot per live stream plus one scratch slot
     (index ``capacity``) that padding rows read and write.
 
-    Tensors (``S`` = capacity + 1): ``k``, ``v`` ``[n_layers, S, H, L, d_k]`` (attention keys/values
-    of the last ``L`` frames, right-aligned: slot ``L-1`` is the frame just before the next chunk),
-    ``conv`` ``[n_layers, S, K, d]`` (the conv module's GLU outputs of the last ``K = left pad``
-    steps), ``cache_len [S]`` (valid cached frames), ``stat_sum``/``stat_sq [S, M]`` float64 and
+    Tensors (``S`` = capacity + 1): ``k``, ``v`` ``[n_layers, S, H, R, d_k]``, a ring of ``R = L + C``
+    entries per stream (attention keys/values; encoder frame ``f`` of the stream lives at ring
+    position ``f mod R``: a step writes only its new frames there, in place, and reads the ring
+    whole: the last ``L`` frames and the chunk's), ``conv`` ``[n_layers, S, K, d]`` (the conv
+    module's GLU outputs of the last ``K = left pad`` steps), ``done [S]`` (encoder frames the
+    stream has produced: which ring entries are valid), ``stat_sum``/``stat_sq [S, M]`` float64 and
     ``stat_n [S]`` (log-mel statistics of the frames so far), ``dec_time [S]``, ``dec_gp [S, J]``,
     ``dec_state`` (predictor ``(h, c)``, each ``[layers, S, H]``): the decoder carry.
     """
@@ -133,6 +135,7 @@ class StatePool:
         self.d = enc.d_model
         self.K = int(layer0.conv.padding[0])
         self.L = int(cfg.left_frames)
+        self.R = self.L + int(cfg.chunk_frames)  # ring length: the left context and one chunk
         self.M = int(model.preprocessor.cfg.features)
         self.device, self.dtype = device, dtype
         self.capacity = 0
@@ -145,8 +148,9 @@ class StatePool:
         S, old = capacity + 1, self.capacity
         nl, dev = self.n_layers, self.device
         z = lambda *shape, dt=self.dtype: torch.zeros(*shape, dtype=dt, device=dev)  # noqa: E731
-        new = {"k": z(nl, S, self.H, self.L, self.dk), "v": z(nl, S, self.H, self.L, self.dk),
-               "conv": z(nl, S, self.K, self.d), "cache_len": z(S, dt=torch.long),
+        R = self.R
+        new = {"k": z(nl, S, self.H, R, self.dk), "v": z(nl, S, self.H, R, self.dk),
+               "conv": z(nl, S, self.K, self.d), "done": z(S, dt=torch.long),
                "stat_sum": z(S, self.M, dt=torch.float64), "stat_sq": z(S, self.M, dt=torch.float64),
                "stat_n": z(S, dt=torch.float64), "dec_time": z(S, dt=torch.long),
                "dec_gp": self._sos.gp.expand(S, -1).clone(),
@@ -195,7 +199,7 @@ class StatePool:
     @torch.no_grad()
     def reset(self, s: int) -> None:
         self.conv[:, s].zero_()
-        self.cache_len[s] = 0
+        self.done[s] = 0  # every ring entry now belongs to "before the stream": masked
         self.stat_sum[s].zero_()
         self.stat_sq[s].zero_()
         self.stat_n[s] = 0
@@ -205,7 +209,7 @@ class StatePool:
         self.dec_c[:, s] = self._sos.state[1][:, 0]
 
     def bytes_per_stream(self) -> int:
-        per = self.k[:, 0].numel() + self.v[:, 0].numel() + self.conv[:, 0].numel()
+        per = self.k[:, 0].numel() + self.v[:, 0].numel() + self.conv[:, 0].numel()  # ring: (L + C) frames
         return per * self.k.element_size() + 2 * self.M * 8
 
 
@@ -222,6 +226,8 @@ class _Stream:
     tokens: list = field(default_factory=list)
     word_start: int = 0          # index of the last token that starts a word
     last_used: float = 0.0
+    stable: str = ""             # decoded tokens[:stable_upto] (grown word by word, not re-decoded)
+    stable_upto: int = 0
 
 
 class ParakeetStreamer:
@@ -271,6 +277,7 @@ class ParakeetStreamer:
         self.counters["audio_s"] = 0.0
         self.frame_seconds = float(model.frame_seconds)
         self._piece_starts_word: dict[int, bool] = {}  # token id -> its piece begins a word
+        self._plain: dict[int, bool] = {}  # token id -> a piece of visible text (see _plain_piece)
 
     # ------------------------------------------------------------------ public
     def close(self, key: str) -> None:
@@ -448,6 +455,25 @@ class ParakeetStreamer:
                 st.tokens.append(t)
             self._advance(st, k)
 
+    def _joined(self, head: str, tokens: list, a: int, b: int) -> str:
+        """decode(tokens[:b]) from ``head`` = decode(tokens[:a]) where ``tokens[a]`` starts a word:
+        SentencePiece turns that word marker into one space, dropped only at the start of the text,
+        so the two decodes join with one space. Where that is not certain (a bare marker piece, a
+        byte piece, an empty head or part), the whole prefix is decoded instead."""
+        tok = self.model.tokenizer
+        part = tok.decode(tokens[a:b])
+        if head and part and all(self._plain_piece(t) for t in tokens[a:b]):
+            return f"{head} {part}"
+        return tok.decode(tokens[:b])
+
+    def _plain_piece(self, t: int) -> bool:
+        """A piece of visible text (not the bare word marker, not a byte or control piece)."""
+        w = self._plain.get(t)
+        if w is None:
+            p = self.model.tokenizer.piece(t)
+            w = self._plain[t] = p not in ("", WORD_MARKER) and not (p.startswith("<") and p.endswith(">"))
+        return w
+
     def padded_rows(self, B: int) -> int:
         """Rows a step of ``B`` streams computes (the eager path: ``B``; graphs: their bucket)."""
         return B
@@ -459,10 +485,16 @@ class ParakeetStreamer:
         return w
 
     def _result(self, st: _Stream, new_tokens: int) -> StreamResult:
+        """The stream's texts: ``stable_text`` = decode(tokens[:word_start]), ``text`` = decode(tokens),
+        each step decoding only the words completed since the last (a step used to decode the whole
+        hypothesis twice: host time growing with the utterance)."""
         tok = self.model.tokenizer
-        text = tok.decode(st.tokens)
-        stable = tok.decode(st.tokens[: st.word_start]) if st.word_start else ""
-        return StreamResult(text=text, stable_text=stable, frames=st.frames,
+        if st.word_start > st.stable_upto:
+            st.stable = self._joined(st.stable, st.tokens, st.stable_upto, st.word_start)
+            st.stable_upto = st.word_start
+        text = self._joined(st.stable, st.tokens, st.stable_upto, len(st.tokens)) if st.stable_upto \
+            else tok.decode(st.tokens)
+        return StreamResult(text=text, stable_text=st.stable, frames=st.frames,
                             audio_s=round(st.frames * self.frame_seconds, 3), new_tokens=new_tokens,
                             tokens=len(st.tokens))
 
@@ -552,46 +584,56 @@ class ParakeetStreamer:
     def _layers(self, x, n_new, slots) -> torch.Tensor:
         pool = self.pool
         B, C, _ = x.shape
-        valid = torch.arange(C, device=x.device)[None, :] < n_new[:, None]  # [B, C]
-        cache_len = pool.cache_len.index_select(0, slots)
-        w = torch.arange(self.L + C, device=x.device)[None, :]
-        key_ok = torch.where(w < self.L, w >= self.L - cache_len[:, None], (w - self.L) < n_new[:, None])
-        key_bias = torch.zeros(B, 1, 1, self.L + C, dtype=x.dtype, device=x.device)
+        L, R = self.L, pool.R
+        dev = x.device
+        valid = torch.arange(C, device=dev)[None, :] < n_new[:, None]  # [B, C]
+        base = pool.done.index_select(0, slots)  # [B] frames before this chunk
+        # where the chunk's frames go: frame base + t at ring position (base + t) mod R; frames past
+        # n_new (padding) go to the scratch slot, whose contents nobody reads unmasked
+        t = torch.arange(C, device=dev)[None, :]
+        put = (torch.where(valid, slots[:, None], pool.scratch), torch.remainder(base[:, None] + t, R))
+        # ring position j holds frame base + rel[j], rel in [-L, C) (the newest frame with j = f mod R)
+        j = torch.arange(R, device=dev)[None, :]
+        rel = (C - 1) - torch.remainder(base[:, None] + (C - 1) - j, R)  # [B, R]
+        key_ok = (rel >= -L) & (base[:, None] + rel >= 0) & (rel < n_new[:, None])
+        key_bias = torch.zeros(B, 1, 1, R, dtype=x.dtype, device=dev)
         key_bias.masked_fill_(~key_ok[:, None, None, :], _MASK_VALUE)
-        shift_kv = n_new[:, None] + torch.arange(self.L, device=x.device)[None, :]   # [B, L]
-        shift_cv = n_new[:, None] + torch.arange(pool.K, device=x.device)[None, :]   # [B, K]
+        # relative-position column of (query a, ring key j): distance a - rel -> column L + C - 1 - a + rel
+        col = (L + C - 1) - torch.arange(C, device=dev)[None, :, None] + rel[:, None, :]  # [B, C, R]
+        shift_cv = n_new[:, None] + torch.arange(pool.K, device=dev)[None, :]   # [B, K]
         for i, layer in enumerate(self.model.encoder.layers):
             r = x + 0.5 * layer.feed_forward1(layer.norm_feed_forward1(x))
-            r = r + self._attention(i, layer.self_attn, layer.norm_self_att(r), valid, key_bias, slots, shift_kv)
+            r = r + self._attention(i, layer.self_attn, layer.norm_self_att(r), valid, key_bias, slots, put, col)
             r = r + self._conv(i, layer.conv, layer.norm_conv(r), valid, slots, shift_cv)
             r = r + 0.5 * layer.feed_forward2(layer.norm_feed_forward2(r))
             x = layer.norm_out(r)
-        pool.cache_len.index_copy_(0, slots, torch.clamp(cache_len + n_new, max=self.L))
+        pool.done.index_copy_(0, slots, base + n_new)
         return x
 
-    def _attention(self, i, att, h, valid, key_bias, slots, shift) -> torch.Tensor:
-        """Rel-pos MHSA of the chunk's queries over ``[L cached | C new]`` keys (NeMo
-        ``RelPositionMultiHeadAttention`` with ``cache_last_channel``); updates the K/V cache."""
+    def _attention(self, i, att, h, valid, key_bias, slots, put, col) -> torch.Tensor:
+        """Rel-pos MHSA of the chunk's queries over the stream's ring of keys/values (the last ``L``
+        frames and the chunk's: NeMo ``RelPositionMultiHeadAttention`` with ``cache_last_channel``;
+        keys in ring order, each with its own relative-position column). The chunk's keys/values are
+        written into the ring first (``put``: slot and position per new frame)."""
         pool = self.pool
         B, C, _ = h.shape
         H, dk, L = att.h, att.d_k, self.L
         heads = lambda y: y.view(B, C, H, dk).transpose(1, 2)  # noqa: E731
-        q, k, v = heads(att.linear_q(h)), heads(att.linear_k(h)), heads(att.linear_v(h))
-        K = torch.cat([pool.k[i].index_select(0, slots), k], dim=2)  # [B, H, L + C, dk]
-        V = torch.cat([pool.v[i].index_select(0, slots), v], dim=2)
+        q = heads(att.linear_q(h))
+        slot, pos = put  # [B, C] each: ring [S, H, R, dk][slot, :, pos] is [B, C, H, dk]
+        pool.k[i][slot, :, pos] = att.linear_k(h).view(B, C, H, dk)
+        pool.v[i][slot, :, pos] = att.linear_v(h).view(B, C, H, dk)
+        K = pool.k[i].index_select(0, slots)  # [B, H, R, dk]
+        V = pool.v[i].index_select(0, slots)
         u = att.pos_bias_u.to(q.dtype)[None, :, None, :]
         pv = att.pos_bias_v.to(q.dtype)[None, :, None, :]
         P = L + 2 * C - 1  # relative positions L + C - 1 ... -(C - 1)
         p = att.linear_pos(self._pe.to(h.dtype)).view(P, H, dk).permute(1, 2, 0)  # [H, dk, P]
-        bd_raw = torch.matmul(q + pv, p).contiguous()  # [B, H, C, P]
-        # query a, key w (position start - L + w): distance a + L - w -> column C - 1 - a + w
-        bd = bd_raw.as_strided((B, H, C, L + C), (H * C * P, C * P, P - 1, 1), bd_raw.storage_offset() + C - 1)
+        bd_raw = torch.matmul(q + pv, p)  # [B, H, C, P]
+        bd = torch.gather(bd_raw, 3, col[:, None].expand(B, H, C, col.shape[-1]))  # [B, H, C, R]
         scale = 1.0 / math.sqrt(dk)
         out = F.scaled_dot_product_attention(q + u, K, V, attn_mask=bd * scale + key_bias, scale=scale)
         out = out * valid[:, None, :, None].to(out.dtype)
-        idx = shift[:, None, :, None].expand(B, H, L, dk)
-        pool.k[i].index_copy_(0, slots, torch.gather(K, 2, idx))
-        pool.v[i].index_copy_(0, slots, torch.gather(V, 2, idx))
         return att.linear_out(out.transpose(1, 2).reshape(B, C, H * dk))
 
     def _conv(self, i, mod, h, valid, slots, shift) -> torch.Tensor:
