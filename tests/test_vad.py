@@ -327,6 +327,40 @@ def test_feed_many_equals_individual_feeds():
         StreamingVAD.feed_many([(vads[0], clips[0][:10]), (vads[0], clips[0][:10])])
 
 
+def test_feed_many_in_large_uneven_chunks_equals_individual_feeds():
+    """The server feeds a stream that fell behind all its queued audio at once: feed_many with
+    chunks of up to 3 s (dozens of frames, streams at different depths), past the LSTM's state
+    restarts (40 s streams), gives each stream's own feed() events and probabilities."""
+    parts = [_load(r) for r in ("en/en-jfk-inaugural.wav", "hard/hard-8k-harvard-list72.wav",
+                                "en/en-ls-1272-141231-0002.wav", "hard/hard-noise-no-speech-8s.wav")]
+    whole = np.concatenate(parts * 4)
+    streams = [np.roll(whole, 16000 * 7 * i)[: 16000 * 40] for i in range(5)]
+    rng = np.random.default_rng(7)
+    many, alone = [StreamingVAD() for _ in streams], [StreamingVAD() for _ in streams]
+    pos = [0] * len(streams)
+    got, ref = [[] for _ in streams], [[] for _ in streams]
+    while any(p < len(x) for p, x in zip(pos, streams)):
+        items, who = [], []
+        for i, x in enumerate(streams):
+            if pos[i] < len(x) and rng.random() < 0.7:
+                k = int(rng.choice([int(rng.integers(1, 700)), int(rng.integers(700, 48000))]))
+                chunk = x[pos[i]:pos[i] + k]
+                items.append((many[i], chunk))
+                ref[i] += alone[i].feed(chunk)
+                who.append(i)
+                pos[i] += k
+        for i, ev in zip(who, StreamingVAD.feed_many(items)):
+            got[i] += ev
+            assert many[i].last_probability == pytest.approx(alone[i].last_probability, abs=1e-5)
+            assert many[i].frames == alone[i].frames
+    for i in range(len(streams)):
+        got[i] += many[i].flush()
+        ref[i] += alone[i].flush()
+    assert [[(e.type, e.time, e.emitted_at) for e in g] for g in got] == \
+        [[(e.type, e.time, e.emitted_at) for e in r] for r in ref]
+    assert sum(len(r) for r in ref) >= 10
+
+
 def test_quiet_speech_after_a_minute_of_whale_song_is_found():
     """Found by bench/bench_faithful.py: one LSTM state carried over a long recording drifts; after
     the 65 s whale song, a quiet FLEURS sentence (-63 dBFS) read below 0.32 throughout and was lost
