@@ -50,6 +50,9 @@ from .scheduler import FINAL, PARTIAL
 log = logging.getLogger("flashasr.serve")
 
 SR = 16000
+# Server VAD: received audio waits here while the stream's VAD catches up; beyond this much the
+# receive loop waits too (the socket then pushes back on the client), so memory stays bounded.
+VAD_BACKLOG_S = 5.0
 MIN_RATE, MAX_RATE = 8000, 192000
 
 
@@ -118,8 +121,9 @@ class VadBatcher:
     in a worker thread (onnxruntime releases the GIL), so the loop keeps receiving packets and
     sending events. At low load a chunk starts at once (no tick to wait for); at high load the
     batches grow. Events equal per-stream :meth:`~flashasr.audio.vad.StreamingVAD.feed`
-    (``feed_many``'s contract), in each stream's order: a session awaits one chunk at a time,
-    and a second chunk of a stream already in the batch goes to the next batch.
+    (``feed_many``'s contract), in each stream's order: a session (:meth:`StreamSession._run_vad`)
+    awaits one chunk at a time -- all the packets it received while its last chunk ran -- and a
+    second chunk of a stream already in the batch goes to the next batch.
 
     Why: 1,000-2,000 server-VAD streams on the H200 gave finals seconds late while the engine
     was a third busy (``bench/results/stream_scale_h200_scale500.json``): one ONNX call per
@@ -188,9 +192,10 @@ class VadAdapter:
     """Server VAD on 16 kHz float32 audio: wraps :class:`flashasr.audio.vad.StreamingVAD`.
 
     ``await process(x, start)`` (``start``: stream sample index of ``x[0]``) returns
-    ``[(kind, sample)]`` with kind ``"start"``/``"stop"`` and the absolute 16 kHz sample index
+    ``[(kind, sample, decided)]`` with kind ``"start"``/``"stop"``, the absolute 16 kHz sample index
     where speech starts (the VAD already moved it ``prefix_padding_ms`` earlier) or where the
-    trailing silence began. The Silero ONNX session is shared by all streams, and the frames of
+    trailing silence began, and the sample index at which the event became decidable (the end of
+    the frame that decided it: ``x`` may hold many packets). The Silero ONNX session is shared by all streams, and the frames of
     all streams of the event loop are run together (:class:`VadBatcher`).
     """
 
@@ -201,12 +206,12 @@ class VadAdapter:
                                 silence_duration_ms=silence_duration_ms)
         self.offset: int | None = None
 
-    async def process(self, x: np.ndarray, start: int) -> list[tuple[str, int]]:
+    async def process(self, x: np.ndarray, start: int) -> list[tuple[str, int, int]]:
         if self.offset is None:
             self.offset = start  # the VAD's clock starts at the first sample it sees
         events = await VadBatcher.for_running_loop().feed(self.vad, x)
-        return [("start" if ev.type == "speech_started" else "stop", self.offset + int(round(ev.time * SR)))
-                for ev in events]
+        return [("start" if ev.type == "speech_started" else "stop", self.offset + int(round(ev.time * SR)),
+                 self.offset + int(round(ev.emitted_at * SR))) for ev in events]
 
 
 class LazyVad:
@@ -221,7 +226,7 @@ class LazyVad:
         self.cfg = turn_detection
         self._vad = None
 
-    async def process(self, x: np.ndarray, start: int) -> list[tuple[str, int]]:
+    async def process(self, x: np.ndarray, start: int) -> list[tuple[str, int, int]]:
         if self._vad is None:
             self._vad = VadAdapter(self.cfg["threshold"], self.cfg["prefix_padding_ms"],
                                    self.cfg["silence_duration_ms"])
@@ -293,6 +298,10 @@ class StreamSession:
         self._stream_key: str | None = None  # chunked: the utterance's stream (state in the model's streamer)
         self._stream_sent = False            # ... it got its first chunk
         self._stream_dead = False            # ... its partials stopped (no slot, state lost): the final still comes
+        self._vad_in: list[tuple[int, np.ndarray]] = []  # server VAD: (stream sample, chunk) not through it yet
+        self._vad_in_n = 0
+        self._vad_task: asyncio.Task | None = None
+        self._vad_error: BaseException | None = None
 
     @property
     def language(self) -> str | None:
@@ -350,6 +359,7 @@ class StreamSession:
         await self._feed(x)
 
     async def _feed(self, x: np.ndarray) -> None:
+        self._raise_vad_error()
         if not x.size:
             return
         start = self.pos
@@ -363,7 +373,51 @@ class StreamSession:
             else:
                 self._maybe_partial()
             return
-        events = await self.vad.process(x, start)
+        self._vad_in.append((start, x))
+        self._vad_in_n += x.size
+        if self._vad_task is None:
+            self._vad_task = self._spawn(self._run_vad())
+        if self._vad_in_n > VAD_BACKLOG_S * SR:
+            await self.vad_settled()
+
+    async def _run_vad(self) -> None:
+        """The server VAD of this stream, off the receive loop: all audio received while the last
+        VAD batch ran goes through the next one at once (one chunk of many packets), so a stream
+        whose VAD fell behind catches up and the socket keeps being read (pings answered). An
+        error is raised to the receive loop by the next packet or control message."""
+        try:
+            while self._vad_in and not self.closed:
+                pending, self._vad_in, self._vad_in_n = self._vad_in, [], 0
+                x = pending[0][1] if len(pending) == 1 else np.concatenate([c for _, c in pending])
+                events = deque(await self.vad.process(x, pending[0][0]))
+                for k, (start, chunk) in enumerate(pending):  # each packet as if it had gone through alone
+                    last = k == len(pending) - 1
+                    now = []
+                    while events and (last or events[0][2] <= start + chunk.size):
+                        now.append(events.popleft()[:2])
+                    await self._vad_step(chunk, start, now)
+        except Exception as e:  # noqa: BLE001 - handed to the receive loop (_raise_vad_error)
+            self._vad_error = e
+            self._vad_in, self._vad_in_n = [], 0
+        finally:
+            self._vad_task = None
+
+    def _raise_vad_error(self) -> None:
+        if self._vad_error is not None:
+            e, self._vad_error = self._vad_error, None
+            raise e
+
+    async def vad_settled(self) -> None:
+        """Wait until all audio received so far went through the server VAD (and its events were
+        handled); raises the error the VAD met, if any. A no-op without server VAD."""
+        while self._vad_task is not None:
+            await asyncio.shield(self._vad_task)
+        self._raise_vad_error()
+
+    async def _vad_step(self, x: np.ndarray, start: int, events: list[tuple[str, int]]) -> None:
+        """One packet ``x`` (16 kHz, from stream sample ``start``) and the server VAD's events
+        decided by its end: the pre-speech ring, the utterance buffer, speech started / stopped,
+        commits and partials."""
         # keep the pre-speech ring (enough for the prefix padding plus the VAD's decision delay)
         self._pre.append((start, x))
         self._pre_n += x.size
@@ -398,6 +452,8 @@ class StreamSession:
     # ---------------------------------------------------------------- control
     async def commit(self, reason: str = "client") -> str | None:
         """Close the current utterance: emit ``committed`` and queue its final transcript."""
+        if reason == "client":
+            await self.vad_settled()  # the utterance holds all audio received before the commit
         if reason == "client" and self.resampler.rate != SR:
             tail = self.resampler.flush()  # soxr holds back a few ms: the end of speech must not be lost
             self.resampler.reset()
@@ -429,6 +485,7 @@ class StreamSession:
 
     async def clear(self) -> None:
         """Drop buffered audio (``input_audio_buffer.clear``)."""
+        await self.vad_settled()
         self._buf, self._buf_n = [], 0
         self.item_id = None
         self.in_speech = False
@@ -442,6 +499,7 @@ class StreamSession:
 
     async def drain(self, timeout: float = 60.0) -> None:
         """Wait until every queued final has been emitted."""
+        await self.vad_settled()
         if self._final_chain is not None:
             await asyncio.wait_for(asyncio.shield(self._final_chain), timeout)
 

@@ -195,6 +195,7 @@ class Realtime(_Handler):
         elif typ == "input_audio_buffer.clear":
             await s.clear()
         elif typ in ("transcription_session.update", "session.update"):
+            await s.vad_settled()  # audio received before the update is handled under the old settings
             self.apply(parse_session_update(ev.get("session") or {}, s.options, self.ctx.backend.capabilities,
                                             self.ctx.cfg))
             await self.emit({"type": "session.updated" if typ == "session.update" else
