@@ -56,7 +56,10 @@ def main(argv=None):
     ap.add_argument("--max-s", type=float, default=20.0)
     ap.add_argument("--tokens-per-s", type=float, default=3.5)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--modes", default="full_graph,graphs_no_while,torch")
+    ap.add_argument("--modes", default="full_graph,graphs_no_while,torch",
+                    help="modes to time; MODE/unfused runs MODE with the PyTorch joint step instead of the "
+                         "fused one (engine/tdt_fused.py)")
+    ap.add_argument("--name", default="decoder", help="results file bench/results/gpu_NAME.json")
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -75,8 +78,9 @@ def main(argv=None):
             audio_s = float(lengths.sum()) * 0.08
             ref = None
             base = None
-            for m in modes:
-                dec = TDTGraphDecoder(pred, joint, mode=m)
+            for variant in modes:
+                m, _, tag = variant.partition("/")
+                dec = TDTGraphDecoder(pred, joint, mode=m, fused=tag != "unfused")
                 box = {}
 
                 def run():
@@ -91,28 +95,30 @@ def main(argv=None):
                     same = (r.token_ids == ref.token_ids and r.token_frames == ref.token_frames
                             and r.token_durations == ref.token_durations)
                 row = {"dtype": dname, "batch": B, "mode_requested": m, "mode_used": r.mode,
+                       "joint_step": "pytorch" if tag == "unfused" else "fused",
                        "fallbacks": r.fallbacks, "median_ms": 1e3 * t["median_s"], "min_ms": 1e3 * t["min_s"],
                        "audio_s": audio_s, "decoder_rtfx": audio_s / t["median_s"],
                        "identical_to_first_mode": same, **decode_stats(r, int(lengths.sum()))}
                 rows.append(row)
-                if m == "torch":
+                if m == "torch" and tag == "unfused":
                     base = row
-                print(f"{dname} B={B:4d} {m:16s} used={r.mode:16s} {row['median_ms']:9.2f} ms  "
+                print(f"{dname} B={B:4d} {variant:24s} used={r.mode:16s} {row['median_ms']:9.2f} ms  "
                       f"RTFx {row['decoder_rtfx']:10.0f}  tok/s {row['tokens_per_audio_s']:.2f} "
                       f"same={same}", flush=True)
             if base:
                 for row in rows:
                     if row["dtype"] == dname and row["batch"] == B:
                         row["speedup_vs_torch"] = base["median_ms"] / row["median_ms"]
-    print("\n dtype  batch  mode              ms/batch   x torch   RTFx     tok/s  meanDur")
+    print("\n dtype  batch  mode             joint     ms/batch   x torch   RTFx     tok/s  meanDur")
     for r in rows:
-        print(f" {r['dtype']:5s} {r['batch']:5d}  {r['mode_used']:16s} {r['median_ms']:9.2f} "
+        print(f" {r['dtype']:5s} {r['batch']:5d}  {r['mode_used']:16s} {r['joint_step']:8s} {r['median_ms']:9.2f} "
               f"{r.get('speedup_vs_torch', float('nan')):7.2f}x {r['decoder_rtfx']:9.0f} "
               f"{r['tokens_per_audio_s']:6.2f} {r['mean_token_duration_frames']:6.2f}")
-    write_result("decoder", {"benchmark": "TDT greedy decoder alone (label looping)", "env": env_record(),
+    write_result(a.name, {"benchmark": "TDT greedy decoder alone (label looping)", "env": env_record(),
                              "conditions": {"shapes": V3, "random_weights": True, "blank_bias_calibrated": calib,
                                             "utterance_seconds": [a.min_s, a.max_s], "frame_s": 0.08,
-                                            "tf32": False, "timing": "median wall time per decode incl. "
+                                            "tf32": False, "x_torch": "against torch/unfused (the eager PyTorch steps) when timed",
+                                            "timing": "median wall time per decode incl. "
                                             "result copy to host; encoder projection excluded"},
                              "rows": rows})
 

@@ -214,3 +214,47 @@ def test_gpu_fallback_when_full_graph_breaks(monkeypatch):
     assert res.token_ids == ref.token_ids and res.token_frames == ref.token_frames
     # the process is fine afterwards: a fresh decoder still captures the full graph
     assert TDTGraphDecoder(pred, joint).decode(enc, lengths).mode == "full_graph"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["random", "v3", "bf16", "quirk", "ties"])
+def test_gpu_fused_joint_step_identical(case):
+    """The fused head/inner step (engine/tdt_fused.py: Triton + the joint's own nn.Linear) gives
+    the same tokens, frames and durations as the PyTorch step, in every mode: small and 0.6B-v3
+    sized vocabularies (several argmax chunks), bf16, the NeMo max-symbols quirk, and exact ties
+    between logits (first index wins, as torch.argmax)."""
+    from flashasr.engine.tdt_fused import fused_status
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shapes = {"random": (0, 300, 24, 2, 16, 32, [0, 1, 2], 1.0, None),
+              "v3": (5, 8192, 640, 2, 96, 640, [0, 1, 2, 3, 4], 0.0, None),
+              "bf16": (6, 1000, 64, 2, 48, 128, [0, 1, 2, 3, 4], 2.0, None),
+              "quirk": (4, 20, 16, 2, 8, 16, [0, 1, 2], 0.0, [2.5, 0.0, 0.0]),
+              "ties": (7, 40, 16, 1, 8, 16, [0, 1, 2, 4], 0.0, None)}[case]
+    seed, V, H, L, D, J, durations, blank_bias, dur_bias = shapes
+    pred, joint = _random_tdt(seed, V, H, L, D, J, durations, blank_bias, dur_bias, device="cuda")
+    if case == "ties":  # every label logit 1.0 except a tie at 3 and 7; durations tied at 1 and 2
+        with torch.no_grad():
+            joint.out.weight.zero_()
+            joint.out.bias.fill_(1.0)
+            joint.out.bias[3] = joint.out.bias[7] = 5.0
+            joint.out.bias[V + 1 + 1] = joint.out.bias[V + 1 + 2] = 5.0
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    pred, joint = pred.to(dtype), joint.to(dtype)
+    g = torch.Generator().manual_seed(300 + seed)
+    enc = torch.randn(7, 120, D, generator=g).to("cuda", dtype)
+    lengths = torch.tensor([120, 1, 0, 77, 119, 40, 3], device="cuda")
+    kw = dict(max_symbols=2, nemo_max_symbols_quirk=True) if case == "quirk" else {}
+    for mode in ("full_graph", "graphs_no_while", "torch"):
+        want = TDTGraphDecoder(pred, joint, mode=mode, fused=False, **kw).decode(enc, lengths)
+        dec = TDTGraphDecoder(pred, joint, mode=mode, **kw)
+        for _ in range(2):  # capture, then replay
+            got = dec.decode(enc, lengths)
+            assert got.mode == mode, dec.events
+            assert got.token_ids == want.token_ids
+            assert got.token_frames == want.token_frames
+            assert got.token_durations == want.token_durations
+    assert sum(len(x) for x in want.token_ids) > 3
+    if case == "ties":
+        assert set(want.token_ids[0]) == {3} and set(want.token_durations[0]) == {1}
+    assert fused_status()["in_use"], fused_status()

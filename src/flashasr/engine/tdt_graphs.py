@@ -45,6 +45,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import FlashASRError
+from .tdt_fused import joint_step, tail_step
 
 log = logging.getLogger(__name__)
 
@@ -174,11 +175,14 @@ class TDTGraphDecoder:
         nemo_max_symbols_quirk: reproduce NeMo ``GreedyTDTInfer``'s extra +1 frame when the
             ``max_symbols``-th step on a frame has duration > 0 (default off = NeMo batched).
         min_frames: smallest frame capacity of a graph bucket; max_buckets: buckets kept.
+        fused: run the head and inner steps as three launches each and the tail's bookkeeping as
+            two (:mod:`.tdt_fused`: Triton, CUDA, ReLU joint; identical results) where possible
+            (default True).
     """
 
     def __init__(self, predictor, joint, *, mode: DecodeMode | str = DecodeMode.FULL_GRAPH,
                  max_symbols: int | None | str = "model", nemo_max_symbols_quirk: bool = False,
-                 min_frames: int = 256, max_buckets: int = 6, warmup_iters: int = 2):
+                 min_frames: int = 256, max_buckets: int = 6, warmup_iters: int = 2, fused: bool = True):
         self.predictor = predictor
         self.joint = joint
         self.mode = DecodeMode(mode)
@@ -193,6 +197,7 @@ class TDTGraphDecoder:
         self.min_frames = int(min_frames)
         self.max_buckets = int(max_buckets)
         self.warmup_iters = int(warmup_iters)
+        self.fused = bool(fused)
         self.disabled: set[DecodeMode] = set()
         self.events: list[str] = []  # fallback log (also sent to logging)
         self._buckets: "OrderedDict[tuple, _Buffers]" = OrderedDict()
@@ -253,6 +258,8 @@ class TDTGraphDecoder:
         return adv
 
     def _head(self, s: _Buffers):
+        if self.fused and joint_step(self, s, head=True):
+            return
         V = self.blank_id
         lab, dur = self._joint_at_time(s)
         blank = lab == V
@@ -266,6 +273,8 @@ class TDTGraphDecoder:
         s.search_any.copy_(s.searching.any())
 
     def _inner(self, s: _Buffers):
+        if self.fused and joint_step(self, s, head=False):
+            return
         V = self.blank_id
         lab, dur = self._joint_at_time(s)
         blank = lab == V
@@ -279,6 +288,8 @@ class TDTGraphDecoder:
         s.search_any.copy_(s.searching.any())
 
     def _tail(self, s: _Buffers):
+        if self.fused and tail_step(self, s):
+            return
         V = self.blank_id
         found = s.active & (s.label != V)
         # record (label, frame, duration) at slot n; rows without a label write a scratch value
@@ -397,18 +408,19 @@ class TDTGraphDecoder:
             self._buckets.popitem(last=False)
         return buf
 
-    def _validate(self, x: torch.Tensor, lengths: torch.Tensor):
+    def _validate(self, x: torch.Tensor, lengths: torch.Tensor, values: bool = True):
         if x.dim() != 3:
             raise DecoderInputError(f"encoder output must be [B, T, D], got shape {tuple(x.shape)}")
         if lengths.dim() != 1 or lengths.shape[0] != x.shape[0]:
             raise DecoderInputError(f"lengths must be [B={x.shape[0]}], got shape {tuple(lengths.shape)}")
-        if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > x.shape[1]):
+        if values and lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > x.shape[1]):
             raise DecoderInputError(f"lengths must lie in [0, {x.shape[1]}], got "
                                     f"[{int(lengths.min())}, {int(lengths.max())}]")
 
     @torch.no_grad()
     def decode(self, encoder_output: torch.Tensor, lengths: torch.Tensor, *,
-               projected: bool = False, mode: DecodeMode | str | None = None) -> TDTDecodeOutput:
+               projected: bool = False, mode: DecodeMode | str | None = None,
+               lengths_checked: bool = False) -> TDTDecodeOutput:
         """Decode a batch.
 
         Args:
@@ -416,12 +428,15 @@ class TDTGraphDecoder:
                 joint's encoder projection ``[B, T, J]``), on the decoder's device.
             lengths: ``[B]`` valid encoder frames per row (int).
             mode: override the preferred mode for this call.
+            lengths_checked: the caller guarantees ``0 <= lengths <= T`` (an encoder's own
+                lengths): the range check, which reads ``lengths`` back to the host and so waits for
+                the GPU work that computes them, is skipped.
         Returns:
             :class:`TDTDecodeOutput` (per-row token ids, frames, durations; the mode used).
         Raises:
             DecoderInputError: bad shapes or lengths.
         """
-        self._validate(encoder_output, lengths)
+        self._validate(encoder_output, lengths, values=not lengths_checked)
         t0 = time.perf_counter()
         f = encoder_output if projected else self.joint.project_encoder(encoder_output)
         B, T, J = f.shape
@@ -469,7 +484,7 @@ class TDTGraphDecoder:
 
     @torch.no_grad()
     def decode_async(self, encoder_output: torch.Tensor, lengths: torch.Tensor, *,
-                     projected: bool = False) -> "PendingDecode":
+                     projected: bool = False, lengths_checked: bool = False) -> "PendingDecode":
         """Launch a decode on the current CUDA stream without waiting for it.
 
         Only the ``full_graph`` mode runs asynchronously (one graph replay); any other mode,
@@ -477,9 +492,10 @@ class TDTGraphDecoder:
         ``PendingDecode.input_consumed`` is a CUDA event recorded once the input has been copied
         into the decoder's static buffer: after it, ``encoder_output`` may be overwritten.
         Call ``result()`` before the next ``decode``/``decode_async`` that may use the same
-        bucket (the static output buffers are shared).
+        bucket (the static output buffers are shared). ``lengths_checked``: as in :meth:`decode`
+        (without it the range check waits for the GPU work that computes ``lengths``).
         """
-        self._validate(encoder_output, lengths)
+        self._validate(encoder_output, lengths, values=not lengths_checked)
         t0 = time.perf_counter()
         f = encoder_output if projected else self.joint.project_encoder(encoder_output)
         if (f.device.type == "cuda" and self.mode is DecodeMode.FULL_GRAPH
@@ -505,7 +521,7 @@ class TDTGraphDecoder:
                 self.disabled.add(DecodeMode.FULL_GRAPH)
                 self._buckets.clear()
                 torch.cuda.synchronize()
-        res = self.decode(f, lengths, projected=True)
+        res = self.decode(f, lengths, projected=True, lengths_checked=lengths_checked)
         return PendingDecode(self, None, 0, None, None, t0, res)
 
     def _collect(self, s: _Buffers, B: int) -> TDTDecodeOutput:
