@@ -408,6 +408,8 @@ def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool
     audio_stream_s = delta("flashasr_engine_audio_seconds_total", 'kind="final"')  # every utterance once
     rows = {k: delta("flashasr_engine_batch_size_sum", f'kind="{k}"') for k in ("partial", "final")}
     batches = {k: delta("flashasr_engine_batch_size_count", f'kind="{k}"') for k in ("partial", "final")}
+    kind_s = {k: delta("flashasr_engine_inference_seconds_sum", f'kind="{k}"') for k in ("partial", "final")}
+    kind_n = {k: delta("flashasr_engine_inference_seconds_count", f'kind="{k}"') for k in ("partial", "final")}
     want = n * a.utterances
     return {"streams": n, "cadence_ms": cadence, "server_vad": vad, "packet_ms": a.packet_ms,
             "utterances_per_stream": a.utterances, "client_procs": len(ps),
@@ -421,6 +423,9 @@ def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool
             "server_cpu_cores": round(cpu / wall, 2), "wall_s": round(wall, 1),
             "engine_busy_fraction": round(inf_s / wall, 3), "engine_calls": int(calls),
             "engine_mean_batch": {k: round(rows[k] / batches[k], 1) if batches[k] else None for k in rows},
+            "engine_busy_by_kind": {k: round(kind_s[k] / wall, 3) for k in kind_s},
+            "engine_call_ms_by_kind": {k: round(1000 * kind_s[k] / kind_n[k], 2) if kind_n[k] else None
+                                       for k in kind_s},
             "engine_inference_s_per_stream_s": round(inf_s / audio_stream_s, 6) if audio_stream_s else None}
 
 
@@ -485,7 +490,8 @@ def _print_scale(r: dict) -> None:
     print(f"scale streams={r['streams']:5d} cadence={r['cadence_ms']} vad={int(r['server_vad'])}  partial p50/p95/p99 "
           f"{p.get('p50_ms')}/{p.get('p95_ms')}/{p.get('p99_ms')} ms (std {p.get('std_ms')})  final p50/p95/p99 "
           f"{f.get('p50_ms')}/{f.get('p95_ms')}/{f.get('p99_ms')} ms  first partial {fp.get('p50_ms')} ms  finals "
-          f"{r['finals']}/{r['finals_expected']}  busy {r['engine_busy_fraction']}  batch {r['engine_mean_batch']}  "
+          f"{r['finals']}/{r['finals_expected']}  busy {r['engine_busy_fraction']} {r['engine_busy_by_kind']}  "
+          f"call ms {r['engine_call_ms_by_kind']}  batch {r['engine_mean_batch']}  "
           f"cpu {r['server_cpu_cores']}  lag99 {r['client_send_lag_p99_ms']} ms", flush=True)
 
 

@@ -94,6 +94,8 @@ class EngineMetrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.stage = Histogram("flashasr_engine_stage_seconds", "Engine stage latency (queue wait, inference)",
                                ["stage"], buckets=_LAT_BUCKETS, registry=r)
+        self.inference = Histogram("flashasr_engine_inference_seconds", "Model call time by the kind of work "
+                                   "it ran (final / partial / offline)", ["kind"], buckets=_LAT_BUCKETS, registry=r)
         self.active = Gauge("flashasr_engine_requests_active", "Requests received by the engine and not "
                             "answered yet (queued or running)", registry=r)
         self.audio_seconds = Counter("flashasr_engine_audio_seconds_total", "Seconds of audio through the model",

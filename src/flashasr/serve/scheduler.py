@@ -399,7 +399,9 @@ class BatchScheduler:
             results = [e] * len(items)
         finally:
             self.busy = False
-        self.metrics.stage.labels("inference").observe(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self.metrics.stage.labels("inference").observe(dt)
+        self.metrics.inference.labels(KIND[items[0].priority]).observe(dt)
         if kind == "run":
             self._stepped(work, getattr(work.run, "audio_s", None), done=results is not None)
             if results is None:
