@@ -3,7 +3,8 @@
 Parakeet-TDT fast path (engine engineer):
 
 * :mod:`.tdt_graphs` - ``TDTGraphDecoder`` (label looping; ``full_graph`` / ``graphs_no_while`` /
-  ``torch`` modes with fallback), :mod:`.cuda_conditional` (CUDA-graph WHILE nodes)
+  ``torch`` modes with fallback; its steps fused by :mod:`.tdt_fused`), :mod:`.cuda_conditional`
+  (CUDA-graph WHILE nodes)
 * :mod:`.profiles` - ``choose_profiles``, ``EncoderProfiles`` (one CUDA graph per shape profile)
 * :mod:`.features_gpu` - ``NemoLogMel``, ``WhisperLogMel``, ``PinnedUploader``
 * :mod:`.fast_attention` - faster full-context rel-pos attention for the FastConformer
