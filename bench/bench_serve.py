@@ -133,7 +133,9 @@ def _free_port() -> int:
 class Server:
     """``python -m flashasr.serve.app`` as a subprocess (own process group) on a loopback port."""
 
-    def __init__(self, args: list[str], log_path: Path, ready_timeout: float):
+    def __init__(self, args: list[str], log_path: Path, ready_timeout: float, wrap: list[str] | None = None):
+        """``wrap``: a command the server runs under (e.g. ``py-spy record ... --``); :meth:`stop` sends it
+        SIGINT first and waits for it (py-spy then writes what it sampled)."""
         import httpx
 
         self.port = _free_port()
@@ -141,7 +143,8 @@ class Server:
         self.log_path = log_path
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "flashasr.serve.app", "--port", str(self.port), *args],
+        self.wrapped = bool(wrap)
+        self.proc = subprocess.Popen([*(wrap or []), sys.executable, "-m", "flashasr.serve.app", "--port", str(self.port), *args],
                                      stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         while True:
@@ -169,6 +172,22 @@ class Server:
         return httpx.get(self.base + "/metrics", timeout=30).text
 
     def stop(self) -> None:
+        if self.wrapped and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # the wrapper first (it may stop the server itself)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)  # what is left of the group
+            except ProcessLookupError:
+                pass
+            time.sleep(2)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:

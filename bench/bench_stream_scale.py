@@ -42,6 +42,8 @@ import math
 import multiprocessing as mp
 import os
 import random
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -292,6 +294,7 @@ async def _stream(port, pcms, a, cadence, vad: bool, delay, out, deadline) -> No
             await ws.recv()
             sent_at: list[float] = []
             st = {"commit": None, "last_partial": None, "first": None, "done": 0, "decidable_ms": None}
+            utt_first: list[int] = []  # per utterance: the index of its first packet in sent_at
 
             def at_ms(ms: float):
                 k = max(0, -(-int(ms * 32) // step) - 1)
@@ -309,7 +312,8 @@ async def _stream(port, pcms, a, cadence, vad: bool, delay, out, deadline) -> No
                             if st["first"] is None:
                                 st["first"] = now
                                 out["first_partial_latency"].append(now - t)
-                                out["first_partial_from_start"].append(now - sent_at[0])
+                                u = min(st["done"], len(utt_first) - 1)  # the utterance this partial is of
+                                out["first_partial_from_start"].append(now - sent_at[utt_first[u]])
                         if st["last_partial"] is not None:
                             out["interval"].append(now - st["last_partial"])
                         st["last_partial"] = now
@@ -331,6 +335,7 @@ async def _stream(port, pcms, a, cadence, vad: bool, delay, out, deadline) -> No
             k = 0
             for u in range(a.utterances):
                 pcm = lead + pcms[u % len(pcms)] + (sil if vad else b"")
+                utt_first.append(len(sent_at))
                 for off in range(0, len(pcm), step):
                     await asyncio.sleep(max(0.0, t0 + k * a.packet_ms / 1000 - time.perf_counter()))
                     await ws.send(pcm[off:off + step])
@@ -374,6 +379,7 @@ def _client_proc(port, pcms, n, a, cadence, vad, seed, start_at, q) -> None:
         uvloop.run(go())
     except ImportError:
         asyncio.run(go())
+    out["cpu_s"] = time.process_time()
     q.put(out)
 
 
@@ -398,12 +404,13 @@ def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool
         p.join(10)
     agg = {k: sum((o[k] for o in outs), [] if isinstance(outs[0][k], list) else 0)
            for k in ("partial", "interval", "ttf", "first_partial_latency", "first_partial_from_start", "late_s",
-                     "finals", "timeouts", "errors", "connect_errors")}
+                     "finals", "timeouts", "errors", "connect_errors", "cpu_s")}
 
     def delta(name, label=None):
         return _metric(m1, name, label) - _metric(m0, name, label)
 
     inf_s = delta("flashasr_engine_stage_seconds_sum", 'stage="inference"')
+    handoff_s = delta("flashasr_engine_stage_seconds_sum", 'stage="handoff"')
     calls = delta("flashasr_engine_stage_seconds_count", 'stage="inference"')
     audio_stream_s = delta("flashasr_engine_audio_seconds_total", 'kind="final"')  # every utterance once
     rows = {k: delta("flashasr_engine_batch_size_sum", f'kind="{k}"') for k in ("partial", "final")}
@@ -421,12 +428,27 @@ def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool
             "last_error": next((o["last_error"] for o in outs if o["last_error"]), None),
             "client_send_lag_p99_ms": _pct(agg["late_s"]).get("p99_ms"),
             "server_cpu_cores": round(cpu / wall, 2), "wall_s": round(wall, 1),
+            "client_cpu_cores": round(agg["cpu_s"] / wall, 2), "load_avg_1m": round(os.getloadavg()[0], 1),
             "engine_busy_fraction": round(inf_s / wall, 3), "engine_calls": int(calls),
+            "engine_handoff_fraction": round(handoff_s / wall, 3),
+            "engine_handoff_ms_per_call": round(1000 * handoff_s / calls, 2) if calls else None,
             "engine_mean_batch": {k: round(rows[k] / batches[k], 1) if batches[k] else None for k in rows},
             "engine_busy_by_kind": {k: round(kind_s[k] / wall, 3) for k in kind_s},
             "engine_call_ms_by_kind": {k: round(1000 * kind_s[k] / kind_n[k], 2) if kind_n[k] else None
                                        for k in kind_s},
             "engine_inference_s_per_stream_s": round(inf_s / audio_stream_s, 6) if audio_stream_s else None}
+
+
+def _profiled(a, cadence: int) -> tuple[list[str], Path | None]:
+    """``--profile DIR``: the server runs under py-spy (``--subprocesses --threads``, non-blocking,
+    ``--profile-rate`` Hz; py-spy is the server's parent, so no ptrace rights are needed): the wrapper
+    command and the raw stacks' path."""
+    if not a.profile:
+        return [], None
+    out = Path(a.profile) / f"profile_stream_{cadence}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return [a.py_spy, "record", "--subprocesses", "--threads", "--nonblocking", "--rate", str(a.profile_rate),
+            "--format", "raw", "--output", str(out), "--"], out
 
 
 def _held(r: dict, a) -> bool:
@@ -447,8 +469,9 @@ def scale_phase(a, clips, result, save, left) -> None:
             result["skipped"].append({"phase": "scale", "cadence_ms": cadence})
             continue
         try:
+            wrap, raw = _profiled(a, cadence)
             server = Server(args + ["--partial-interval-ms", str(cadence)], Path(os.environ.get("TMPDIR", "/tmp")) /
-                            f"bench-stream-{cadence}.log", min(a.ready_timeout_s, left()))
+                            f"bench-stream-{cadence}.log", min(a.ready_timeout_s, left()), wrap=wrap)
         except RuntimeError as e:
             result.setdefault("errors", []).append(f"server (cadence {cadence}): {str(e)[-1500:]}")
             save()
@@ -483,6 +506,22 @@ def scale_phase(a, clips, result, save, left) -> None:
             print(f"scale failed: {e}\n{server.log()}", flush=True)
         finally:
             server.stop()
+            if raw is not None:
+                _profile_summary(result, cadence, raw, a)
+
+
+def _profile_summary(result: dict, cadence: int, raw: Path, a) -> None:
+    """The server's py-spy stacks (its serving only: start-up left out) by role, into ``result["profiles"]``."""
+    from profile_stacks import summarize_server
+
+    if not raw.exists():
+        result.setdefault("errors", []).append(f"profile: py-spy wrote no {raw.name}")
+        return
+    runs = [r for r in result["scale"] if r["cadence_ms"] == cadence]
+    result.setdefault("profiles", {})[str(cadence)] = {
+        "raw": raw.name, "rate_hz": a.profile_rate, "runs": [(r["streams"], r["server_vad"]) for r in runs],
+        "loaded_wall_s": round(sum(r["wall_s"] for r in runs), 1),
+        "roles": summarize_server(raw, a.profile_rate)}
 
 
 def _print_scale(r: dict) -> None:
@@ -491,8 +530,9 @@ def _print_scale(r: dict) -> None:
           f"{p.get('p50_ms')}/{p.get('p95_ms')}/{p.get('p99_ms')} ms (std {p.get('std_ms')})  final p50/p95/p99 "
           f"{f.get('p50_ms')}/{f.get('p95_ms')}/{f.get('p99_ms')} ms  first partial {fp.get('p50_ms')} ms  finals "
           f"{r['finals']}/{r['finals_expected']}  busy {r['engine_busy_fraction']} {r['engine_busy_by_kind']}  "
+          f"handoff {r['engine_handoff_fraction']} ({r['engine_handoff_ms_per_call']} ms/call)  "
           f"call ms {r['engine_call_ms_by_kind']}  batch {r['engine_mean_batch']}  "
-          f"cpu {r['server_cpu_cores']}  lag99 {r['client_send_lag_p99_ms']} ms", flush=True)
+          f"cpu {r['server_cpu_cores']} (clients {r['client_cpu_cores']})  lag99 {r['client_send_lag_p99_ms']} ms", flush=True)
 
 
 # ----------------------------------------------------------------------------- main
@@ -547,6 +587,9 @@ def _args(argv):
     ap.add_argument("--target-partial-p95-ms", type=float, default=100.0)
     ap.add_argument("--target-final-p95-ms", type=float, default=150.0)
     ap.add_argument("--name", default=None)
+    ap.add_argument("--profile", default=None, help="folder: run each scale server under py-spy (its raw stacks)")
+    ap.add_argument("--profile-rate", type=int, default=100)
+    ap.add_argument("--py-spy", default="py-spy", help="py-spy executable")
     a = ap.parse_args(argv)
     if a.smoke:  # small everything, unless given
         given = set(x.split("=")[0] for x in (argv or sys.argv[1:]) if x.startswith("--"))

@@ -22,7 +22,10 @@
 #                                               # .whl: carry [".whav"] in a call just before (machine warm),
 #                                               # command `bash scripts/gpu_bench_stream.sh av`
 # Env: WORKERS (front ends, 6), CLIENTS (client processes, 8), PACKET (ms, 20), LEFT (left context s, 5.12:
-# 6.4 MB of state per stream, 8,000 streams = 51 GB), STREAMS, MAXSTREAMS, BUDGET.
+# 6.4 MB of state per stream, 8,000 streams = 51 GB), STREAMS, MAXSTREAMS, BUDGET, VAD (off|on|both),
+# FINDMAX (1: then search for the most streams held), PROFILE=1 (the server under py-spy: raw stacks under
+# $OUT, a table by role in the JSON's "profiles"; .whl needs py-spy), NAME (a suffix of the JSON's name),
+# EXTRA (more bench_stream_scale.py arguments, e.g. --server-args '...').
 # JSON: bench/results/stream_scale_h200_<phase>.json (and under $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,10 +79,11 @@ case "${1:-cost}" in
       --drift-left-s 2.56,5.12,10.24 --drift-clips 16 --drift-models "$FLASHASR_SHARED/fixtures/parakeet/tiny-tdt/model.nemo" ;;
   scale500|scale1000)
     CAD=${1#scale}
-    timeout 575 python3 -W ignore bench/bench_stream_scale.py --name stream_scale_h200_$1 --phases scale \
+    timeout 575 python3 -W ignore bench/bench_stream_scale.py --name "stream_scale_h200_$1${NAME:-}" --phases scale \
       "${COMMON[@]}" --mode multi --workers "${WORKERS:-6}" --client-procs "${CLIENTS:-8}" --max-batch 256 \
-      --packet-ms "${PACKET:-20}" --cadences "$CAD" --streams "${STREAMS:-1000,2000}" --vad both --utterances 2 \
-      --find-max --max-step 1000 --max-streams "${MAXSTREAMS:-8000}" ;;
+      --packet-ms "${PACKET:-20}" --cadences "$CAD" --streams "${STREAMS:-1000,2000}" --vad "${VAD:-both}" --utterances 2 \
+      $([ "${FINDMAX:-1}" = 1 ] && echo --find-max) --max-step 1000 --max-streams "${MAXSTREAMS:-8000}" \
+      $([ -n "${PROFILE:-}" ] && echo --profile "$OUT" --py-spy /tmp/site/bin/py-spy) ${EXTRA:-} ;;
   final)  # issue #17 item 4: time to a stream final and a short upload's reply under long uploads (after `av`)
     [ -d /tmp/site/av ] || { echo "PyAV is not installed here: run the av step first on this warm machine"; exit 1; }
     timeout 575 python3 -W ignore bench/bench_final_latency.py --device cuda --model $MODEL --mode "${MODE:-multi}" \
