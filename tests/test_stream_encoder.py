@@ -408,3 +408,42 @@ def test_texts_grown_word_by_word_equal_decoding_every_token(tiny):
             assert r.stable_text.startswith(before)
             before = r.stable_text
         s.close(f"t{trial}")
+
+
+def test_reset_many_equals_reset_one_by_one(tiny):
+    """StatePool.reset_many (one operation per state tensor, used for the streams a step opens)
+    leaves the same state as StatePool.reset slot by slot, and touches no other slot."""
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=6, left_frames=10, slots=4))
+    pool = s.pool
+    names = ("k", "v", "conv", "done", "stat_sum", "stat_sq", "stat_n", "dec_time", "dec_gp", "dec_h", "dec_c")
+    g = torch.Generator().manual_seed(0)
+    for n in names:  # garbage everywhere
+        t = getattr(pool, n)
+        t.copy_((torch.rand(t.shape, generator=g) * 100).to(t.dtype))
+    before = {n: getattr(pool, n).clone() for n in names}
+    for slot in (1, 3):
+        pool.reset(slot)
+    one_by_one = {n: getattr(pool, n).clone() for n in names}
+    for n in names:
+        getattr(pool, n).copy_(before[n])
+    pool.reset_many([3, 1, 3])
+    for n in names:
+        assert torch.equal(getattr(pool, n), one_by_one[n]), n
+    assert not torch.equal(one_by_one["conv"], before["conv"])  # the reset did something
+
+
+def test_a_reused_slot_starts_clean(tiny, speech):
+    """A stream opened in the slot of a closed one (its state left dirty) gives the tokens of the same
+    audio on a fresh streamer, also when it opens in a step beside a live stream."""
+    cfg = StreamingConfig(chunk_frames=6, left_frames=10, slots=2)
+    x = speech[:32000]
+    fresh = ParakeetStreamer(tiny, cfg)
+    _stream(fresh, "b", x, [8000])
+    s = ParakeetStreamer(tiny, cfg)
+    _stream(s, "a", speech[40000:80000], [8000])
+    s.step([("c", speech[:4000])])
+    s.close("a")  # a's slot goes back dirty
+    for i in range(0, len(x), 8000):
+        s.step([("b", x[i:i + 8000]), ("c", speech[4000 + i: 12000 + i])])
+    assert s.streams["b"].tokens == fresh.streams["b"].tokens
+    assert s.streams["b"].frames == fresh.streams["b"].frames
