@@ -407,3 +407,106 @@ def test_scheduler_short_requests_first_bulk_shared_fairly_nothing_starves():
     longs = asyncio.run(go(10, 1, 80, 0.0))
     assert sum(longs) == 10, longs
     assert sum(longs[:20]) >= 5, longs
+
+
+def test_finals_gather_while_partials_wait_then_run_in_time():
+    """``final_wait_s``: while partial work is queued a young final waits (partials run first), a final
+    that has waited ``final_wait_s`` -- or a full batch of finals -- runs first, and with nothing else
+    queued a final runs at once."""
+    class NoModel:
+        sample_rate = 16000
+
+    class NoStreamer:
+        def step(self, requests):
+            return [None] * len(requests)
+
+    async def go():
+        s = BatchScheduler(NoModel(), max_batch=3, streamer=NoStreamer(), final_wait_s=0.05)
+        s._wake = asyncio.Event()
+        z = lambda n: np.zeros(n, np.float32)  # noqa: E731
+        final = lambda n: asyncio.ensure_future(s.submit(z(n), priority=FINAL))  # noqa: E731
+        chunk = lambda k: asyncio.ensure_future(s.submit_chunk(k, z(100), s_opts))  # noqa: E731
+        from flashasr.options import TranscribeOptions
+        s_opts = TranscribeOptions()
+        tasks = [final(5)]
+        await asyncio.sleep(0)
+        assert [it.priority for it in _take(s)] == [FINAL]  # nothing else queued: at once
+        tasks += [chunk("a"), chunk("b"), final(6)]
+        await asyncio.sleep(0)
+        first = _take(s)
+        assert [(it.priority, it.stream) for it in first] == [(PARTIAL, "a"), (PARTIAL, "b")]  # the final gathers
+        tasks += [chunk("c"), final(7)]
+        await asyncio.sleep(0.06)  # the oldest final has now waited final_wait_s
+        assert [(it.priority, it.samples.size) for it in _take(s)] == [(FINAL, 6), (FINAL, 7)]
+        assert [it.stream for it in _take(s)] == ["c"]
+        tasks += [chunk("d")] + [final(8 + i) for i in range(3)]
+        await asyncio.sleep(0)
+        assert [it.samples.size for it in _take(s)] == [8, 9, 10]  # a full batch of finals does not wait
+        for t in tasks:
+            t.cancel()
+        await s.stop()
+
+    asyncio.run(go())
+
+
+def test_finals_share_calls_under_a_stream_of_partials():
+    """A running scheduler whose model calls take 5 ms, finals arriving one by one every 2 ms while
+    chunked partials are always queued: with ``final_wait_s`` the finals share calls (fewer, larger
+    final batches than with strict priority), every final is answered, and none waited much more
+    than ``final_wait_s`` plus two calls."""
+    import time as _time
+
+    from flashasr.options import TranscribeOptions
+
+    class Slow:
+        sample_rate = 16000
+
+        def transcribe_batch(self, waves, options=None, **kw):
+            _time.sleep(0.005)
+            return [Transcript(text="f", language="en", duration=len(w) / 16000) for w in waves]
+
+    class SlowStreamer:
+        def step(self, requests):
+            _time.sleep(0.005)
+            return [None] * len(requests)
+
+    def run(wait):
+        async def go():
+            s = BatchScheduler(Slow(), max_batch=64, streamer=SlowStreamer(), final_wait_s=wait)
+            s.start()
+            opts = TranscribeOptions()
+            stop = False
+
+            async def partials(k):
+                while not stop:
+                    await s.submit_chunk(k, np.zeros(160, np.float32), opts)
+
+            ps = [asyncio.ensure_future(partials(f"s{i}")) for i in range(8)]
+            waits = []
+
+            async def one_final(i):
+                t = _time.perf_counter()
+                r = await s.submit(np.zeros(1600, np.float32), opts, priority=FINAL)
+                waits.append(_time.perf_counter() - t)
+                return r
+
+            fs = []
+            for i in range(60):
+                fs.append(asyncio.ensure_future(one_final(i)))
+                await asyncio.sleep(0.002)
+            done = await asyncio.wait_for(asyncio.gather(*fs), 30)
+            stop = True
+            await asyncio.gather(*ps, return_exceptions=True)
+            sizes = next(m for m in s.metrics.registry.collect() if m.name == "flashasr_engine_batch_size")
+            n = sum(x.value for x in sizes.samples if x.name.endswith("_count") and x.labels.get("kind") == "final")
+            await s.stop()
+            return done, n, max(waits)
+
+        return asyncio.run(go())
+
+    done0, calls0, _ = run(0.0)
+    done1, calls1, worst = run(0.03)
+    print(f"final calls: strict priority {calls0}, final_wait 30 ms {calls1}; worst wait {worst * 1000:.0f} ms")
+    assert all(r is not None and r.text == "f" for r in done0 + done1)
+    assert calls1 < calls0  # finals shared calls
+    assert worst < 0.03 + 0.5  # bounded: the wait plus a few calls (generous for a loaded CI machine)

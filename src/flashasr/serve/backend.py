@@ -68,8 +68,7 @@ class LocalBackend:
             return
         m = self.model
         streamer = make_streamer(m, self.cfg)
-        self.scheduler = BatchScheduler(m, max_batch=self.cfg.batch_limit, batch_wait_s=self.cfg.batch_wait_ms / 1000,
-                                        streamer=streamer, stream_batch=self.cfg.stream_batch)
+        self.scheduler = BatchScheduler(m, streamer=streamer, **self.cfg.scheduler_options)
         self.scheduler.start()
         self.info = model_info(m, self.cfg, streamer)
         if self.cfg.gc_freeze:

@@ -39,8 +39,7 @@ class EngineServer:
         self.cfg = cfg
         self.metrics = EngineMetrics(cfg.device)
         streamer = make_streamer(model, cfg)
-        self.scheduler = BatchScheduler(model, max_batch=cfg.batch_limit, batch_wait_s=cfg.batch_wait_ms / 1000,
-                                        metrics=self.metrics, streamer=streamer, stream_batch=cfg.stream_batch)
+        self.scheduler = BatchScheduler(model, metrics=self.metrics, streamer=streamer, **cfg.scheduler_options)
         self.hello = model_info(model, cfg, streamer)
 
     async def handle(self, conn: Conn) -> None:

@@ -92,7 +92,10 @@ class EngineMetrics:
                                  registry=r)
         self.batch_size = Histogram("flashasr_engine_batch_size", "Waveforms per model call", ["kind"],
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.stage = Histogram("flashasr_engine_stage_seconds", "Engine stage latency (queue wait, inference)",
+        # stages: queue (wait for a model call), inference (the call on the model thread), handoff (a call's
+        # wait for the thread handovers: event loop -> model thread -> event loop)
+        self.stage = Histogram("flashasr_engine_stage_seconds", "Engine stage latency (queue wait, inference, "
+                               "handoff between the event loop and the model thread)",
                                ["stage"], buckets=_LAT_BUCKETS, registry=r)
         self.inference = Histogram("flashasr_engine_inference_seconds", "Model call time by the kind of work "
                                    "it ran (final / partial / offline)", ["kind"], buckets=_LAT_BUCKETS, registry=r)

@@ -160,8 +160,7 @@ class ModelReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.info = {**model_info(self.model, self.cfg), "replica": self.replica,
                      "node": ray.util.get_node_ip_address()}
-        self.scheduler = BatchScheduler(self.model, max_batch=self.cfg.batch_limit,
-                                        batch_wait_s=self.cfg.batch_wait_ms / 1000, metrics=self.metrics)
+        self.scheduler = BatchScheduler(self.model, metrics=self.metrics, **self.cfg.scheduler_options)
         self.scheduler.start()
         self.hub = ray.get_actor(hub, namespace=HUB_NAMESPACE)
         self._changed = asyncio.Event()
