@@ -1,13 +1,15 @@
 """The WebSocket doors: ``/v1/realtime`` (OpenAI Realtime transcription, JSON events) and
 ``/v1/stream`` (lean binary mode: raw PCM16 frames in, the same JSON events out).
 
-Both share one connection life (:class:`WebSocketDoor`): open (API key, accept, metrics; a missing
-or wrong key: accepted, an ``error`` event ``invalid_api_key``, closed 1008 "invalid API key"; any
-other path: HTTP 404 instead of the handshake), one receive loop (idle timeout, disconnect, an
-``error`` event for a bad client message while the session lives on, the session closed at the
-end) and one emitter (``event_id`` per event, a send timeout that drops a client that does not
-read). A protocol is a small handler that turns one client message into calls on its
-:class:`~.stream.StreamSession`:
+Both share one connection life (:meth:`WebSocketDoor.run`): open (API key, accept; a missing or
+wrong key: accepted, an ``error`` event ``invalid_api_key``, closed 1008 "invalid API key"; any
+other path: HTTP 404 instead of the handshake), the protocol's opening (bad opening parameters:
+an ``error`` event, closed 1008), one receive loop (idle timeout, disconnect, an ``error`` event
+for a bad client message while the session lives on, the session closed at the end) and one
+emitter (``event_id`` per event, a send timeout that drops a client that does not read).
+``flashasr_active_streams`` counts the connection from its accept to its end, however it ends
+(refused, cancelled, the client gone). A protocol is a small handler that turns one client
+message into calls on its :class:`~.stream.StreamSession`:
 
 ==================  ===================================  =====================================
 handler             text frames                          binary frames
@@ -66,6 +68,25 @@ class WebSocketDoor:
         self.ctx = ctx
         self._ids = itertools.count(1)
 
+    async def run(self, ws: WebSocket, opening) -> None:
+        """One connection's life: :meth:`open`, then ``await opening(emit)`` (the protocol's
+        :class:`_Handler` for this connection; :class:`Refusal` when its opening parameters are
+        bad), then :meth:`serve`. The live-streams gauge counts it from the accept until it ends,
+        however it ends."""
+        emit = await self.open(ws)
+        if emit is None:
+            return
+        streams = self.ctx.metrics.streams
+        streams.inc()
+        try:
+            try:
+                handler = await opening(emit)
+            except Refusal as r:
+                return await self.refuse(ws, emit, r.err, r.reason, r.code)
+            await self.serve(ws, handler)
+        finally:
+            streams.dec()
+
     async def open(self, ws: WebSocket):
         """Check the key and accept; returns the connection's ``emit`` coroutine, or None (a missing
         or wrong key: :meth:`refuse_key`)."""
@@ -79,7 +100,6 @@ class WebSocketDoor:
             return None
         await ws.accept(subprotocol="realtime" if "realtime" in protos else None)
         m.requests.labels("ws", "101").inc()
-        m.streams.inc()
         return self._emitter(ws)
 
     async def refuse_key(self, ws: WebSocket, protos: list[str], err: APIError) -> None:
@@ -106,11 +126,14 @@ class WebSocketDoor:
 
         return emit
 
-    async def refuse(self, ws: WebSocket, emit, err: BaseException, reason: str) -> None:
-        """A connection whose opening parameters are bad: an ``error`` event, then close 1008."""
-        await send_error(emit, err)
-        await ws.close(code=1008, reason=reason)
-        self.ctx.metrics.streams.dec()
+    async def refuse(self, ws: WebSocket, emit, err: BaseException, reason: str, code: int = 1008) -> None:
+        """A connection that does not become a session: an ``error`` event, then close ``code``
+        (1008: bad opening parameters)."""
+        try:
+            await send_error(emit, err)
+            await ws.close(code=code, reason=reason)
+        except (asyncio.TimeoutError, RuntimeError, ConnectionError, WebSocketDisconnect):
+            pass  # the client did not wait for the reason
 
     async def serve(self, ws: WebSocket, handler: "_Handler") -> None:
         """The receive loop: each message to the handler until the client leaves, idles past
@@ -148,7 +171,15 @@ class WebSocketDoor:
                 log.exception("%s stream failed", handler.name)
         finally:
             await handler.session.close()
-            self.ctx.metrics.streams.dec()
+
+
+class Refusal(Exception):
+    """A connection's opening that cannot become a session: ``err`` as an ``error`` event, then
+    close ``code`` with ``reason`` (:meth:`WebSocketDoor.refuse`)."""
+
+    def __init__(self, err: BaseException, reason: str, code: int = 1008):
+        super().__init__(reason)
+        self.err, self.reason, self.code = err, reason, code
 
 
 class _Handler:
@@ -282,31 +313,31 @@ def websocket_router(ctx: ServeContext) -> APIRouter:
     @router.websocket("/v1/realtime")
     async def realtime(ws: WebSocket):
         """Realtime transcription; ``?sample_rate=`` sets the input rate (default 24000, as OpenAI's pcm16)."""
-        emit = await door.open(ws)
-        if emit is None:
-            return
-        try:
-            rate = check_rate(ws.query_params["sample_rate"]) if "sample_rate" in ws.query_params else 24000
-        except APIError as e:
-            return await door.refuse(ws, emit, e, "invalid sample_rate")
-        td = default_turn_detection(cfg)
-        await ctx.engine_connected()  # a front end just started: its engine connection is a moment away
-        s = session(emit, rate, stream_options(None, ctx.backend.capabilities), td, cfg.partial_interval_ms)
-        await door.serve(ws, Realtime(ctx, ws, emit, s, td))
+        async def opening(emit):
+            try:
+                rate = check_rate(ws.query_params["sample_rate"]) if "sample_rate" in ws.query_params else 24000
+            except APIError as e:
+                raise Refusal(e, "invalid sample_rate") from None
+            td = default_turn_detection(cfg)
+            await ctx.engine_connected()  # a front end just started: its engine connection is a moment away
+            s = session(emit, rate, stream_options(None, ctx.backend.capabilities), td, cfg.partial_interval_ms)
+            return Realtime(ctx, ws, emit, s, td)
+
+        await door.run(ws, opening)
 
     @router.websocket("/v1/stream")
     async def binary_stream(ws: WebSocket):
         """``?sample_rate=16000&language=en&vad=false&partial_interval_ms=500&partials=delta``."""
-        emit = await door.open(ws)
-        if emit is None:
-            return
-        await ctx.engine_connected()
-        try:
-            q = parse_stream_query(ws.query_params, ctx.backend.capabilities, cfg)
-        except FlashASRError as e:
-            return await door.refuse(ws, emit, e, "invalid query parameters")
-        s = session(emit, q.rate, q.options, q.turn_detection, q.partial_interval_ms, q.full_partials)
-        await door.serve(ws, Binary(ctx, ws, emit, s, q.turn_detection))
+        async def opening(emit):
+            await ctx.engine_connected()
+            try:
+                q = parse_stream_query(ws.query_params, ctx.backend.capabilities, cfg)
+            except FlashASRError as e:
+                raise Refusal(e, "invalid query parameters") from None
+            s = session(emit, q.rate, q.options, q.turn_detection, q.partial_interval_ms, q.full_partials)
+            return Binary(ctx, ws, emit, s, q.turn_detection)
+
+        await door.run(ws, opening)
 
     router.add_websocket_route("/{path:path}", NoSuchRoute(ctx.metrics))  # last: any other path
     return router
@@ -345,4 +376,4 @@ async def _connection_lost(receive, timeout: float = 2.0) -> None:
         pass
 
 
-__all__ = ["websocket_router", "WebSocketDoor", "NoSuchRoute", "Realtime", "Binary", "send_error"]
+__all__ = ["websocket_router", "WebSocketDoor", "NoSuchRoute", "Realtime", "Binary", "Refusal", "send_error"]
