@@ -1,7 +1,14 @@
 """WebSocket sessions opened at the edges of the engine's life (in process, uvicorn, CPU).
 
-* A fake multi-mode engine the test connects and disconnects:
-  ``flashasr_active_streams`` returns to its value before the connection however the opening
+* Single mode, the NeMo-made Parakeet fixture, its load held back by the test: a session opened
+  while the model loads is refused (``error`` ``model_not_ready``, close 1013), never created with
+  unchecked options and re-encoded partials; once the model is ready a session gets chunked
+  partials.
+* A fake multi-mode engine the test connects and disconnects: a session opened while it is away
+  is refused after the wait (``engine_unavailable``, 1013); one whose engine comes during the wait
+  is created, with chunked partials; a session update while the engine restarts is refused (the
+  session keeps its settings) and checked against the model once it is back.
+* ``flashasr_active_streams`` returns to its value before the connection however the opening
   ends: refused, the client gone before the refusal could be sent, the handler cancelled while
   it waits for the engine.
 """
@@ -105,6 +112,58 @@ def _speech(seconds: float) -> bytes:
     return (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
 
 
+# ----------------------------------------------------------------------------- single mode, loading
+class _GatedLoad(LocalBackend):
+    """LocalBackend whose model load waits for ``gate`` (the tiny Parakeet fixture then)."""
+
+    def __init__(self, cfg, pool, gate: asyncio.Event):
+        super().__init__(cfg, pool)
+        self.gate = gate
+
+    async def _load(self) -> None:
+        from flashasr.models.parakeet.model import load_parakeet
+
+        await self.gate.wait()
+        self.model = load_parakeet(TINY / "model.nemo")
+        await super()._load()
+
+
+def test_single_mode_session_opened_while_loading_is_refused_then_chunked():
+    async def go():
+        gate = asyncio.Event()
+        base, app, stop = await _serve(lambda cfg, pool, metrics: _GatedLoad(cfg, pool, gate))
+        try:
+            before = _streams(app)
+            loading = [await _refused(base + "/v1/realtime?sample_rate=16000"),
+                       await _refused(base + "/v1/stream?language=de")]
+            await _until(lambda: _streams(app) == before)
+            gate.set()
+            await _until(lambda: _is(_get(base[5:], "/ready"), 200))
+            backend = app.state.flashasr["backend"]
+            rows = backend.scheduler.streamer.counters["rows"]
+            async with connect(base + "/v1/stream?sample_rate=16000&partial_interval_ms=500") as ws:
+                created = json.loads(await ws.recv())
+                pcm = _speech(3.0)
+                for i in range(0, len(pcm), 3200):  # 100 ms packets, 4x real time
+                    await ws.send(pcm[i:i + 3200])
+                    await asyncio.sleep(0.025)
+                await ws.send(json.dumps({"type": "commit"}))
+                evs = []
+                while not evs or evs[-1]["type"] != "conversation.item.input_audio_transcription.completed":
+                    evs.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+            return loading, created, evs, backend.scheduler.streamer.counters["rows"] - rows
+        finally:
+            await stop()
+
+    loading, created, evs, chunk_rows = asyncio.run(go())
+    for ev, code in loading:  # not created with options nobody checked
+        assert ev["type"] == "error" and ev["error"]["code"] == "model_not_ready", ev
+        assert "loading" in ev["error"]["message"] and code == 1013
+    assert created["type"] == "session.created"
+    assert chunk_rows > 0  # the partials went through the model's chunked streamer
+    assert any(e["type"] == DELTA for e in evs)
+
+
 # ----------------------------------------------------------------------------- multi mode, a fake engine
 class _Client:
     def __init__(self, engine):
@@ -190,6 +249,47 @@ def _engine_server(monkeypatch, wait_s: float):
         return holder["engine"]
 
     return factory, holder
+
+
+def test_multi_mode_sessions_wait_for_the_engine_and_updates_are_checked_against_it(monkeypatch):
+    factory, holder = _engine_server(monkeypatch, 0.3)
+
+    async def go():
+        base, app, stop = await _serve(factory)
+        eng = holder["engine"]
+        try:
+            away = [await _refused(base + "/v1/realtime"), await _refused(base + "/v1/stream?language=de")]
+            # the engine connects while the session waits for it: created, with chunked partials
+            asyncio.get_running_loop().call_later(0.1, eng.connect)
+            async with connect(base + "/v1/stream?sample_rate=16000&partial_interval_ms=100") as ws:
+                created = json.loads(await ws.recv())
+                await ws.send(b"\0\0" * 3200)
+                await _until(lambda: eng.calls, 10)
+            async with connect(base + "/v1/realtime?sample_rate=16000") as ws:
+                await ws.recv()
+                upd = {"type": "transcription_session.update", "session": {
+                    "input_audio_transcription": {"language": "de"}}}
+                eng.disconnect()  # the engine restarts
+                await ws.send(json.dumps(upd))
+                restarting = json.loads(await ws.recv())
+                eng.connect()
+                await ws.send(json.dumps(upd))
+                unsupported = json.loads(await ws.recv())
+                await ws.send(json.dumps({"type": "transcription_session.update", "session": {}}))
+                same = json.loads(await ws.recv())
+            return away, created, list(eng.calls), restarting, unsupported, same
+        finally:
+            await stop()
+
+    away, created, calls, restarting, unsupported, same = asyncio.run(go())
+    for ev, code in away:
+        assert ev["type"] == "error" and ev["error"]["code"] == "engine_unavailable", ev
+        assert "starting" in ev["error"]["message"] and code == 1013
+    assert created["type"] == "session.created" and set(calls) == {"chunk"}
+    assert restarting["type"] == "error" and restarting["error"]["code"] == "engine_unavailable", restarting
+    assert unsupported["type"] == "error" and unsupported["error"]["code"] == "unsupported_language", unsupported
+    assert same["type"] == "transcription_session.updated"
+    assert same["session"]["input_audio_transcription"]["language"] is None  # neither update applied
 
 
 def test_streams_gauge_returns_however_the_opening_ends(monkeypatch):

@@ -3,12 +3,15 @@
 
 Both share one connection life (:meth:`WebSocketDoor.run`): open (API key, accept; a missing or
 wrong key: accepted, an ``error`` event ``invalid_api_key``, closed 1008 "invalid API key"; any
-other path: HTTP 404 instead of the handshake), the protocol's opening (bad opening parameters:
-an ``error`` event, closed 1008), one receive loop (idle timeout, disconnect, an ``error`` event
-for a bad client message while the session lives on, the session closed at the end) and one
-emitter (``event_id`` per event, a send timeout that drops a client that does not read).
-``flashasr_active_streams`` counts the connection from its accept to its end, however it ends
-(refused, cancelled, the client gone). A protocol is a small handler that turns one client
+other path: HTTP 404 instead of the handshake), the model's capabilities (the options of every
+session are checked against them: a session is never created before they are known; the model
+still loading, or no engine after the wait: an ``error`` event ``model_not_ready`` /
+``engine_unavailable``, closed 1013 "try again later"), the protocol's opening (bad opening
+parameters: an ``error`` event, closed 1008), one receive loop (idle timeout, disconnect, an
+``error`` event for a bad client message while the session lives on, the session closed at the
+end) and one emitter (``event_id`` per event, a send timeout that drops a client that does not
+read). ``flashasr_active_streams`` counts the connection from its accept to its end, however it
+ends (refused, cancelled, the client gone). A protocol is a small handler that turns one client
 message into calls on its :class:`~.stream.StreamSession`:
 
 ==================  ===================================  =====================================
@@ -39,6 +42,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from ..errors import FlashASRError
+from ..options import ModelCapabilities
 from .context import ServeContext
 from .errors import APIError, error_body
 from .protocol import (UNCHANGED, SessionUpdate, default_turn_detection, parse_session_update, parse_stream_query,
@@ -69,10 +73,10 @@ class WebSocketDoor:
         self._ids = itertools.count(1)
 
     async def run(self, ws: WebSocket, opening) -> None:
-        """One connection's life: :meth:`open`, then ``await opening(emit)`` (the protocol's
-        :class:`_Handler` for this connection; :class:`Refusal` when its opening parameters are
-        bad), then :meth:`serve`. The live-streams gauge counts it from the accept until it ends,
-        however it ends."""
+        """One connection's life: :meth:`open`, then ``await opening(emit, caps)`` (the protocol's
+        :class:`_Handler` for this connection; :class:`Refusal` when its opening parameters are bad)
+        with the model's capabilities, then :meth:`serve`. The live-streams gauge counts it from the
+        accept until it ends, however it ends."""
         emit = await self.open(ws)
         if emit is None:
             return
@@ -80,12 +84,21 @@ class WebSocketDoor:
         streams.inc()
         try:
             try:
-                handler = await opening(emit)
+                handler = await opening(emit, await self.capabilities())
             except Refusal as r:
                 return await self.refuse(ws, emit, r.err, r.reason, r.code)
             await self.serve(ws, handler)
         finally:
             streams.dec()
+
+    async def capabilities(self):
+        """The model's capabilities (multi and Ray mode: waiting for the engine as an upload does);
+        :class:`Refusal` (close 1013, try again later) while they are not known."""
+        try:
+            return await self.ctx.capabilities()
+        except FlashASRError as e:
+            raise Refusal(e, "model not ready" if e.code == "model_not_ready" else "engine unavailable",
+                          code=1013) from None
 
     async def open(self, ws: WebSocket):
         """Check the key and accept; returns the connection's ``emit`` coroutine, or None (a missing
@@ -128,7 +141,7 @@ class WebSocketDoor:
 
     async def refuse(self, ws: WebSocket, emit, err: BaseException, reason: str, code: int = 1008) -> None:
         """A connection that does not become a session: an ``error`` event, then close ``code``
-        (1008: bad opening parameters)."""
+        (1008: bad opening parameters; 1013: the model is not ready)."""
         try:
             await send_error(emit, err)
             await ws.close(code=code, reason=reason)
@@ -184,18 +197,20 @@ class Refusal(Exception):
 
 class _Handler:
     """One protocol on one connection. ``on_text`` / ``on_bytes`` return True to end the loop;
-    a FlashASRError they raise becomes an ``error`` event naming ``event_id``."""
+    a FlashASRError they raise becomes an ``error`` event naming ``event_id``. ``caps``: the
+    model's capabilities the session's options were checked against."""
 
     name = "websocket"
 
-    def __init__(self, ctx: ServeContext, ws: WebSocket, emit, session: StreamSession, turn_detection):
+    def __init__(self, ctx: ServeContext, ws: WebSocket, emit, session: StreamSession, turn_detection,
+                 caps: ModelCapabilities):
         self.ctx, self.ws, self.emit, self.session = ctx, ws, emit, session
         self.turn_detection = turn_detection
+        self.caps = caps
         self.event_id = None
 
     def view(self) -> dict:
-        return session_view(self.session, self.turn_detection, self.ctx.backend.info.get("model"),
-                            self.ctx.backend.capabilities)
+        return session_view(self.session, self.turn_detection, self.caps)
 
 
 class Realtime(_Handler):
@@ -227,8 +242,10 @@ class Realtime(_Handler):
             await s.clear()
         elif typ in ("transcription_session.update", "session.update"):
             await s.vad_settled()  # audio received before the update is handled under the old settings
-            self.apply(parse_session_update(ev.get("session") or {}, s.options, self.ctx.backend.capabilities,
-                                            self.ctx.cfg))
+            # checked against the model as it is now (an engine restarting: waited for, as an upload
+            # waits; still away: an error event, the session keeps its settings)
+            self.caps = await self.ctx.capabilities()
+            self.apply(parse_session_update(ev.get("session") or {}, s.options, self.caps, self.ctx.cfg))
             await self.emit({"type": "session.updated" if typ == "session.update" else
                              "transcription_session.updated", "session": self.view()})
         else:
@@ -313,29 +330,27 @@ def websocket_router(ctx: ServeContext) -> APIRouter:
     @router.websocket("/v1/realtime")
     async def realtime(ws: WebSocket):
         """Realtime transcription; ``?sample_rate=`` sets the input rate (default 24000, as OpenAI's pcm16)."""
-        async def opening(emit):
+        async def opening(emit, caps):
             try:
                 rate = check_rate(ws.query_params["sample_rate"]) if "sample_rate" in ws.query_params else 24000
             except APIError as e:
                 raise Refusal(e, "invalid sample_rate") from None
             td = default_turn_detection(cfg)
-            await ctx.engine_connected()  # a front end just started: its engine connection is a moment away
-            s = session(emit, rate, stream_options(None, ctx.backend.capabilities), td, cfg.partial_interval_ms)
-            return Realtime(ctx, ws, emit, s, td)
+            s = session(emit, rate, stream_options(None, caps), td, cfg.partial_interval_ms)
+            return Realtime(ctx, ws, emit, s, td, caps)
 
         await door.run(ws, opening)
 
     @router.websocket("/v1/stream")
     async def binary_stream(ws: WebSocket):
         """``?sample_rate=16000&language=en&vad=false&partial_interval_ms=500&partials=delta``."""
-        async def opening(emit):
-            await ctx.engine_connected()
+        async def opening(emit, caps):
             try:
-                q = parse_stream_query(ws.query_params, ctx.backend.capabilities, cfg)
+                q = parse_stream_query(ws.query_params, caps, cfg)
             except FlashASRError as e:
                 raise Refusal(e, "invalid query parameters") from None
             s = session(emit, q.rate, q.options, q.turn_detection, q.partial_interval_ms, q.full_partials)
-            return Binary(ctx, ws, emit, s, q.turn_detection)
+            return Binary(ctx, ws, emit, s, q.turn_detection, caps)
 
         await door.run(ws, opening)
 
