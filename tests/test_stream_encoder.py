@@ -346,6 +346,21 @@ def test_errors_are_per_request_and_streams_close(tiny, speech):
     assert s.live() == 2
 
 
+def test_a_flushed_stream_takes_no_more_audio(tiny, speech):
+    """A flush ends the stream's audio (its last frames were encoded with zero padding): more audio
+    for it is a StreamError naming the flush, the other requests of the step go on, and an empty
+    request or a second flush returns the flushed result unchanged."""
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=8, left_frames=16))
+    done = s.step([("a", speech[:16000]), ("b", speech[:16000])], flush=True)
+    out = s.step([("a", speech[16000:16100]), ("b", speech[16000:16100]), ("c", speech[:8000])], flush=True)
+    for r in out[:2]:
+        assert isinstance(r, StreamError) and "flushed" in str(r), r
+    assert not isinstance(out[2], Exception) and out[2].frames > 0
+    for again in (s.step([("a", np.zeros(0, np.float32))])[0], s.step([("a", speech[:0])], flush=True)[0]):
+        assert again.frames == done[0].frames and again.text == done[0].text and again.new_tokens == 0
+    assert s.streams["a"].received == 16000  # the refused audio was not kept
+
+
 def test_the_gpu_engines_encoder_variants(speech):
     """The streamer on the encoder as the GPU engine leaves it (exact-math fusions: BatchNorm folded
     into the depthwise conv, fused add+LayerNorm, fast attention; then bf16 with float32 norms):

@@ -228,6 +228,7 @@ class _Stream:
     last_used: float = 0.0
     stable: str = ""             # decoded tokens[:stable_upto] (grown word by word, not re-decoded)
     stable_upto: int = 0
+    flushed: bool = False        # its audio ended (a flushed step): no more audio
 
 
 class ParakeetStreamer:
@@ -317,13 +318,16 @@ class ParakeetStreamer:
                 float32 16 kHz samples (``[n]``, may be empty); an unknown key opens a stream,
                 unless ``new`` is False (its state was lost: :class:`StreamError`). A key appears
                 at most once per call.
-            flush: treat the audio as ended (zero padding, as the offline encoder on the same
-                audio): every remaining frame is encoded. Used by tests and benchmarks; the
+            flush: the requests' audio ends here (zero padding, as the offline encoder on the
+                same audio): every remaining frame is encoded, and the stream takes no more audio
+                (its last frames saw zeros where later audio would go; a request with samples for
+                it then gets :class:`StreamError`, an empty one its result again; the next
+                utterance is a new key, as the server's are). Used by tests and benchmarks; the
                 server's finals re-encode offline instead.
         Returns:
             per request a :class:`StreamResult`, or the exception that request raised
-            (:class:`StreamError` for a closed stream or no slot; ``AudioError`` for samples
-            that are not finite floats); the other requests are unaffected.
+            (:class:`StreamError` for a closed or flushed stream or no slot; ``AudioError`` for
+            samples that are not finite floats); the other requests are unaffected.
         """
         with self._lock:
             self._evict_idle()
@@ -338,6 +342,9 @@ class ParakeetStreamer:
                     seen.add(key)
                     a = self._check(key, samples)
                     st = self._open(key, new)
+                    if st.flushed and a.size:
+                        raise StreamError(f"stream {key!r} was flushed (its audio ended): it takes no more "
+                                          f"audio; the next utterance is a new stream")
                     self._append(st, a)
                     todo.append((i, st))
                 except FlashASRError as e:
@@ -356,6 +363,7 @@ class ParakeetStreamer:
                     work[id(st)] = (n - k, f_end)
                 self._run_rows(plan)
             for i, st in todo:
+                st.flushed = st.flushed or flush
                 out[i] = self._result(st, len(st.tokens) - before[id(st)])
             return out
 
