@@ -24,8 +24,13 @@ What is exact, and what is not (tests/test_stream_encoder.py checks each exact c
 * An encoder frame is produced once its subsampling receptive field (feature frames ``8v-7 ..
   8v+7``) exists: the windowed subsampling (overlap of one encoder frame's 8 feature frames,
   output 0 dropped, first window masked on the left) equals the subsampling of the whole stream.
-* The first chunk equals the offline encoder on the same (normalised) features; a whole
-  utterance in one flushed step equals the offline encoder on its audio (features included).
+* The first chunk equals the offline encoder on the same (normalised) features. So a flushed
+  step equals the offline encoder on the stream's audio (features, frames and tokens) exactly when
+  the utterance is one chunk: the flushed step is the stream's first and ``C`` covers all its
+  encoder frames (``C >=`` the encoder's output length for the audio: about ``C x 80 ms`` of
+  audio at 8x subsampling of 10 ms feature frames). A step runs at most ``C`` frames per chunk,
+  so a flush with more frames left, or after earlier steps, is chunks of the kind below, not the
+  offline encoder.
 * Later chunks: frames never see the future beyond their chunk (attention and the depthwise
   conv's right half get zeros there), the past only through the last ``L`` frames, and features
   are normalised with the statistics of the stream so far. This is NOT the offline computation:
@@ -318,8 +323,10 @@ class ParakeetStreamer:
                 float32 16 kHz samples (``[n]``, may be empty); an unknown key opens a stream,
                 unless ``new`` is False (its state was lost: :class:`StreamError`). A key appears
                 at most once per call.
-            flush: the requests' audio ends here (zero padding, as the offline encoder on the
-                same audio): every remaining frame is encoded, and the stream takes no more audio
+            flush: the requests' audio ends here (zero padding after it, as the offline encoder
+                pads): every remaining frame is encoded, in chunks of at most ``C`` (equal to the
+                offline encoder only for a stream's first step with at most ``C`` frames: the
+                module docstring), and the stream takes no more audio
                 (its last frames saw zeros where later audio would go; a request with samples for
                 it then gets :class:`StreamError`, an empty one its result again; the next
                 utterance is a new key, as the server's are). Used by tests and benchmarks; the
