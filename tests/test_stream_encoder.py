@@ -4,7 +4,9 @@ Where the maths says the chunked step must equal something, it is checked on the
 fixture, on another architecture with random weights (x4 subsampling, xscaling, biases, LayerNorm
 conv, kernel 5: nothing tuned to one model) and on real speech:
 
-* a whole utterance in one flushed step = the offline encoder and NeMo's own tokens;
+* a whole utterance flushed as one chunk (the stream's first step, ``C`` >= its encoder frames) =
+  the offline encoder and NeMo's own tokens; with more frames than ``C``, or after earlier steps,
+  a flushed step is the block-masked encoder below instead;
 * feature frames and the windowed subsampling = the offline ones of the whole stream;
 * the first chunk = the offline encoder on the same (normalised) features;
 * every later chunk = a block-masked offline encoder (the chunk's frames attend to
@@ -189,6 +191,37 @@ def test_flushed_whole_utterances_equal_offline_and_nemo(tiny, ref):
         torch.testing.assert_close(got[f"c{b}"][0], want, rtol=1e-3, atol=1e-3)
 
 
+def test_a_flushed_step_equals_offline_exactly_when_it_is_one_chunk(tiny, ref):
+    """The boundary of the claim above, per clip of T encoder frames (9-114): flushed as the
+    stream's first step with C = T (one chunk) it equals NeMo's encoder output and tokens; with
+    C = T - 1 (two chunks), or after an earlier step, it is the block-masked encoder instead (exact)
+    and no longer the offline one."""
+    for b in range(4):
+        T = int(ref["encoded_lengths"][b])
+        clip = ref["audio"][b, : ref["audio_lengths"][b]].astype(np.float32)
+        nemo = tiny.joint.project_encoder(torch.from_numpy(ref["encoder_output"][b, :, :T].T.copy()))
+        tokens = ref["token_ids"][b, : int(ref["num_tokens"][b])].tolist()
+        for C, first in ((T, T), (T - 1, T), (T, 4000)):  # first: samples of the first (flushed or not) step
+            s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=C, left_frames=T))
+            got = _capture(s)
+            if first < len(clip):
+                s.step([("a", clip[:first])])
+            r = s.step([("a", clip[first:])], flush=True)[0]
+            f = torch.cat(got["a"])
+            assert r.frames == T and f.shape[0] == T
+            bounds, a = [], 0
+            for n in [len(x) for x in got["a"]]:
+                bounds.append((a, a + n))
+                a += n
+            with torch.no_grad():
+                rel = float((f - nemo).norm() / nemo.norm())
+                torch.testing.assert_close(f, _reference(tiny, clip, bounds, T), rtol=1e-4, atol=1e-4)
+            if len(bounds) == 1:
+                assert rel < 1e-5 and s.streams["a"].tokens == tokens, (b, C, rel)
+            else:
+                assert rel > 1e-3, (b, C, bounds, rel)
+
+
 def test_feature_frames_and_windowed_subsampling_equal_the_whole_stream(tiny, other, speech):
     for model in (tiny, other):
         s = ParakeetStreamer(model, StreamingConfig(chunk_frames=6, left_frames=8))
@@ -344,6 +377,21 @@ def test_errors_are_per_request_and_streams_close(tiny, speech):
     assert isinstance(s.step([("a", speech[:100])])[0], StreamError)  # closed streams do not come back
     assert not isinstance(s.step([("e", speech[:100])])[0], Exception)  # its slot was given back
     assert s.live() == 2
+
+
+def test_a_flushed_stream_takes_no_more_audio(tiny, speech):
+    """A flush ends the stream's audio (its last frames were encoded with zero padding): more audio
+    for it is a StreamError naming the flush, the other requests of the step go on, and an empty
+    request or a second flush returns the flushed result unchanged."""
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=8, left_frames=16))
+    done = s.step([("a", speech[:16000]), ("b", speech[:16000])], flush=True)
+    out = s.step([("a", speech[16000:16100]), ("b", speech[16000:16100]), ("c", speech[:8000])], flush=True)
+    for r in out[:2]:
+        assert isinstance(r, StreamError) and "flushed" in str(r), r
+    assert not isinstance(out[2], Exception) and out[2].frames > 0
+    for again in (s.step([("a", np.zeros(0, np.float32))])[0], s.step([("a", speech[:0])], flush=True)[0]):
+        assert again.frames == done[0].frames and again.text == done[0].text and again.new_tokens == 0
+    assert s.streams["a"].received == 16000  # the refused audio was not kept
 
 
 def test_the_gpu_engines_encoder_variants(speech):

@@ -15,8 +15,10 @@ multipart form of ``/v1/audio/*``           :class:`UploadRequest` (:func:`parse
 
 Every door builds one :class:`~flashasr.options.TranscribeOptions`: its ``language`` follows
 the options' one rule (ISO 639-1, case-insensitive, region dropped, English names accepted) and
-is checked against the model (:meth:`~flashasr.options.TranscribeOptions.resolve`) as soon as
-the model's capabilities are known. Replies: :func:`session_view` (the ``session`` object of
+is checked against the model (:meth:`~flashasr.options.TranscribeOptions.resolve`) before any
+work starts: a door gets the model's capabilities first (:meth:`.context.ServeContext.capabilities`:
+it waits for the engine; while they are not known, an upload gets a 503 and a WebSocket is
+refused), so the functions here take them, never None. Replies: :func:`session_view` (the ``session`` object of
 ``*.created`` / ``*.updated``) and :func:`sse_events` (``stream=true`` of an upload).
 """
 
@@ -47,12 +49,6 @@ def _flag(value, param: str) -> bool:
         return False
     raise APIError(f"{param} must be true or false; got {_short(value)}", param=param)
 UNCHANGED = object()  # a SessionUpdate field the update did not name
-
-
-def resolve_known(options: TranscribeOptions, caps: ModelCapabilities | None) -> TranscribeOptions:
-    """``options.resolve(caps)``, or ``options`` unchanged while the model's capabilities are
-    unknown (still loading; the engine resolves them again when it transcribes)."""
-    return options if caps is None else options.resolve(caps)
 
 
 def _short(value) -> str:
@@ -159,9 +155,10 @@ def default_turn_detection(cfg) -> dict:
             "silence_duration_ms": cfg.vad_silence_duration_ms}
 
 
-def stream_options(language, caps: ModelCapabilities | None) -> TranscribeOptions:
-    """A stream's options: the whole utterance is one model input (``segmentation="none"``)."""
-    return resolve_known(TranscribeOptions(language=language, segmentation="none"), caps)
+def stream_options(language, caps: ModelCapabilities) -> TranscribeOptions:
+    """A stream's options, checked against the model: the whole utterance is one model input
+    (``segmentation="none"``)."""
+    return TranscribeOptions(language=language, segmentation="none").resolve(caps)
 
 
 def parse_turn_detection(td, cfg) -> dict | None:
@@ -217,7 +214,7 @@ class SessionUpdate:
     turn_detection: object = UNCHANGED
 
 
-def parse_session_update(sess, options: TranscribeOptions, caps: ModelCapabilities | None, cfg) -> SessionUpdate:
+def parse_session_update(sess, options: TranscribeOptions, caps: ModelCapabilities, cfg) -> SessionUpdate:
     """A ``transcription_session.update`` (beta shape) or ``session.update`` (GA shape:
     ``session.audio.input.{format, transcription, turn_detection}``) body -> :class:`SessionUpdate`.
 
@@ -247,7 +244,7 @@ def parse_session_update(sess, options: TranscribeOptions, caps: ModelCapabiliti
     upd: dict = {}
     changes = {k: tr.get(k) or None for k in ("language", "prompt") if k in tr}
     if changes:
-        upd["options"] = resolve_known(TranscribeOptions.build(options, **changes), caps)
+        upd["options"] = TranscribeOptions.build(options, **changes).resolve(caps)
     if rate is not None:
         upd["rate"] = check_rate(rate)
     pi = sess.get("partial_interval_ms", tr.get("partial_interval_ms"))
@@ -271,7 +268,7 @@ class StreamQuery:
     full_partials: bool
 
 
-def parse_stream_query(q, caps: ModelCapabilities | None, cfg) -> StreamQuery:
+def parse_stream_query(q, caps: ModelCapabilities, cfg) -> StreamQuery:
     """Raises APIError (``invalid_sample_rate``, ``invalid_request``), InvalidRequestError,
     UnsupportedLanguageError."""
     rate = check_rate(q.get("sample_rate", "16000"))
@@ -283,13 +280,13 @@ def parse_stream_query(q, caps: ModelCapabilities | None, cfg) -> StreamQuery:
                        (q.get("partials") or "delta").lower() == "full")
 
 
-def session_view(s, turn_detection: dict | None, model: str | None, caps: ModelCapabilities | None = None) -> dict:
-    """The ``session`` object of ``*.created`` / ``*.updated`` events for session ``s``:
-    ``input_audio_transcription`` carries the session's ``prompt`` and (extension) ``ignored``, the
-    options the model accepts without using them (``["prompt"]`` on Parakeet-TDT), as the HTTP
-    door's ``X-Flashasr-Ignored`` header says."""
-    tr = {"model": model, "language": s.language, "prompt": s.options.prompt}
-    ignored = caps.ignored(s.options) if caps is not None else []
+def session_view(s, turn_detection: dict | None, caps: ModelCapabilities) -> dict:
+    """The ``session`` object of ``*.created`` / ``*.updated`` events for session ``s`` on the model
+    of ``caps``: ``input_audio_transcription`` carries the model's name, the session's ``prompt``
+    and (extension) ``ignored``, the options the model accepts without using them (``["prompt"]``
+    on Parakeet-TDT), as the HTTP door's ``X-Flashasr-Ignored`` header says."""
+    tr = {"model": caps.name, "language": s.language, "prompt": s.options.prompt}
+    ignored = caps.ignored(s.options)
     if ignored:
         tr["ignored"] = ignored
     return {"id": s.id, "object": "realtime.transcription_session", "input_audio_format": "pcm16",
@@ -299,4 +296,4 @@ def session_view(s, turn_detection: dict | None, model: str | None, caps: ModelC
 
 __all__ = ["UploadRequest", "parse_upload", "sse_pieces", "sse_events", "SessionUpdate", "parse_session_update",
            "StreamQuery", "parse_stream_query", "parse_turn_detection", "default_turn_detection",
-           "stream_options", "session_view", "resolve_known", "UNCHANGED", "TRUE"]
+           "stream_options", "session_view", "UNCHANGED", "TRUE"]

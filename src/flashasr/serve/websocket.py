@@ -1,13 +1,18 @@
 """The WebSocket doors: ``/v1/realtime`` (OpenAI Realtime transcription, JSON events) and
 ``/v1/stream`` (lean binary mode: raw PCM16 frames in, the same JSON events out).
 
-Both share one connection life (:class:`WebSocketDoor`): open (API key, accept, metrics; a missing
-or wrong key: accepted, an ``error`` event ``invalid_api_key``, closed 1008 "invalid API key"; any
-other path: HTTP 404 instead of the handshake), one receive loop (idle timeout, disconnect, an
+Both share one connection life (:meth:`WebSocketDoor.run`): open (API key, accept; a missing or
+wrong key: accepted, an ``error`` event ``invalid_api_key``, closed 1008 "invalid API key"; any
+other path: HTTP 404 instead of the handshake), the model's capabilities (the options of every
+session are checked against them: a session is never created before they are known; the model
+still loading, or no engine after the wait: an ``error`` event ``model_not_ready`` /
+``engine_unavailable``, closed 1013 "try again later"), the protocol's opening (bad opening
+parameters: an ``error`` event, closed 1008), one receive loop (idle timeout, disconnect, an
 ``error`` event for a bad client message while the session lives on, the session closed at the
 end) and one emitter (``event_id`` per event, a send timeout that drops a client that does not
-read). A protocol is a small handler that turns one client message into calls on its
-:class:`~.stream.StreamSession`:
+read). ``flashasr_active_streams`` counts the connection from its accept to its end, however it
+ends (refused, cancelled, the client gone). A protocol is a small handler that turns one client
+message into calls on its :class:`~.stream.StreamSession`:
 
 ==================  ===================================  =====================================
 handler             text frames                          binary frames
@@ -37,6 +42,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from ..errors import FlashASRError
+from ..options import ModelCapabilities
 from .context import ServeContext
 from .errors import APIError, error_body
 from .protocol import (UNCHANGED, SessionUpdate, default_turn_detection, parse_session_update, parse_stream_query,
@@ -66,6 +72,34 @@ class WebSocketDoor:
         self.ctx = ctx
         self._ids = itertools.count(1)
 
+    async def run(self, ws: WebSocket, opening) -> None:
+        """One connection's life: :meth:`open`, then ``await opening(emit, caps)`` (the protocol's
+        :class:`_Handler` for this connection; :class:`Refusal` when its opening parameters are bad)
+        with the model's capabilities, then :meth:`serve`. The live-streams gauge counts it from the
+        accept until it ends, however it ends."""
+        emit = await self.open(ws)
+        if emit is None:
+            return
+        streams = self.ctx.metrics.streams
+        streams.inc()
+        try:
+            try:
+                handler = await opening(emit, await self.capabilities())
+            except Refusal as r:
+                return await self.refuse(ws, emit, r.err, r.reason, r.code)
+            await self.serve(ws, handler)
+        finally:
+            streams.dec()
+
+    async def capabilities(self):
+        """The model's capabilities (multi and Ray mode: waiting for the engine as an upload does);
+        :class:`Refusal` (close 1013, try again later) while they are not known."""
+        try:
+            return await self.ctx.capabilities()
+        except FlashASRError as e:
+            raise Refusal(e, "model not ready" if e.code == "model_not_ready" else "engine unavailable",
+                          code=1013) from None
+
     async def open(self, ws: WebSocket):
         """Check the key and accept; returns the connection's ``emit`` coroutine, or None (a missing
         or wrong key: :meth:`refuse_key`)."""
@@ -79,7 +113,6 @@ class WebSocketDoor:
             return None
         await ws.accept(subprotocol="realtime" if "realtime" in protos else None)
         m.requests.labels("ws", "101").inc()
-        m.streams.inc()
         return self._emitter(ws)
 
     async def refuse_key(self, ws: WebSocket, protos: list[str], err: APIError) -> None:
@@ -106,11 +139,14 @@ class WebSocketDoor:
 
         return emit
 
-    async def refuse(self, ws: WebSocket, emit, err: BaseException, reason: str) -> None:
-        """A connection whose opening parameters are bad: an ``error`` event, then close 1008."""
-        await send_error(emit, err)
-        await ws.close(code=1008, reason=reason)
-        self.ctx.metrics.streams.dec()
+    async def refuse(self, ws: WebSocket, emit, err: BaseException, reason: str, code: int = 1008) -> None:
+        """A connection that does not become a session: an ``error`` event, then close ``code``
+        (1008: bad opening parameters; 1013: the model is not ready)."""
+        try:
+            await send_error(emit, err)
+            await ws.close(code=code, reason=reason)
+        except (asyncio.TimeoutError, RuntimeError, ConnectionError, WebSocketDisconnect):
+            pass  # the client did not wait for the reason
 
     async def serve(self, ws: WebSocket, handler: "_Handler") -> None:
         """The receive loop: each message to the handler until the client leaves, idles past
@@ -148,23 +184,33 @@ class WebSocketDoor:
                 log.exception("%s stream failed", handler.name)
         finally:
             await handler.session.close()
-            self.ctx.metrics.streams.dec()
+
+
+class Refusal(Exception):
+    """A connection's opening that cannot become a session: ``err`` as an ``error`` event, then
+    close ``code`` with ``reason`` (:meth:`WebSocketDoor.refuse`)."""
+
+    def __init__(self, err: BaseException, reason: str, code: int = 1008):
+        super().__init__(reason)
+        self.err, self.reason, self.code = err, reason, code
 
 
 class _Handler:
     """One protocol on one connection. ``on_text`` / ``on_bytes`` return True to end the loop;
-    a FlashASRError they raise becomes an ``error`` event naming ``event_id``."""
+    a FlashASRError they raise becomes an ``error`` event naming ``event_id``. ``caps``: the
+    model's capabilities the session's options were checked against."""
 
     name = "websocket"
 
-    def __init__(self, ctx: ServeContext, ws: WebSocket, emit, session: StreamSession, turn_detection):
+    def __init__(self, ctx: ServeContext, ws: WebSocket, emit, session: StreamSession, turn_detection,
+                 caps: ModelCapabilities):
         self.ctx, self.ws, self.emit, self.session = ctx, ws, emit, session
         self.turn_detection = turn_detection
+        self.caps = caps
         self.event_id = None
 
     def view(self) -> dict:
-        return session_view(self.session, self.turn_detection, self.ctx.backend.info.get("model"),
-                            self.ctx.backend.capabilities)
+        return session_view(self.session, self.turn_detection, self.caps)
 
 
 class Realtime(_Handler):
@@ -196,8 +242,10 @@ class Realtime(_Handler):
             await s.clear()
         elif typ in ("transcription_session.update", "session.update"):
             await s.vad_settled()  # audio received before the update is handled under the old settings
-            self.apply(parse_session_update(ev.get("session") or {}, s.options, self.ctx.backend.capabilities,
-                                            self.ctx.cfg))
+            # checked against the model as it is now (an engine restarting: waited for, as an upload
+            # waits; still away: an error event, the session keeps its settings)
+            self.caps = await self.ctx.capabilities()
+            self.apply(parse_session_update(ev.get("session") or {}, s.options, self.caps, self.ctx.cfg))
             await self.emit({"type": "session.updated" if typ == "session.update" else
                              "transcription_session.updated", "session": self.view()})
         else:
@@ -282,31 +330,29 @@ def websocket_router(ctx: ServeContext) -> APIRouter:
     @router.websocket("/v1/realtime")
     async def realtime(ws: WebSocket):
         """Realtime transcription; ``?sample_rate=`` sets the input rate (default 24000, as OpenAI's pcm16)."""
-        emit = await door.open(ws)
-        if emit is None:
-            return
-        try:
-            rate = check_rate(ws.query_params["sample_rate"]) if "sample_rate" in ws.query_params else 24000
-        except APIError as e:
-            return await door.refuse(ws, emit, e, "invalid sample_rate")
-        td = default_turn_detection(cfg)
-        await ctx.engine_connected()  # a front end just started: its engine connection is a moment away
-        s = session(emit, rate, stream_options(None, ctx.backend.capabilities), td, cfg.partial_interval_ms)
-        await door.serve(ws, Realtime(ctx, ws, emit, s, td))
+        async def opening(emit, caps):
+            try:
+                rate = check_rate(ws.query_params["sample_rate"]) if "sample_rate" in ws.query_params else 24000
+            except APIError as e:
+                raise Refusal(e, "invalid sample_rate") from None
+            td = default_turn_detection(cfg)
+            s = session(emit, rate, stream_options(None, caps), td, cfg.partial_interval_ms)
+            return Realtime(ctx, ws, emit, s, td, caps)
+
+        await door.run(ws, opening)
 
     @router.websocket("/v1/stream")
     async def binary_stream(ws: WebSocket):
         """``?sample_rate=16000&language=en&vad=false&partial_interval_ms=500&partials=delta``."""
-        emit = await door.open(ws)
-        if emit is None:
-            return
-        await ctx.engine_connected()
-        try:
-            q = parse_stream_query(ws.query_params, ctx.backend.capabilities, cfg)
-        except FlashASRError as e:
-            return await door.refuse(ws, emit, e, "invalid query parameters")
-        s = session(emit, q.rate, q.options, q.turn_detection, q.partial_interval_ms, q.full_partials)
-        await door.serve(ws, Binary(ctx, ws, emit, s, q.turn_detection))
+        async def opening(emit, caps):
+            try:
+                q = parse_stream_query(ws.query_params, caps, cfg)
+            except FlashASRError as e:
+                raise Refusal(e, "invalid query parameters") from None
+            s = session(emit, q.rate, q.options, q.turn_detection, q.partial_interval_ms, q.full_partials)
+            return Binary(ctx, ws, emit, s, q.turn_detection, caps)
+
+        await door.run(ws, opening)
 
     router.add_websocket_route("/{path:path}", NoSuchRoute(ctx.metrics))  # last: any other path
     return router
@@ -345,4 +391,4 @@ async def _connection_lost(receive, timeout: float = 2.0) -> None:
         pass
 
 
-__all__ = ["websocket_router", "WebSocketDoor", "NoSuchRoute", "Realtime", "Binary", "send_error"]
+__all__ = ["websocket_router", "WebSocketDoor", "NoSuchRoute", "Realtime", "Binary", "Refusal", "send_error"]

@@ -24,8 +24,13 @@ What is exact, and what is not (tests/test_stream_encoder.py checks each exact c
 * An encoder frame is produced once its subsampling receptive field (feature frames ``8v-7 ..
   8v+7``) exists: the windowed subsampling (overlap of one encoder frame's 8 feature frames,
   output 0 dropped, first window masked on the left) equals the subsampling of the whole stream.
-* The first chunk equals the offline encoder on the same (normalised) features; a whole
-  utterance in one flushed step equals the offline encoder on its audio (features included).
+* The first chunk equals the offline encoder on the same (normalised) features. So a flushed
+  step equals the offline encoder on the stream's audio (features, frames and tokens) exactly when
+  the utterance is one chunk: the flushed step is the stream's first and ``C`` covers all its
+  encoder frames (``C >=`` the encoder's output length for the audio: about ``C x 80 ms`` of
+  audio at 8x subsampling of 10 ms feature frames). A step runs at most ``C`` frames per chunk,
+  so a flush with more frames left, or after earlier steps, is chunks of the kind below, not the
+  offline encoder.
 * Later chunks: frames never see the future beyond their chunk (attention and the depthwise
   conv's right half get zeros there), the past only through the last ``L`` frames, and features
   are normalised with the statistics of the stream so far. This is NOT the offline computation:
@@ -246,6 +251,7 @@ class _Stream:
     last_used: float = 0.0
     stable: str = ""             # decoded tokens[:stable_upto] (grown word by word, not re-decoded)
     stable_upto: int = 0
+    flushed: bool = False        # its audio ended (a flushed step): no more audio
 
 
 class ParakeetStreamer:
@@ -336,13 +342,18 @@ class ParakeetStreamer:
                 float32 16 kHz samples (``[n]``, may be empty); an unknown key opens a stream,
                 unless ``new`` is False (its state was lost: :class:`StreamError`). A key appears
                 at most once per call.
-            flush: treat the audio as ended (zero padding, as the offline encoder on the same
-                audio): every remaining frame is encoded. Used by tests and benchmarks; the
+            flush: the requests' audio ends here (zero padding after it, as the offline encoder
+                pads): every remaining frame is encoded, in chunks of at most ``C`` (equal to the
+                offline encoder only for a stream's first step with at most ``C`` frames: the
+                module docstring), and the stream takes no more audio
+                (its last frames saw zeros where later audio would go; a request with samples for
+                it then gets :class:`StreamError`, an empty one its result again; the next
+                utterance is a new key, as the server's are). Used by tests and benchmarks; the
                 server's finals re-encode offline instead.
         Returns:
             per request a :class:`StreamResult`, or the exception that request raised
-            (:class:`StreamError` for a closed stream or no slot; ``AudioError`` for samples
-            that are not finite floats); the other requests are unaffected.
+            (:class:`StreamError` for a closed or flushed stream or no slot; ``AudioError`` for
+            samples that are not finite floats); the other requests are unaffected.
         """
         with self._lock:
             self._evict_idle()
@@ -357,6 +368,9 @@ class ParakeetStreamer:
                     seen.add(key)
                     a = self._check(key, samples)
                     st = self._open(key, new)
+                    if st.flushed and a.size:
+                        raise StreamError(f"stream {key!r} was flushed (its audio ended): it takes no more "
+                                          f"audio; the next utterance is a new stream")
                     self._append(st, a)
                     todo.append((i, st))
                 except FlashASRError as e:
@@ -375,6 +389,7 @@ class ParakeetStreamer:
                     work[id(st)] = (n - k, f_end)
                 self._run_rows(plan)
             for i, st in todo:
+                st.flushed = st.flushed or flush
                 out[i] = self._result(st, len(st.tokens) - before[id(st)])
             return out
 
