@@ -309,6 +309,7 @@ async def _stream(port, pcms, a, cadence, vad: bool, delay, out, deadline) -> No
                         t = at_ms(ev["audio_end_ms"])
                         if t is not None:
                             out["partial"].append(now - t)
+                            out["partial_at"].append(time.time())
                             if st["first"] is None:
                                 st["first"] = now
                                 out["first_partial_latency"].append(now - t)
@@ -323,6 +324,7 @@ async def _stream(port, pcms, a, cadence, vad: bool, delay, out, deadline) -> No
                         t0 = st["commit"] if not vad else (at_ms(st["decidable_ms"]) if st["decidable_ms"] else None)
                         if t0 is not None:
                             out["ttf"].append(now - t0)
+                            out["ttf_at"].append(time.time())
                         st["done"] += 1
                         st["last_partial"] = st["first"] = None
                         if st["done"] >= a.utterances:
@@ -362,7 +364,8 @@ def _client_proc(port, pcms, n, a, cadence, vad, seed, start_at, q) -> None:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    out = {k: [] for k in ("partial", "interval", "ttf", "first_partial_latency", "first_partial_from_start", "late_s")}
+    out = {k: [] for k in ("partial", "interval", "ttf", "first_partial_latency", "first_partial_from_start", "late_s",
+                           "partial_at", "ttf_at")}
     out.update(finals=0, timeouts=0, errors=0, connect_errors=0, last_error=None)
     rng = random.Random(seed)
     longest = a.utterances * (max(len(p) for p in pcms) / 32000 + 1.5)
@@ -404,7 +407,7 @@ def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool
         p.join(10)
     agg = {k: sum((o[k] for o in outs), [] if isinstance(outs[0][k], list) else 0)
            for k in ("partial", "interval", "ttf", "first_partial_latency", "first_partial_from_start", "late_s",
-                     "finals", "timeouts", "errors", "connect_errors", "cpu_s")}
+                     "finals", "timeouts", "errors", "connect_errors", "cpu_s", "partial_at", "ttf_at")}
 
     def delta(name, label=None):
         return _metric(m1, name, label) - _metric(m0, name, label)
@@ -423,7 +426,8 @@ def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool
             "partial_latency": _stats(agg["partial"]), "partial_interval": _stats(agg["interval"]),
             "first_partial_latency": _stats(agg["first_partial_latency"]),
             "time_to_first_partial_from_first_packet": _stats(agg["first_partial_from_start"]),
-            "time_to_final": _stats(agg["ttf"]), "finals": agg["finals"], "finals_expected": want,
+            "time_to_final": _stats(agg["ttf"]),
+            "by_second": _by_second(agg, start_at), "finals": agg["finals"], "finals_expected": want,
             "finals_timed_out": agg["timeouts"], "error_events": agg["errors"], "connect_errors": agg["connect_errors"],
             "last_error": next((o["last_error"] for o in outs if o["last_error"]), None),
             "client_send_lag_p99_ms": _pct(agg["late_s"]).get("p99_ms"),
@@ -449,6 +453,21 @@ def _profiled(a, cadence: int) -> tuple[list[str], Path | None]:
     out.parent.mkdir(parents=True, exist_ok=True)
     return [a.py_spy, "record", "--subprocesses", "--threads", "--nonblocking", "--rate", str(a.profile_rate),
             "--format", "raw", "--output", str(out), "--"], out
+
+
+def _by_second(agg: dict, start_at: float) -> list[dict]:
+    """Per second of the run (from the first packet): partials and finals delivered, their p95 (ms):
+    where in the run the tails are (the ramp, the commits' waves, or throughout)."""
+    rows: dict[int, dict] = {}
+    for key, at in (("partial", "partial_at"), ("ttf", "ttf_at")):
+        for lat, t in zip(agg[key], agg[at]):
+            rows.setdefault(int(t - start_at), {"partial": [], "ttf": []})[key].append(lat)
+    out = []
+    for sec in sorted(rows):
+        r = rows[sec]
+        out.append({"s": sec, "partials": len(r["partial"]), "partial_p95_ms": _pct(r["partial"]).get("p95_ms"),
+                    "finals": len(r["ttf"]), "ttf_p95_ms": _pct(r["ttf"]).get("p95_ms")})
+    return out
 
 
 def _held(r: dict, a) -> bool:
@@ -624,7 +643,7 @@ def main(argv=None) -> int:
     out_path = REPO / "bench" / "results" / f"{a.name}.json"
     result = {"benchmark": "bench_stream_scale", "env": _env(a),
               "conditions": {"model": a.model, "device": a.device, "mode": a.mode, "frontend_workers": a.workers,
-                             "partials": a.partials, "left_context_s": a.left_s, "stream_batch": a.stream_batch,
+                             "partials": a.partials, "left_context_s": a.left_s, "stream_batch": a.stream_batch, "server_args": a.server_args,
                              "cadences_ms": a.cadences, "packet_ms": a.packet_ms, "pace": "real time",
                              "utterances_per_stream": a.utterances, "ramp_s": a.ramp_s,
                              "vad_silence_ms": a.vad_silence_ms, "clips": [n for n, _ in clips],

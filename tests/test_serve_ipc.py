@@ -510,3 +510,55 @@ def test_finals_share_calls_under_a_stream_of_partials():
     assert all(r is not None and r.text == "f" for r in done0 + done1)
     assert calls1 < calls0  # finals shared calls
     assert worst < 0.03 + 0.5  # bounded: the wait plus a few calls (generous for a loaded CI machine)
+
+
+def test_chunked_partials_gather_for_a_larger_step_only_when_nothing_else_runs():
+    """``partial_wait_s``: a few young chunks wait (the hold is at most the wait), a full step's worth,
+    an old chunk, offline work or a due final does not."""
+    class NoModel:
+        sample_rate = 16000
+
+    class NoStreamer:
+        def step(self, requests):
+            return [None] * len(requests)
+
+    async def go():
+        from flashasr.options import TranscribeOptions
+
+        opts = TranscribeOptions()
+        s = BatchScheduler(NoModel(), max_batch=4, streamer=NoStreamer(), stream_batch=3, partial_wait_s=0.05,
+                           final_wait_s=0.02)
+        s._wake = asyncio.Event()
+        z = lambda n: np.zeros(n, np.float32)  # noqa: E731
+        assert s._hold() == 0.0  # nothing queued
+        tasks = [asyncio.ensure_future(s.submit_chunk(k, z(100), opts)) for k in ("a", "b")]
+        await asyncio.sleep(0)
+        h = s._hold()
+        assert 0.03 < h <= 0.05  # two young chunks of a step of three: wait
+        tasks.append(asyncio.ensure_future(s.submit(z(9), opts, priority=FINAL)))
+        await asyncio.sleep(0)
+        assert 0 < s._hold() <= 0.02  # a queued final: at most until it is due
+        await asyncio.sleep(0.025)
+        assert s._hold() == 0.0  # the final is due
+        assert [it.priority for it in _take(s)] == [FINAL]
+        await asyncio.sleep(0.03)
+        assert s._hold() == 0.0  # the oldest chunk has waited partial_wait_s
+        tasks.append(asyncio.ensure_future(s.submit_chunk("c", z(100), opts)))
+        await asyncio.sleep(0)
+        assert s._hold() == 0.0  # a full step
+        assert [it.stream for it in _take(s)] == ["a", "b", "c"]
+        tasks.append(asyncio.ensure_future(s.submit_chunk("d", z(100), opts)))
+        tasks.append(asyncio.ensure_future(s.submit(z(50), opts, priority=OFFLINE)))
+        await asyncio.sleep(0)
+        assert s._hold() == 0.0  # offline work is runnable: no idle wait
+        s2 = BatchScheduler(NoModel(), streamer=NoStreamer(), stream_batch=3)  # default: no wait
+        s2._wake = asyncio.Event()
+        tasks.append(asyncio.ensure_future(s2.submit_chunk("e", z(100), opts)))
+        await asyncio.sleep(0)
+        assert s2._hold() == 0.0
+        for t in tasks:
+            t.cancel()
+        await s.stop()
+        await s2.stop()
+
+    asyncio.run(go())

@@ -134,11 +134,16 @@ class BatchScheduler:
         stream_batch: most streams in one streamer step.
         final_wait_s: longest a final waits for more finals while partial work is queued (0: finals
             always first; see the module docstring).
+        partial_wait_s: longest queued chunked partials wait for more streams' chunks before a
+            streamer step with fewer than ``stream_batch`` rows runs, when no other work is runnable
+            (0: a step runs as soon as the model is free). A step's cost grows slowly with its rows
+            (H200: 64 rows 12.4 ms, 256 rows 35.4 ms), so under load gathering trades a few ms of
+            latency for several times the rows per step.
     """
 
     def __init__(self, model, *, max_batch: int = 8, batch_wait_s: float = 0.002,
                  metrics: EngineMetrics | None = None, short_s: float = SHORT_S, streamer=None,
-                 stream_batch: int = 256, final_wait_s: float = 0.0):
+                 stream_batch: int = 256, final_wait_s: float = 0.0, partial_wait_s: float = 0.0):
         self.model = model
         self.streamer = streamer
         self.stream_batch = max(1, int(stream_batch))
@@ -147,6 +152,7 @@ class BatchScheduler:
         self._shorts_in_a_row = 0  # short-request calls since bulk work last had one
         self.batch_wait_s = batch_wait_s
         self.final_wait_s = max(0.0, float(final_wait_s))
+        self.partial_wait_s = max(0.0, float(partial_wait_s))
         self.metrics = metrics or EngineMetrics(getattr(model, "device", "cpu"))
         self._depth = {p: self.metrics.queue_depth.labels(KIND[p]) for p in (FINAL, PARTIAL, OFFLINE)}
         self.sample_rate = int(getattr(model, "sample_rate", 16000))
@@ -333,6 +339,24 @@ class BatchScheduler:
             return ("run", run) if run is not None else ("none", None)
         return "run", self._new_run(anchor, q, short=False)
 
+    def _hold(self) -> float:
+        """Seconds to let chunked partials gather before the next pick (``partial_wait_s``): 0 unless
+        the only runnable work is fewer than ``stream_batch`` chunks younger than the wait (and finals
+        not due yet)."""
+        if self.partial_wait_s <= 0 or self._runs or any(not it.fut.done() for it in self._queues[OFFLINE]):
+            return 0.0
+        partials = [it for it in self._queues[PARTIAL] if not it.fut.done()]
+        if not partials or len(partials) >= self.stream_batch or any(it.stream is None for it in partials):
+            return 0.0
+        now = time.perf_counter()
+        wait = partials[0].t_enq + self.partial_wait_s - now
+        finals = [it for it in self._queues[FINAL] if not it.fut.done()]
+        if finals:
+            if self._final_due(finals):
+                return 0.0
+            wait = min(wait, finals[0].t_enq + self.final_wait_s - now)
+        return max(0.0, wait)
+
     def _final_due(self, finals: list[_Item]) -> bool:
         """Finals run before queued partial work once the oldest has waited ``final_wait_s`` or a
         full batch of them waits (see the module docstring)."""
@@ -457,6 +481,9 @@ class BatchScheduler:
                 if not self._queues[FINAL] and not self._queues[PARTIAL] and not self._runs and \
                         0 < len(self._queues[OFFLINE]) < self.max_batch and self.batch_wait_s > 0:
                     await asyncio.sleep(self.batch_wait_s)  # let concurrent uploads join the batch
+                hold = self._hold()
+                if hold > 0:
+                    await asyncio.sleep(hold)  # let more streams' chunks join the step
                 kind, work = self._pick()
                 self._gauge()
                 if kind == "none":
