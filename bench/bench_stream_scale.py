@@ -643,7 +643,8 @@ def main(argv=None) -> int:
     out_path = REPO / "bench" / "results" / f"{a.name}.json"
     result = {"benchmark": "bench_stream_scale", "env": _env(a),
               "conditions": {"model": a.model, "device": a.device, "mode": a.mode, "frontend_workers": a.workers,
-                             "partials": a.partials, "left_context_s": a.left_s, "stream_batch": a.stream_batch, "server_args": a.server_args,
+                             "partials": a.partials, "left_context_s": a.left_s, "stream_batch": a.stream_batch,
+                             "server_args": a.server_args,
                              "cadences_ms": a.cadences, "packet_ms": a.packet_ms, "pace": "real time",
                              "utterances_per_stream": a.utterances, "ramp_s": a.ramp_s,
                              "vad_silence_ms": a.vad_silence_ms, "clips": [n for n, _ in clips],
