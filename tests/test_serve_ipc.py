@@ -409,19 +409,21 @@ def test_scheduler_short_requests_first_bulk_shared_fairly_nothing_starves():
     assert sum(longs[:20]) >= 5, longs
 
 
+class _NoModel:  # the picking logic runs without any model call
+    sample_rate = 16000
+
+
+class _NoStreamer:
+    def step(self, requests):
+        return [None] * len(requests)
+
+
 def test_finals_gather_while_partials_wait_then_run_in_time():
     """``final_wait_s``: while partial work is queued a young final waits (partials run first), a final
     that has waited ``final_wait_s`` -- or a full batch of finals -- runs first, and with nothing else
     queued a final runs at once."""
-    class NoModel:
-        sample_rate = 16000
-
-    class NoStreamer:
-        def step(self, requests):
-            return [None] * len(requests)
-
     async def go():
-        s = BatchScheduler(NoModel(), max_batch=3, streamer=NoStreamer(), final_wait_s=0.05)
+        s = BatchScheduler(_NoModel(), max_batch=3, streamer=_NoStreamer(), final_wait_s=0.05)
         s._wake = asyncio.Event()
         z = lambda n: np.zeros(n, np.float32)  # noqa: E731
         final = lambda n: asyncio.ensure_future(s.submit(z(n), priority=FINAL))  # noqa: E731
@@ -515,18 +517,11 @@ def test_finals_share_calls_under_a_stream_of_partials():
 def test_chunked_partials_gather_for_a_larger_step_only_when_nothing_else_runs():
     """``partial_wait_s``: a few young chunks wait (the hold is at most the wait), a full step's worth,
     an old chunk, offline work or a due final does not."""
-    class NoModel:
-        sample_rate = 16000
-
-    class NoStreamer:
-        def step(self, requests):
-            return [None] * len(requests)
-
     async def go():
         from flashasr.options import TranscribeOptions
 
         opts = TranscribeOptions()
-        s = BatchScheduler(NoModel(), max_batch=4, streamer=NoStreamer(), stream_batch=3, partial_wait_s=0.05,
+        s = BatchScheduler(_NoModel(), max_batch=4, streamer=_NoStreamer(), stream_batch=3, partial_wait_s=0.05,
                            final_wait_s=0.02)
         s._wake = asyncio.Event()
         z = lambda n: np.zeros(n, np.float32)  # noqa: E731
@@ -551,7 +546,7 @@ def test_chunked_partials_gather_for_a_larger_step_only_when_nothing_else_runs()
         tasks.append(asyncio.ensure_future(s.submit(z(50), opts, priority=OFFLINE)))
         await asyncio.sleep(0)
         assert s._hold() == 0.0  # offline work is runnable: no idle wait
-        s2 = BatchScheduler(NoModel(), streamer=NoStreamer(), stream_batch=3)  # default: no wait
+        s2 = BatchScheduler(_NoModel(), streamer=_NoStreamer(), stream_batch=3)  # default: no wait
         s2._wake = asyncio.Event()
         tasks.append(asyncio.ensure_future(s2.submit_chunk("e", z(100), opts)))
         await asyncio.sleep(0)
