@@ -557,3 +557,25 @@ def test_chunked_partials_gather_for_a_larger_step_only_when_nothing_else_runs()
         await s2.stop()
 
     asyncio.run(go())
+
+
+def test_the_scheduler_sets_the_switch_interval_while_it_runs():
+    """``switch_interval_s`` is the interpreter's GIL switch interval from start() to stop(); the
+    config's default passes 0.5 ms, ``--switch-interval-ms 0`` leaves CPython's alone."""
+    import sys
+
+    from flashasr.serve.config import ServeConfig
+
+    assert ServeConfig().scheduler_options["switch_interval_s"] == 0.0005
+    assert ServeConfig(switch_interval_ms=0).scheduler_options["switch_interval_s"] is None
+    before = sys.getswitchinterval()
+
+    async def go():
+        s = BatchScheduler(_NoModel(), switch_interval_s=0.0005)
+        s.start()
+        during = sys.getswitchinterval()
+        await s.stop()
+        return during
+
+    assert abs(asyncio.run(go()) - 0.0005) < 1e-9
+    assert sys.getswitchinterval() == before

@@ -61,6 +61,7 @@ class ServeConfig:
     stream_batch: int = 512             # chunked partials: most streams in one batched step
     final_wait_ms: float = 20.0         # longest a stream's final gathers with others while partials wait
     partial_wait_ms: float = 0.0        # longest chunked partials gather for a larger step (0: no wait)
+    switch_interval_ms: float = 0.5     # GIL switch interval in the model's process (0: CPython's 5 ms)
     vad_threshold: float = 0.5
     vad_prefix_padding_ms: int = 300
     vad_silence_duration_ms: int = 500
@@ -83,7 +84,8 @@ class ServeConfig:
         """Keyword arguments of :class:`~flashasr.serve.scheduler.BatchScheduler` from this config."""
         return {"max_batch": self.batch_limit, "batch_wait_s": self.batch_wait_ms / 1000,
                 "stream_batch": self.stream_batch, "final_wait_s": self.final_wait_ms / 1000,
-                "partial_wait_s": self.partial_wait_ms / 1000}
+                "partial_wait_s": self.partial_wait_ms / 1000,
+                "switch_interval_s": self.switch_interval_ms / 1000 or None}
 
     @property
     def batch_limit(self) -> int:
@@ -281,6 +283,9 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--partial-wait-ms", type=_number(float, 0), default=0.0,
                    help="chunked partials: longest queued chunks wait for more streams' chunks before a step "
                         "of fewer than --stream-batch rows runs, when nothing else is runnable (0: never wait)")
+    g.add_argument("--switch-interval-ms", type=_number(float, 0), default=0.5,
+                   help="the GIL switch interval in the process running the model (its thread shares the GIL "
+                        "with the event loop; 0: CPython's default, 5 ms)")
 
 
 def _ray_address(text: str) -> str:
@@ -331,7 +336,8 @@ def parse_args(argv: list[str]) -> ServeConfig:
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
         stream_partials=a.stream_partials, stream_left_s=a.stream_left_s, stream_chunk_frames=a.stream_chunk_frames,
         stream_slots=a.stream_slots, stream_max_slots=a.stream_max_slots, stream_batch=a.stream_batch,
-        final_wait_ms=a.final_wait_ms, partial_wait_ms=a.partial_wait_ms, body_timeout_s=a.body_timeout_s,
+        final_wait_ms=a.final_wait_ms, partial_wait_ms=a.partial_wait_ms,
+        switch_interval_ms=a.switch_interval_ms, body_timeout_s=a.body_timeout_s,
         request_timeout_s=a.request_timeout_s, log_level=a.log_level,
         access_log=not a.no_access_log,
         ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile, ray=a.ray, ray_min_replicas=a.ray_min_replicas,
