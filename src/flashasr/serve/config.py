@@ -61,7 +61,7 @@ class ServeConfig:
     stream_batch: int = 512             # chunked partials: most streams in one batched step
     final_wait_ms: float = 20.0         # longest a stream's final gathers with others while partials wait
     partial_wait_ms: float = 0.0        # longest chunked partials gather for a larger step (0: no wait)
-    switch_interval_ms: float = 0.5     # GIL switch interval in the model's process (0: CPython's 5 ms)
+    switch_interval_ms: float = 0.0     # GIL switch interval in the model's process (0: CPython's 5 ms)
     vad_threshold: float = 0.5
     vad_prefix_padding_ms: int = 300
     vad_silence_duration_ms: int = 500
@@ -283,7 +283,7 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--partial-wait-ms", type=_number(float, 0), default=0.0,
                    help="chunked partials: longest queued chunks wait for more streams' chunks before a step "
                         "of fewer than --stream-batch rows runs, when nothing else is runnable (0: never wait)")
-    g.add_argument("--switch-interval-ms", type=_number(float, 0), default=0.5,
+    g.add_argument("--switch-interval-ms", type=_number(float, 0), default=0.0,
                    help="the GIL switch interval in the process running the model (its thread shares the GIL "
                         "with the event loop; 0: CPython's default, 5 ms)")
 
