@@ -588,8 +588,9 @@ def test_stream_errors_keep_the_session(server):
 def test_malformed_session_updates_and_stream_queries_keep_the_server_whole(server):
     """Values a careless or hostile client sends in a session update (infinite or huge numbers, a
     string where an object goes, NaN) each get an error event naming the field, and the session
-    keeps working; a stream query with a non-finite or negative partial interval is refused at
-    open (error event, close 1008) without leaving a stream counted as open."""
+    keeps working; a stream query with a non-finite or negative partial interval, or a ``partials`` or
+    ``vad`` value it does not know, is refused at open (error event, close 1008) without leaving a
+    stream counted as open."""
     bad = [{"partial_interval_ms": 1e308 * 10}, {"partial_interval_ms": "inf"}, {"partial_interval_ms": -5},
            {"turn_detection": {"type": "server_vad", "prefix_padding_ms": 1e400}},
            {"turn_detection": {"type": "server_vad", "threshold": "nan"}},
@@ -609,10 +610,11 @@ def test_malformed_session_updates_and_stream_queries_keep_the_server_whole(serv
                 errors.append(ev["error"])
             await ws.send(json.dumps({"type": "transcription_session.update", "session": {"partial_interval_ms": 250}}))
             ok = json.loads(await ws.recv())
-        for q in ("nan", "inf", "-5"):
-            async with connect(_ws_url(server, f"/v1/stream?partial_interval_ms={q}"), additional_headers=h) as ws:
+        for param, q in (("partial_interval_ms", "nan"), ("partial_interval_ms", "inf"), ("partial_interval_ms", "-5"),
+                         ("partials", "bogus"), ("vad", "maybe")):
+            async with connect(_ws_url(server, f"/v1/stream?{param}={q}"), additional_headers=h) as ws:
                 ev = json.loads(await ws.recv())
-                assert ev["type"] == "error" and ev["error"]["param"] == "partial_interval_ms", ev
+                assert ev["type"] == "error" and ev["error"]["param"] == param, ev
                 await asyncio.wait_for(ws.wait_closed(), 5)
                 assert ws.close_code == 1008
         return errors, ok

@@ -579,3 +579,44 @@ def test_the_scheduler_sets_the_switch_interval_while_it_runs():
 
     assert abs(asyncio.run(go()) - 0.0005) < 1e-9
     assert sys.getswitchinterval() == before
+
+
+def test_new_work_ends_a_partial_wait():
+    """A running scheduler holding a lone chunk for ``partial_wait_s`` (0.5 s) answers a final, an
+    upload or a full step that arrives meanwhile at once, not when the wait runs out."""
+    import time as _time
+
+    from flashasr.options import TranscribeOptions
+
+    class Echo:
+        sample_rate = 16000
+
+        def transcribe_batch(self, waves, options=None, **kw):
+            return [Transcript(text="t", language="en", duration=len(w) / 16000) for w in waves]
+
+    async def timed(aw):
+        t = _time.perf_counter()
+        await aw
+        return _time.perf_counter() - t
+
+    async def go():
+        s = BatchScheduler(Echo(), max_batch=8, streamer=_NoStreamer(), stream_batch=2, partial_wait_s=0.5)
+        s.start()
+        opts = TranscribeOptions()
+        z = np.zeros(1600, np.float32)
+        took = {}
+        for what in ("final", "upload", "full step"):
+            lone = asyncio.ensure_future(s.submit_chunk(f"lone-{what}", z, opts))
+            await asyncio.sleep(0.05)  # the scheduler is holding the lone chunk now
+            if what == "final":
+                took[what] = await timed(s.submit(z, opts, priority=FINAL))
+            elif what == "upload":
+                took[what] = await timed(s.submit(z, opts, priority=OFFLINE))
+            else:
+                took[what] = await timed(s.submit_chunk(f"second-{what}", z, opts))
+            await asyncio.wait_for(lone, 2)
+        await s.stop()
+        return took
+
+    took = asyncio.run(go())
+    assert all(t < 0.3 for t in took.values()), took

@@ -276,8 +276,10 @@ def parse_stream_query(q, caps: ModelCapabilities, cfg) -> StreamQuery:
     use_vad = _flag(q.get("vad"), "vad")
     pi = _number(q.get("partial_interval_ms", cfg.partial_interval_ms), "partial_interval_ms", 0,
                  MAX_PARTIAL_INTERVAL_MS)
-    return StreamQuery(rate, options, default_turn_detection(cfg) if use_vad else None, pi,
-                       (q.get("partials") or "delta").lower() == "full")
+    partials = str(q.get("partials") or "delta").strip().lower()
+    if partials not in ("delta", "full"):
+        raise APIError(f"partials must be delta or full; got {_short(q.get('partials'))}", param="partials")
+    return StreamQuery(rate, options, default_turn_detection(cfg) if use_vad else None, pi, partials == "full")
 
 
 def session_view(s, turn_detection: dict | None, caps: ModelCapabilities) -> dict:

@@ -497,8 +497,13 @@ class BatchScheduler:
                         0 < len(self._queues[OFFLINE]) < self.max_batch and self.batch_wait_s > 0:
                     await asyncio.sleep(self.batch_wait_s)  # let concurrent uploads join the batch
                 hold = self._hold()
-                if hold > 0:
-                    await asyncio.sleep(hold)  # let more streams' chunks join the step
+                if hold > 0:  # let more streams' chunks join the step; any new work ends the wait
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), hold)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue  # look again: a final, an upload or a full step runs now
                 kind, work = self._pick()
                 self._gauge()
                 if kind == "none":
