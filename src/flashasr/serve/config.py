@@ -279,12 +279,12 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                    help="chunked partials: most streams in one batched step")
     g.add_argument("--final-wait-ms", type=_number(float, 0, high=1000), default=20.0,
                    help="longest a stream's final waits to be batched with others while partial work is "
-                        "queued; a final runs at once when --max-batch finals wait or nothing else is "
+                        "queued; a final runs at once when a full batch of finals waits or nothing else is "
                         "queued (0: finals always first; at most 1000)")
     g.add_argument("--partial-wait-ms", type=_number(float, 0, high=1000), default=0.0,
                    help="chunked partials: longest queued chunks wait for more streams' chunks before a step "
-                        "of fewer than --stream-batch rows runs, when nothing else is runnable; new work ends the wait "
-                        "(0: never wait; at most 1000)")
+                        "smaller than the stream batch runs, when nothing else is runnable; new work ends the "
+                        "wait (0: never wait; at most 1000)")
     g.add_argument("--switch-interval-ms", type=_number(float, 0), default=0.0,
                    help="the GIL switch interval in the process running the model (its thread shares the GIL "
                         "with the event loop; 0: CPython's default, 5 ms)")
