@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from websockets.asyncio.client import connect
@@ -198,3 +199,86 @@ def test_multi_translation_task_reaches_the_engine(multi):
     with pytest.raises(openai.APIStatusError) as ei:
         _client(multi).audio.translations.create(model="whisper-1", file=CLIP.open("rb"))
     assert ei.value.status_code == 400 and ei.value.body["code"] == "unsupported_task", ei.value.body
+
+
+# ------------------------------------------------------- the engine client: nobody waits forever
+async def _fake_engine(path: str, *, reads: bool = True, drop_after_s: float | None = None) -> None:
+    """An engine that greets one front end (HELLO) and never replies: it reads and drops what it gets
+    (``reads=False``: reads nothing, so a large frame fills the socket and its sender blocks), and
+    closes the connection after ``drop_after_s`` (None: never), as an engine that dies."""
+    from flashasr.serve.ipc import MsgType, encode
+
+    loop = asyncio.get_running_loop()
+    lsock = socket.socket(socket.AF_UNIX)
+    lsock.bind(path)
+    lsock.listen()
+    lsock.setblocking(False)
+    c, _ = await loop.sock_accept(lsock)
+    c.setblocking(False)
+    await loop.sock_sendall(c, b"".join(bytes(b) for b in encode(MsgType.HELLO, 0, {"model": "fake", "pid": 1})))
+    try:
+        t_end = None if drop_after_s is None else loop.time() + drop_after_s
+        while t_end is None or loop.time() < t_end:
+            if not reads:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                if not await asyncio.wait_for(loop.sock_recv(c, 1 << 16), 0.05):
+                    break
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        c.close()
+        lsock.close()
+
+
+def _run_loop(kind: str, coro):
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("case", ["awaiting_reply", "awaiting_connection", "blocked_in_send", "engine_drops"])
+def test_engine_client_close_wakes_every_waiter(tmp_path, case, loop_kind):
+    """A request waiting on the engine -- for its reply, for a connection (the engine not up yet:
+    connect_wait_s is 30 s here), or inside the send of a frame the engine does not read -- fails
+    within a second with 503 'shutting down' once the client closes; one waiting for its reply when
+    the engine's connection drops fails as promptly with 503 'restarting'. Nothing hangs."""
+    from flashasr.options import TranscribeOptions
+    from flashasr.serve.errors import EngineUnavailable
+    from flashasr.serve.ipc import EngineClient
+
+    path = str(tmp_path / "engine.sock")
+    engine = {"awaiting_reply": {}, "awaiting_connection": None, "blocked_in_send": {"reads": False},
+              "engine_drops": {"drop_after_s": 0.5}}[case]  # the fake engine's keywords (None: no engine)
+    n = 8 << 20 if case == "blocked_in_send" else 1600  # 32 MB inline (no shared memory): far above a socket's buffer
+
+    async def go():
+        srv = asyncio.ensure_future(_fake_engine(path, **engine)) if engine is not None else None
+        await asyncio.sleep(0.05)
+        client = EngineClient(path, connect_wait_s=30.0, shm_threshold=1 << 30)
+        await client.start()
+        if srv is not None:
+            assert await client.wait_ready(5)
+        req = asyncio.ensure_future(client.transcribe(np.zeros(n, np.float32), TranscribeOptions()))
+        await asyncio.sleep(0.3)
+        assert not req.done()
+        t0 = time.monotonic()
+        if case != "engine_drops":
+            await client.close()
+        with pytest.raises(EngineUnavailable) as e:
+            await asyncio.wait_for(req, 5)  # a hang shows as TimeoutError instead
+        waited = time.monotonic() - t0
+        await client.close()
+        if srv is not None:
+            srv.cancel()
+            await asyncio.gather(srv, return_exceptions=True)
+        return waited, e.value
+
+    waited, err = _run_loop(loop_kind, go())
+    assert err.status == 503 and err.code == "engine_unavailable"
+    assert ("restarting" if case == "engine_drops" else "shutting down") in err.message, err.message
+    assert waited < (1.5 if case == "engine_drops" else 1.0), waited

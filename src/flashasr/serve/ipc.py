@@ -136,6 +136,9 @@ class Conn:
     Reads use ``loop.sock_recv_into``: a payload lands directly in a preallocated numpy
     buffer (one kernel copy, no intermediate stream buffer). Writes are serialized by a lock
     and shielded from cancellation, so a frame is never cut in half on the wire.
+    :meth:`close` shuts the socket down at once, so a receive or send in progress ends (end of
+    stream, broken pipe) instead of waiting on a peer; the descriptor itself closes when the last
+    of them has returned (closed under the event loop's feet, asyncio logs ``Bad file descriptor``).
     """
 
     def __init__(self, sock: socket.socket):
@@ -146,6 +149,7 @@ class Conn:
         self.closed = False
         self._buf = bytearray(1 << 18)  # read-ahead: many small frames per recv call
         self._start = self._end = 0
+        self._ops = 0  # receives and sends in progress on the socket
 
     @classmethod
     async def connect(cls, path: str) -> "Conn":
@@ -193,6 +197,15 @@ class Conn:
         Header and metadata come from the read-ahead buffer; a payload is copied from what was
         already read ahead and the rest is received straight into its own array.
         """
+        if self.closed:
+            raise ConnectionError("connection closed")
+        self._ops += 1
+        try:
+            return await self._recv_frame()
+        finally:
+            self._op_done()
+
+    async def _recv_frame(self) -> Frame:
         await self._fill(HEADER_SIZE)
         mtype, flags, req_id, mlen, plen = parse_header(self._take(HEADER_SIZE))
         meta = {}
@@ -222,9 +235,15 @@ class Conn:
         if len(payload) <= 65536:  # small frame: one write
             head, payload = head + bytes(payload), b""
         async with self._wlock:
-            await self.loop.sock_sendall(self.sock, head)
-            if len(payload):
-                await self.loop.sock_sendall(self.sock, payload)
+            if self.closed:  # closed while this frame waited for the one before it
+                raise ConnectionError("connection closed")
+            self._ops += 1
+            try:
+                await self.loop.sock_sendall(self.sock, head)
+                if len(payload):
+                    await self.loop.sock_sendall(self.sock, payload)
+            finally:
+                self._op_done()
 
     async def send(self, parts: list) -> None:
         """Send one encoded frame (:func:`encode`); completes even if the caller is cancelled."""
@@ -236,9 +255,15 @@ class Conn:
         if not self.closed:
             self.closed = True
             try:
-                self.sock.shutdown(socket.SHUT_RDWR)
+                self.sock.shutdown(socket.SHUT_RDWR)  # a receive or send in progress returns now
             except OSError:
                 pass
+            if not self._ops:
+                self.sock.close()
+
+    def _op_done(self) -> None:
+        self._ops -= 1
+        if self.closed and not self._ops:
             self.sock.close()
 
 
@@ -458,7 +483,9 @@ class EngineClient:
     :class:`EngineUnavailable` (HTTP 503) and the client reconnects in the background.
     A request made while no connection is up waits for one up to ``connect_wait_s`` (each
     front end connects on its own: one can take requests a moment before the engine has
-    greeted it), then gets the 503 naming why (:meth:`unavailable_reason`).
+    greeted it), then gets the 503 naming why (:meth:`unavailable_reason`). :meth:`close`
+    wakes every request still waiting on the engine -- for a connection, inside a send, for
+    its reply -- with the 503 'shutting down'.
     """
 
     def __init__(self, path: str, *, shm_threshold: int = 1 << 20, metrics=None, connect_wait_s: float = 5.0):
@@ -472,7 +499,7 @@ class EngineClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
-        self._connected = asyncio.Event()
+        self._connected = asyncio.Event()  # set while connected, and for good once closed (wakes the waiters)
         self._closed = False
         self.connects = 0
 
@@ -484,13 +511,14 @@ class EngineClient:
         self._task = asyncio.get_running_loop().create_task(self._connect_loop(), name="flashasr-engine-client")
 
     async def wait_ready(self, timeout: float) -> bool:
-        if self._closed:
-            return False
-        try:
-            await asyncio.wait_for(self._connected.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        """Wait up to ``timeout`` s for the engine connection; whether it is up (False at once
+        when the client closes meanwhile)."""
+        if not self._closed:
+            try:
+                await asyncio.wait_for(self._connected.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self.ready
 
     def unavailable_reason(self) -> str:
         """Why no request can go to the engine now: shutting down, starting (never connected yet:
@@ -512,12 +540,18 @@ class EngineClient:
         return c
 
     async def close(self) -> None:
+        """Stop for good: every request waiting on the engine fails now with the 503 'shutting
+        down' (those waiting for a connection wake and find none, a send in progress fails as the
+        socket shuts down, those waiting for a reply get the error); idempotent."""
         self._closed = True
-        if self._task:
-            self._task.cancel()
-        if self._conn:
-            self._conn.close()
+        conn, self._conn = self._conn, None
+        self._connected.set()
+        if conn is not None:
+            conn.close()
         self._fail_all(EngineUnavailable(self.unavailable_reason()))
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])  # its connection closed and nothing left pending
         self._pool.close()
 
     def _fail_all(self, err: Exception) -> None:
@@ -557,7 +591,8 @@ class EngineClient:
             finally:
                 self._conn = None
                 self.info = {}
-                self._connected.clear()
+                if not self._closed:
+                    self._connected.clear()
                 conn.close()
                 self._fail_all(EngineUnavailable(self.unavailable_reason()))
             await asyncio.sleep(delay)
