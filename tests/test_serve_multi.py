@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -199,6 +200,84 @@ def test_multi_translation_task_reaches_the_engine(multi):
     with pytest.raises(openai.APIStatusError) as ei:
         _client(multi).audio.translations.create(model="whisper-1", file=CLIP.open("rb"))
     assert ei.value.status_code == 400 and ei.value.body["code"] == "unsupported_task", ei.value.body
+
+
+# ------------------------------------------------------------------------------------- shutdown
+def _group(pgid: int) -> set[int]:
+    """The live processes of process group ``pgid`` (zombies left out: they have exited)."""
+    out = set()
+    for d in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.add(int(d))
+    return out
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the supervisor", "SIGINT to the group (Ctrl-C)", "SIGTERM to the group"])
+def test_shutdown_stops_front_ends_then_engine(tmp_path, how):
+    """Shutdown in multi mode, however the signal comes (one to the supervisor; Ctrl-C or `kill -TERM
+    -PGID` reaching every process of the group): the front ends stop first -- an upload the engine is
+    transcribing then either finishes or gets 503 'shutting down', never 'restarting' -- and the engine
+    only after them (it ignores SIGINT/SIGTERM; the supervisor stops it). The supervisor exits 0 within
+    15 s, every process of the group is gone with it, and the log has no traceback, error or lost
+    engine connection."""
+    from conftest import sigint_default
+
+    s = Server(tmp_path, "--mode", "multi", "--workers", "2", "--no-warmup", start_new_session=True,
+               preexec_fn=sigint_default)
+    try:
+        pgid = s.proc.pid
+        assert len(_group(pgid)) >= 3  # supervisor + front end #1 + engine
+        long_clip = (AUDIO / "long" / "long-silero-test-60s.wav").read_bytes()
+        results = []
+
+        def upload():
+            try:
+                r = httpx.post(s.base + "/v1/audio/transcriptions", files={"file": ("long.wav", long_clip)}, timeout=60)
+                results.append((r.status_code, r.json() if r.headers.get("content-type") == "application/json"
+                                else r.text))
+            except Exception as e:  # noqa: BLE001 - no answer at all (the connection dropped), or not JSON
+                results.append((None, repr(e)))
+
+        threads = [threading.Thread(target=upload) for _ in range(3)]  # new connections: both front ends
+        for th in threads:
+            th.start()
+        t_end = time.monotonic() + 60
+        # all three uploads at the engine, past their decode: a signal while front end #0's decode pool
+        # starts its forkserver (its first long file, about a second) still prints the forkserver's
+        # KeyboardInterrupt traceback (the upload then decodes sequentially)
+        while s.metric("flashasr_engine_requests_active") < 3:
+            assert time.monotonic() < t_end, s.log()
+            time.sleep(0.05)
+        if how == "SIGTERM to the supervisor":
+            os.kill(pgid, signal.SIGTERM)
+        else:
+            os.killpg(pgid, signal.SIGINT if "SIGINT" in how else signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            rc = s.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 15 s after {how}:\n{s.log()}") from None
+        for th in threads:
+            th.join(15)
+        while _group(pgid) and time.monotonic() - t0 < 20:  # the multiprocessing resource tracker follows
+            time.sleep(0.05)
+        assert not _group(pgid), f"left running: {_group(pgid)}"
+        log = s.log_path.read_text(errors="replace")
+        assert rc == 0, log
+        assert not any(th.is_alive() for th in threads), "an upload got no answer"
+        assert len(results) == 3 and all(st == 200 or (st == 503 and "shutting down" in body["error"]["message"])
+                                         for st, body in results), (results, log)
+        for noise in ("Traceback", "ERROR", "engine connection lost", "restarting", "exited (code", "did not stop"):
+            assert noise not in log, log
+    finally:
+        s.stop()
+        for pid in _group(s.proc.pid):  # a failed run must not leave processes behind
+            os.kill(pid, signal.SIGKILL)
 
 
 # ------------------------------------------------------- the engine client: nobody waits forever

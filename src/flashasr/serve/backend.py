@@ -148,6 +148,8 @@ class RemoteBackend:
         self.client = EngineClient(socket_path, shm_threshold=cfg.shm_threshold_bytes, metrics=metrics,
                                    connect_wait_s=ENGINE_WAIT_S)
         self.supervisor = supervisor
+        self._closing: asyncio.TimerHandle | None = None
+        self._closer: asyncio.Task | None = None
 
     @property
     def ready(self) -> bool:
@@ -168,7 +170,22 @@ class RemoteBackend:
     async def wait_ready(self, timeout: float) -> bool:
         return await self.client.wait_ready(timeout)
 
+    def begin_shutdown(self, close_after_s: float) -> None:
+        """The server is stopping (its front ends before the engine): a lost engine is no restart
+        from now on (:meth:`EngineClient.begin_shutdown`), and the requests still waiting for the
+        engine ``close_after_s`` s later get 503 'shutting down' (:meth:`EngineClient.close`), an
+        answer before uvicorn's graceful timeout would cancel them without one."""
+        self.client.begin_shutdown()
+        if self._closing is None:
+            loop = asyncio.get_running_loop()
+            self._closing = loop.call_later(close_after_s, self._close_soon, loop)
+
+    def _close_soon(self, loop) -> None:
+        self._closer = loop.create_task(self.client.close())
+
     async def stop(self) -> None:
+        if self._closing is not None:
+            self._closing.cancel()
         await self.client.close()
 
     @property

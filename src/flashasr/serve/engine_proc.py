@@ -5,6 +5,11 @@ The engine only starts listening after the model is loaded and warmed up, so a
 successful connection (and its ``HELLO``) means "ready". :class:`EngineSupervisor`
 (in the front-end's main process) restarts the engine when it dies; the front ends'
 :class:`~.ipc.EngineClient` fail in-flight requests with 503 and reconnect.
+
+Shutdown: the engine process ignores SIGINT and SIGTERM (Ctrl-C and ``kill -TERM -PGID`` reach
+every process of the group) and stops on SIGUSR1, which :meth:`EngineSupervisor.stop` sends once
+the front ends have exited, so it serves their last requests; SIGUSR1 is also what it gets when the
+supervisor dies (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -186,29 +191,31 @@ async def _engine_async(cfg: ServeConfig, path: str) -> None:
         gc.freeze()  # start-up objects (model, tokenizer, modules) leave the GC's scans
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    # Ctrl-C reaches the whole process group: the engine keeps serving until the front ends
-    # have drained and the supervisor sends SIGTERM
-    loop.add_signal_handler(signal.SIGINT, lambda: None)
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(STOP_SIGNAL, stop.set)  # SIGINT/SIGTERM are ignored (engine_main)
     server = loop.create_task(serve_unix(path, srv.handle))
     await stop.wait()
     server.cancel()
     await srv.scheduler.stop()
 
 
-def die_with_parent() -> None:
-    """Linux: get SIGTERM when the parent process dies (no orphaned engines or workers)."""
+STOP_SIGNAL = signal.SIGUSR1  # what stops the engine process (EngineSupervisor.stop sends it)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: get ``sig`` when the parent process dies (no orphaned engines or workers)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - not Linux: the supervisor's normal shutdown still applies
         pass
 
 
 def engine_main(cfg_dict: dict, path: str) -> None:
     """Entry point of the engine process (``multiprocessing`` spawn target)."""
-    die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole group is for the front ends:
+        signal.signal(sig, signal.SIG_IGN)       # the supervisor stops the engine after them
+    die_with_parent(STOP_SIGNAL)
     cfg = ServeConfig.from_dict(cfg_dict)
     logging.basicConfig(level=cfg.log_level.upper())
     try:
@@ -250,6 +257,10 @@ class EngineSupervisor:
         self.proc = p
         self._loop.add_reader(p.sentinel, self._on_exit, p)
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping: an engine that exits from now on is not restarted."""
+        self._closing = True
+
     def _on_exit(self, p) -> None:
         self._loop.remove_reader(p.sentinel)
         # the sentinel closes as the process exits, a moment before it can be reaped: join(0) read
@@ -272,6 +283,8 @@ class EngineSupervisor:
         self._loop.call_later(delay, self._spawn)
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the engine process: :data:`STOP_SIGNAL`, then SIGKILL if it has not exited within
+        ``timeout`` s. Call it after the front ends have exited."""
         self._closing = True
         p = self.proc
         if p is None:
@@ -281,7 +294,11 @@ class EngineSupervisor:
         except Exception:  # noqa: BLE001
             pass
         if p.is_alive():
-            p.terminate()
+            log.info("stopping the engine process %s", p.pid)
+            try:
+                os.kill(p.pid, STOP_SIGNAL)
+            except ProcessLookupError:
+                pass
             p.join(timeout)
             if p.is_alive():
                 p.kill()

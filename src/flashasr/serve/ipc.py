@@ -501,6 +501,7 @@ class EngineClient:
         self._task: asyncio.Task | None = None
         self._connected = asyncio.Event()  # set while connected, and for good once closed (wakes the waiters)
         self._closed = False
+        self._stopping = False  # begin_shutdown(): the server is stopping
         self.connects = 0
 
     @property
@@ -523,7 +524,7 @@ class EngineClient:
     def unavailable_reason(self) -> str:
         """Why no request can go to the engine now: shutting down, starting (never connected yet:
         the engine is loading the model) or restarting (the connection was lost)."""
-        if self._closed:
+        if self._closed or self._stopping:
             return "the server is shutting down"
         if self.connects == 0:
             return "the transcription engine is starting (loading the model); retry shortly"
@@ -533,11 +534,17 @@ class EngineClient:
         """The engine connection, waiting up to ``connect_wait_s`` for one; raises
         :class:`EngineUnavailable` (503) with :meth:`unavailable_reason` when none comes."""
         c = self._conn
-        if c is None and await self.wait_ready(self.connect_wait_s):
+        if c is None and not self._stopping and await self.wait_ready(self.connect_wait_s):
             c = self._conn
         if c is None:
             raise EngineUnavailable(self.unavailable_reason())
         return c
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping: from now on a request that finds no engine connection, or loses
+        it, gets the 503 'shutting down' at once (no wait, no reconnecting), and a lost connection is
+        no warning (the engine stops after the front ends, but may be killed first)."""
+        self._stopping = True
 
     async def close(self) -> None:
         """Stop for good: every request waiting on the engine fails now with the 503 'shutting
@@ -562,7 +569,7 @@ class EngineClient:
 
     async def _connect_loop(self) -> None:
         delay = 0.05
-        while not self._closed:
+        while not (self._closed or self._stopping):
             try:
                 conn = await Conn.connect(self.path)
             except (FileNotFoundError, ConnectionRefusedError, OSError):
@@ -586,8 +593,10 @@ class EngineClient:
                         continue
                     fut.set_result(f)
             except (asyncio.IncompleteReadError, ConnectionError, FramingError, asyncio.TimeoutError, OSError) as e:
-                if not self._closed:
+                if not (self._closed or self._stopping):
                     log.warning("engine connection lost: %s", e)
+                else:
+                    log.info("engine connection closed while shutting down (%s)", e)
             finally:
                 self._conn = None
                 self.info = {}
