@@ -173,7 +173,8 @@ def test_engine_death_gives_503_and_restarts(multi):
         time.sleep(0.2)
     t = _client(multi).audio.transcriptions.create(model="whisper-1", file=CLIP.open("rb"))
     assert words(t.text) == CLIP_WORDS
-    assert multi.metric("flashasr_engine_restarts") in (0.0, 1.0)  # counted by the supervising worker only
+    # front end #0 counts at once, a worker from the new engine's HELLO (0 until it has reconnected)
+    assert multi.metric("flashasr_engine_restarts") in (0.0, 1.0)
 
 
 def test_dead_frontend_worker_is_replaced(multi):
@@ -200,6 +201,85 @@ def test_multi_translation_task_reaches_the_engine(multi):
     with pytest.raises(openai.APIStatusError) as ei:
         _client(multi).audio.translations.create(model="whisper-1", file=CLIP.open("rb"))
     assert ei.value.status_code == 400 and ei.value.body["code"] == "unsupported_task", ei.value.body
+
+
+def _ready_by_front_end(s, n: int = 2, timeout: float = 60) -> dict[int, dict]:
+    """``/ready`` bodies (200) of ``n`` different front ends, by pid (new connections reach either)."""
+    got: dict[int, dict] = {}
+    t_end = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < t_end, got
+        r = httpx.get(s.base + "/ready", timeout=5)
+        if r.status_code == 200:
+            got[r.json()["frontend_pid"]] = r.json()
+    return got
+
+
+def test_a_replaced_worker_knows_the_engine_is_up(multi):
+    """A front-end worker that dies is replaced; its successor is told the engine is up, so it takes
+    requests only once it has its engine connection: no /ready in between says 503 (it said
+    'loading' for a moment, as if the model were loading) -- every answer while it starts is 200,
+    from front end #0 or from it."""
+    old = next(p for p in _ready_by_front_end(multi) if p != multi.proc.pid)
+    os.kill(old, signal.SIGKILL)
+    seen, not_ready, done = set(), [], threading.Event()
+
+    def poll():  # new connections as fast as they go, so some wait in the new worker's backlog
+        while not done.is_set():
+            try:
+                r = httpx.get(multi.base + "/ready", timeout=5)
+            except httpx.HTTPError:  # the killed worker's queued connections are reset
+                continue
+            if r.status_code != 200:
+                not_ready.append(r.json())
+            else:
+                seen.add(r.json()["frontend_pid"])
+                if seen - {multi.proc.pid, old}:
+                    done.set()
+
+    threads = [threading.Thread(target=poll) for _ in range(4)]
+    for th in threads:
+        th.start()
+    done.wait(90)
+    done.set()
+    for th in threads:
+        th.join(10)
+    assert seen - {multi.proc.pid, old}, "no new worker answered"
+    assert not_ready == [], not_ready
+
+
+def test_ready_says_the_same_on_every_front_end(multi):
+    """``/ready`` has the same keys whichever front end answers (``engine_restarts`` was front end #0's
+    alone), and the same engine restarts (1: test_engine_death_gives_503_and_restarts): the engine's
+    HELLO carries the count to every front end."""
+    bodies = _ready_by_front_end(multi)
+    keys = {p: sorted(b) for p, b in bodies.items()}
+    assert len(set(map(tuple, keys.values()))) == 1, keys
+    assert {b["engine_restarts"] for b in bodies.values()} == {1}, bodies
+
+
+def test_ready_while_the_engine_is_away_says_why_with_the_same_keys(tmp_path):
+    """``/ready`` before the engine connection (503): the same keys on front end #0 (the supervisor's)
+    and on a worker, with the reason a request would get and the engine restarts known."""
+    from starlette.testclient import TestClient
+
+    from flashasr.serve.app import create_app
+    from flashasr.serve.config import ServeConfig
+    from flashasr.serve.process import _remote_factory
+
+    class Supervisor:
+        restarts = 2
+
+    path = str(tmp_path / "nobody.sock")
+    bodies = []
+    for sup in (Supervisor(), None):
+        with TestClient(create_app(ServeConfig(), _remote_factory(path, sup))) as client:
+            r = client.get("/ready")
+            assert r.status_code == 503
+            bodies.append(r.json())
+    assert sorted(bodies[0]) == sorted(bodies[1]), bodies
+    assert bodies[0]["engine_restarts"] == 2 and bodies[1]["engine_restarts"] == 0, bodies
+    assert all("starting" in b["reason"] and b["status"] == "loading" for b in bodies), bodies
 
 
 # ------------------------------------------------------------------------------------- shutdown

@@ -37,16 +37,18 @@ log = logging.getLogger("flashasr.serve")
 
 
 class EngineServer:
-    """Serves TRANSCRIBE/CANCEL/STATS/PING frames for any number of front-end connections."""
+    """Serves TRANSCRIBE/CANCEL/STATS/PING frames for any number of front-end connections;
+    ``restarts``: how many times the supervisor restarted the engine before this one (its HELLO
+    says so, so every front end reports the same)."""
 
-    def __init__(self, model, cfg: ServeConfig):
+    def __init__(self, model, cfg: ServeConfig, restarts: int = 0):
         self.model = model
         self.cfg = cfg
         self.metrics = EngineMetrics(cfg.device)
         streamer = make_streamer(model, cfg)
         self.scheduler = BatchScheduler(model, max_batch=cfg.batch_limit, batch_wait_s=cfg.batch_wait_ms / 1000,
                                         metrics=self.metrics, streamer=streamer, stream_batch=cfg.stream_batch)
-        self.hello = model_info(model, cfg, streamer)
+        self.hello = {**model_info(model, cfg, streamer), "engine_restarts": int(restarts)}
 
     async def handle(self, conn: Conn) -> None:
         tasks: dict[int, asyncio.Task] = {}
@@ -178,13 +180,13 @@ async def serve_unix(path: str, handler) -> None:
 EXIT_MODEL_FAILED = 3  # the engine's exit status when its model cannot be loaded (the supervisor stops)
 
 
-async def _engine_async(cfg: ServeConfig, path: str) -> None:
+async def _engine_async(cfg: ServeConfig, path: str, restarts: int = 0) -> None:
     try:
         model = load_and_warm(cfg)
     except Exception as e:  # noqa: BLE001 - a model that will not load: say why once, then exit
         log.error("model %s failed to load on %s: %s: %s", cfg.model or "tiny.en", cfg.device, type(e).__name__, e)
         raise SystemExit(EXIT_MODEL_FAILED) from None
-    srv = EngineServer(model, cfg)
+    srv = EngineServer(model, cfg, restarts)
     srv.scheduler.start()
     if cfg.gc_freeze:
         gc.collect()
@@ -211,8 +213,9 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
-def engine_main(cfg_dict: dict, path: str) -> None:
-    """Entry point of the engine process (``multiprocessing`` spawn target)."""
+def engine_main(cfg_dict: dict, path: str, restarts: int = 0) -> None:
+    """Entry point of the engine process (``multiprocessing`` spawn target); ``restarts``: the
+    supervisor's count of restarts before this engine."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole group is for the front ends:
         signal.signal(sig, signal.SIG_IGN)       # the supervisor stops the engine after them
     die_with_parent(STOP_SIGNAL)
@@ -221,9 +224,9 @@ def engine_main(cfg_dict: dict, path: str) -> None:
     try:
         import uvloop
 
-        uvloop.run(_engine_async(cfg, path))
+        uvloop.run(_engine_async(cfg, path, restarts))
     except ImportError:  # pragma: no cover
-        asyncio.run(_engine_async(cfg, path))
+        asyncio.run(_engine_async(cfg, path, restarts))
 
 
 class EngineSupervisor:
@@ -251,7 +254,7 @@ class EngineSupervisor:
     def _spawn(self) -> None:
         if self._closing:
             return
-        p = self._ctx.Process(target=engine_main, args=(self.cfg.to_dict(), self.path), name="flashasr-engine",
+        p = self._ctx.Process(target=engine_main, args=(self.cfg.to_dict(), self.path, self.restarts), name="flashasr-engine",
                               daemon=True)
         p.start()
         self.proc = p

@@ -27,7 +27,8 @@ Messages:
 type            direction            metadata
 ==============  ===================  ==============================================================
 ``HELLO``       engine -> front end  on connect: ``model``, ``family``, ``pid``, ``device``,
-                                     ``capabilities`` (:class:`~flashasr.options.ModelCapabilities`)
+                                     ``capabilities`` (:class:`~flashasr.options.ModelCapabilities`),
+                                     ``engine_restarts`` (the supervisor's count before this engine)
 ``TRANSCRIBE``  front end -> engine  ``options`` (:class:`~flashasr.options.TranscribeOptions` as a
                                      dict), ``priority``, optional ``key`` (a stream's partials
                                      coalesce), optional ``pieces`` ``[[start, end], ...]`` (an
@@ -486,9 +487,14 @@ class EngineClient:
     greeted it), then gets the 503 naming why (:meth:`unavailable_reason`). :meth:`close`
     wakes every request still waiting on the engine -- for a connection, inside a send, for
     its reply -- with the 503 'shutting down'.
+
+    ``engine_seen``: the engine was serving when this front end started (a replaced worker: the
+    supervisor says so), so before its first connection it counts as restarting, not starting;
+    ``engine_restarts``: the supervisor's count then, until a HELLO says it.
     """
 
-    def __init__(self, path: str, *, shm_threshold: int = 1 << 20, metrics=None, connect_wait_s: float = 5.0):
+    def __init__(self, path: str, *, shm_threshold: int = 1 << 20, metrics=None, connect_wait_s: float = 5.0,
+                 engine_seen: bool = False, engine_restarts: int = 0):
         self.path = path
         self.connect_wait_s = connect_wait_s
         self.shm_threshold = shm_threshold
@@ -503,6 +509,8 @@ class EngineClient:
         self._closed = False
         self._stopping = False  # begin_shutdown(): the server is stopping
         self.connects = 0
+        self.engine_seen = engine_seen
+        self.engine_restarts = engine_restarts  # the last HELLO's (or the supervisor's at start)
 
     @property
     def ready(self) -> bool:
@@ -526,7 +534,7 @@ class EngineClient:
         the engine is loading the model) or restarting (the connection was lost)."""
         if self._closed or self._stopping:
             return "the server is shutting down"
-        if self.connects == 0:
+        if self.connects == 0 and not self.engine_seen:
             return "the transcription engine is starting (loading the model); retry shortly"
         return "the transcription engine is restarting; retry shortly"
 
@@ -581,6 +589,9 @@ class EngineClient:
                 if hello.type != MsgType.HELLO:
                     raise FramingError("engine did not greet with HELLO")
                 self.info = hello.meta
+                self.engine_restarts = int(hello.meta.get("engine_restarts", self.engine_restarts))
+                if self.metrics is not None and hasattr(self.metrics, "engine_restarts"):
+                    self.metrics.engine_restarts.set(self.engine_restarts)
                 self._conn = conn
                 self.connects += 1
                 self._connected.set()

@@ -198,17 +198,18 @@ def _run_loop(coro):
         return asyncio.run(coro)
 
 
-def _remote_factory(path: str, supervisor=None):
+def _remote_factory(path: str, supervisor=None, engine: dict | None = None):
     def make(cfg, pool, metrics):
         from .backend import RemoteBackend
 
-        return RemoteBackend(cfg, path, metrics=metrics, supervisor=supervisor)
+        return RemoteBackend(cfg, path, metrics=metrics, supervisor=supervisor, engine=engine)
 
     return make
 
 
-def frontend_main(cfg_dict: dict, path: str, make_app) -> None:
-    """Entry point of an extra front-end worker process (multi mode, ``--workers`` > 1)."""
+def frontend_main(cfg_dict: dict, path: str, make_app, engine: dict | None = None) -> None:
+    """Entry point of an extra front-end worker process (multi mode, ``--workers`` > 1); ``engine``:
+    the supervisor's view of the engine when it started this one (:class:`~.backend.RemoteBackend`)."""
     from .engine_proc import die_with_parent
 
     die_with_parent()
@@ -216,7 +217,7 @@ def frontend_main(cfg_dict: dict, path: str, make_app) -> None:
     _configure_logging(cfg)
     _raise_fd_limit()
     sock = _listen_socket(cfg.host, cfg.port, reuse_port=True)
-    _run_loop(_serve(cfg, make_app(cfg, _remote_factory(path)), sock))
+    _run_loop(_serve(cfg, make_app(cfg, _remote_factory(path, engine=engine)), sock))
 
 
 def _configure_logging(cfg: ServeConfig) -> None:
@@ -296,7 +297,8 @@ def run(cfg: ServeConfig, make_app, run_ray=None) -> int:
 
 class _Workers:
     """The extra front-end worker processes of multi mode; one that dies is replaced (until
-    :meth:`begin_stop`)."""
+    :meth:`begin_stop`). ``engine_state()``: the supervisor's view of the engine, handed to each
+    worker it starts (``{"up": bool, "restarts": int}``)."""
 
     def __init__(self, cfg: ServeConfig, path: str, make_app):
         import multiprocessing as mp
@@ -305,12 +307,13 @@ class _Workers:
         self.ctx = mp.get_context("spawn")
         self.procs: list = []
         self.stopping = False
+        self.engine_state = dict
 
     def start(self, loop) -> None:
         if self.stopping:  # a replacement scheduled just before the server began to stop
             return
-        p = self.ctx.Process(target=frontend_main, args=(self.cfg.to_dict(), self.path, self.make_app), name="flashasr-frontend",
-                             daemon=True)
+        p = self.ctx.Process(target=frontend_main, args=(self.cfg.to_dict(), self.path, self.make_app, self.engine_state()),
+                             name="flashasr-frontend", daemon=True)
         p.start()
         self.procs.append(p)
         loop.add_reader(p.sentinel, self._on_exit, loop, p)
@@ -373,6 +376,9 @@ def _run_multi(cfg: ServeConfig, make_app) -> int:
         app = make_app(cfg, _remote_factory(path, sup))
         sup.metrics = app.state.metrics
         sup.on_fatal = lambda: app.state.shutdown(EXIT_MODEL_FAILED)  # set by _serve before any engine exit
+        # a worker started now learns what front end #0 knows: whether the engine serves, its restarts
+        workers.engine_state = lambda: {"up": bool(getattr(app.state.flashasr.get("backend"), "ready", False)),
+                                        "restarts": sup.restarts}
 
         def on_stop() -> None:  # front end #0 begins to stop: the workers too, and no engine restarts
             workers.begin_stop(loop)
