@@ -1,7 +1,9 @@
 """Multi-process mode: one engine process + 2 front-end workers over Unix sockets (real tiny.en).
 
 Covers the shared-memory path, a garbage client on the engine socket, and engine death:
-in-flight requests get 503 (none hangs), the engine restarts, service resumes.
+in-flight requests get 503 (none hangs), the engine restarts, service resumes; a replaced worker
+and /ready on every front end; shutdown however the signal comes (front ends first, then the
+engine); and the engine client, whose close wakes every request waiting on the engine.
 """
 
 from __future__ import annotations
