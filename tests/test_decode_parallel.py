@@ -329,3 +329,51 @@ def test_a_truncated_long_file_falls_back_without_a_traceback(tmp_path, caplog, 
     assert got.samples.shape == want.samples.shape and np.array_equal(got.samples, want.samples)
     assert 60 < got.duration < 70 and any("trunc" in w or "declare" in w for w in got.warnings), got.warnings
     assert not [r for r in caplog.records if "parallel decode" in r.getMessage()], caplog.text
+
+
+_SIGNALLED_GROUP = """
+import signal, sys
+import numpy as np
+import flashasr.audio.parallel as par
+if __name__ == "__main__":
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the owner carries on, as a server does (its own handlers)
+        signal.signal(sig, lambda *_: None)
+    ref = par.load_audio_parallel(sys.argv[1], workers=2, pool="process").samples
+    print("decoded", flush=True)
+    sys.stdin.readline()  # the test signals the whole process group meanwhile
+    for _ in range(2):  # the pool's workers may be gone: sequential, then a fresh pool
+        again = par.load_audio_parallel(sys.argv[1], workers=2, pool="process").samples
+        print(len(again) == len(ref) and float(np.abs(again - ref).max()) <= 1e-5, flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_process_group_leaves_the_decode_working_and_quiet(files, tmp_path, sig):
+    """Ctrl-C in a terminal (SIGINT) or ``kill -TERM -PGID`` reaches the range pool's processes too
+    (same process group as their owner, a server that stops gracefully): the workers end without a
+    word -- on Ctrl-C each printed a KeyboardInterrupt traceback -- and the owner's next decodes
+    still give the samples (sequentially while the pool is broken, then in a fresh pool)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import sigint_default
+
+    script = tmp_path / "owner.py"
+    script.write_text(_SIGNALLED_GROUP)
+    p = subprocess.Popen([sys.executable, str(script), str(files["wav_16k"])], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=sigint_default)
+    try:
+        assert p.stdout.readline().strip() == "decoded"
+        os.killpg(p.pid, getattr(signal, sig))
+        time.sleep(1.0)
+        out, err = p.communicate("\n", timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    assert out.split() == ["True", "True"], (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

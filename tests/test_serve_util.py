@@ -31,16 +31,18 @@ def free_port() -> int:
 class Server:
     """A `python -m flashasr.serve.app` subprocess on 127.0.0.1 (killed by :meth:`stop`); its stdout
     and stderr go to ``log_path``. ``port=0``: the server picks the port and its start-up line names it.
-    With ``--ssl-certfile`` in ``args`` it speaks https (``base``; readiness polled without verifying)."""
+    With ``--ssl-certfile`` in ``args`` it speaks https (``base``; readiness polled without verifying).
+    ``popen``: more keywords for :class:`subprocess.Popen` (``start_new_session=True``: a process group
+    of its own, for a test that signals the whole group)."""
 
-    def __init__(self, tmp: Path, *args: str, ready_timeout: float = 150.0, port: int | None = None):
+    def __init__(self, tmp: Path, *args: str, ready_timeout: float = 150.0, port: int | None = None, **popen):
         self.port = free_port() if port is None else port
         fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=tmp)
         self.log_path, self._log = Path(name), os.fdopen(fd, "wb")
         env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "flashasr.serve.app", "--port", str(self.port),
                                       "--log-level", "info", *args], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env)
+                                     env=env, **popen)
         t_end = time.monotonic() + ready_timeout
         scheme = "https" if "--ssl-certfile" in args else "http"
         while not self.port:

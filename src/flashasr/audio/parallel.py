@@ -153,11 +153,22 @@ def _shared_pool(n: int, kind: str = "thread") -> cf.Executor:
                 ctx = mp.get_context("forkserver")
                 ctx.set_forkserver_preload(["flashasr.audio.parallel", "av", "soxr"])
                 ex: cf.Executor = cf.ProcessPoolExecutor(max_workers=size, mp_context=ctx,
-                                                         initializer=exit_with_parent, initargs=(os.getpid(),))
+                                                         initializer=_start_worker, initargs=(os.getpid(),))
             else:
                 ex = cf.ThreadPoolExecutor(max_workers=size, thread_name_prefix="flashasr-range")
             got = _pools[kind] = (os.getpid(), size, ex)
         return got[2]
+
+
+def _start_worker(owner: int) -> None:
+    """Initializer of a range pool's worker process: SIGINT at its default action, so Ctrl-C (which
+    reaches every process of the terminal's group) ends the worker at once without a word -- each
+    printed a KeyboardInterrupt traceback -- and its owner decodes sequentially (a broken pool);
+    and the worker ends once its owner is gone (:func:`exit_with_parent`)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    exit_with_parent(owner)
 
 
 def exit_with_parent(pid: int, poll_s: float = 1.0) -> None:
@@ -582,7 +593,8 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None, kee
             plan = replace(plan, path=f"/proc/{os.getpid()}/" + plan.path[len("/proc/self/"):])
         try:
             futures = [ex.submit(_decode_range_shm, plan, i, shm_name, size) for i in range(k)]
-        except cf.BrokenExecutor:  # a worker died earlier: a fresh shared pool next time
+        except (cf.BrokenExecutor, OSError, EOFError):  # a worker died earlier, or none can start (the
+            # forkserver is gone: a signal to the process group): a fresh shared pool next time
             from ..shm import unlink_segment
 
             unlink_segment(shm_name)

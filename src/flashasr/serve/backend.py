@@ -138,15 +138,24 @@ class LocalBackend:
 
 
 class RemoteBackend:
-    """Multi-process mode: transcription runs in the engine process, reached over :class:`EngineClient`."""
+    """Multi-process mode: transcription runs in the engine process, reached over :class:`EngineClient`.
+
+    ``supervisor``: front end #0's :class:`~.engine_proc.EngineSupervisor` (its restart count);
+    ``engine``: what the supervisor knew when it started this worker, ``{"up": bool, "restarts":
+    int}`` -- a worker replaced while the engine is up joins only once connected (:meth:`start`).
+    """
 
     mode = "multi"
 
-    def __init__(self, cfg: ServeConfig, socket_path: str, metrics=None, supervisor=None):
+    def __init__(self, cfg: ServeConfig, socket_path: str, metrics=None, supervisor=None, engine: dict | None = None):
         self.cfg = cfg
+        engine = engine or {}
         self.client = EngineClient(socket_path, shm_threshold=cfg.shm_threshold_bytes, metrics=metrics,
-                                   connect_wait_s=ENGINE_WAIT_S)
+                                   connect_wait_s=ENGINE_WAIT_S, engine_seen=bool(engine.get("up")),
+                                   engine_restarts=int(engine.get("restarts", 0)))
         self.supervisor = supervisor
+        self._closing: asyncio.TimerHandle | None = None
+        self._closer: asyncio.Task | None = None
 
     @property
     def ready(self) -> bool:
@@ -154,20 +163,48 @@ class RemoteBackend:
 
     @property
     def info(self) -> dict:
-        d = dict(self.client.info)
-        if self.supervisor is not None:
-            d["engine_restarts"] = self.supervisor.restarts
-        return d
+        return {**self.client.info, "engine_restarts": self.engine_restarts}
+
+    @property
+    def engine_restarts(self) -> int:
+        """Times the engine was restarted: the supervisor's count on front end #0, else the last
+        HELLO's (the same once connected)."""
+        return self.supervisor.restarts if self.supervisor is not None else self.client.engine_restarts
+
+    def unready_info(self) -> dict:
+        """What ``/ready`` adds while there is no engine connection: the reason a request would
+        get (starting, restarting, shutting down) and the engine restarts known."""
+        return {"reason": self.client.unavailable_reason(), "engine_restarts": self.engine_restarts}
 
     error = None
 
     async def start(self) -> None:
+        """Connect to the engine in the background; a worker replaced while the engine is up
+        (``engine["up"]``) waits for the connection first (up to ``ENGINE_WAIT_S``), so that the
+        port's connections reaching it meanwhile wait in its backlog instead of getting 503."""
         await self.client.start()
+        if self.client.engine_seen:
+            await self.client.wait_ready(ENGINE_WAIT_S)
 
     async def wait_ready(self, timeout: float) -> bool:
         return await self.client.wait_ready(timeout)
 
+    def begin_shutdown(self, close_after_s: float) -> None:
+        """The server is stopping (its front ends before the engine): a lost engine is no restart
+        from now on (:meth:`EngineClient.begin_shutdown`), and the requests still waiting for the
+        engine ``close_after_s`` s later get 503 'shutting down' (:meth:`EngineClient.close`), an
+        answer before uvicorn's graceful timeout would cancel them without one."""
+        self.client.begin_shutdown()
+        if self._closing is None:
+            loop = asyncio.get_running_loop()
+            self._closing = loop.call_later(close_after_s, self._close_soon, loop)
+
+    def _close_soon(self, loop) -> None:
+        self._closer = loop.create_task(self.client.close())
+
     async def stop(self) -> None:
+        if self._closing is not None:
+            self._closing.cancel()
         await self.client.close()
 
     @property

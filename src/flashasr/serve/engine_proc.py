@@ -5,6 +5,11 @@ The engine only starts listening after the model is loaded and warmed up, so a
 successful connection (and its ``HELLO``) means "ready". :class:`EngineSupervisor`
 (in the front-end's main process) restarts the engine when it dies; the front ends'
 :class:`~.ipc.EngineClient` fail in-flight requests with 503 and reconnect.
+
+Shutdown: the engine process ignores SIGINT and SIGTERM (Ctrl-C and ``kill -TERM -PGID`` reach
+every process of the group) and stops on SIGUSR1, which :meth:`EngineSupervisor.stop` sends once
+the front ends have exited, so it serves their last requests; SIGUSR1 is also what it gets when the
+supervisor dies (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -32,15 +37,17 @@ log = logging.getLogger("flashasr.serve")
 
 
 class EngineServer:
-    """Serves TRANSCRIBE/CANCEL/STATS/PING frames for any number of front-end connections."""
+    """Serves TRANSCRIBE/CANCEL/STATS/PING frames for any number of front-end connections;
+    ``restarts``: how many times the supervisor restarted the engine before this one (its HELLO
+    says so, so every front end reports the same)."""
 
-    def __init__(self, model, cfg: ServeConfig):
+    def __init__(self, model, cfg: ServeConfig, restarts: int = 0):
         self.model = model
         self.cfg = cfg
         self.metrics = EngineMetrics(cfg.device)
         streamer = make_streamer(model, cfg)
         self.scheduler = BatchScheduler(model, metrics=self.metrics, streamer=streamer, **cfg.scheduler_options)
-        self.hello = model_info(model, cfg, streamer)
+        self.hello = {**model_info(model, cfg, streamer), "engine_restarts": int(restarts)}
 
     async def handle(self, conn: Conn) -> None:
         tasks: dict[int, asyncio.Task] = {}
@@ -172,50 +179,53 @@ async def serve_unix(path: str, handler) -> None:
 EXIT_MODEL_FAILED = 3  # the engine's exit status when its model cannot be loaded (the supervisor stops)
 
 
-async def _engine_async(cfg: ServeConfig, path: str) -> None:
+async def _engine_async(cfg: ServeConfig, path: str, restarts: int = 0) -> None:
     try:
         model = load_and_warm(cfg)
     except Exception as e:  # noqa: BLE001 - a model that will not load: say why once, then exit
         log.error("model %s failed to load on %s: %s: %s", cfg.model or "tiny.en", cfg.device, type(e).__name__, e)
         raise SystemExit(EXIT_MODEL_FAILED) from None
-    srv = EngineServer(model, cfg)
+    srv = EngineServer(model, cfg, restarts)
     srv.scheduler.start()
     if cfg.gc_freeze:
         gc.collect()
         gc.freeze()  # start-up objects (model, tokenizer, modules) leave the GC's scans
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    # Ctrl-C reaches the whole process group: the engine keeps serving until the front ends
-    # have drained and the supervisor sends SIGTERM
-    loop.add_signal_handler(signal.SIGINT, lambda: None)
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(STOP_SIGNAL, stop.set)  # SIGINT/SIGTERM are ignored (engine_main)
     server = loop.create_task(serve_unix(path, srv.handle))
     await stop.wait()
     server.cancel()
     await srv.scheduler.stop()
 
 
-def die_with_parent() -> None:
-    """Linux: get SIGTERM when the parent process dies (no orphaned engines or workers)."""
+STOP_SIGNAL = signal.SIGUSR1  # what stops the engine process (EngineSupervisor.stop sends it)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: get ``sig`` when the parent process dies (no orphaned engines or workers)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - not Linux: the supervisor's normal shutdown still applies
         pass
 
 
-def engine_main(cfg_dict: dict, path: str) -> None:
-    """Entry point of the engine process (``multiprocessing`` spawn target)."""
-    die_with_parent()
+def engine_main(cfg_dict: dict, path: str, restarts: int = 0) -> None:
+    """Entry point of the engine process (``multiprocessing`` spawn target); ``restarts``: the
+    supervisor's count of restarts before this engine."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole group is for the front ends:
+        signal.signal(sig, signal.SIG_IGN)       # the supervisor stops the engine after them
+    die_with_parent(STOP_SIGNAL)
     cfg = ServeConfig.from_dict(cfg_dict)
     logging.basicConfig(level=cfg.log_level.upper())
     try:
         import uvloop
 
-        uvloop.run(_engine_async(cfg, path))
+        uvloop.run(_engine_async(cfg, path, restarts))
     except ImportError:  # pragma: no cover
-        asyncio.run(_engine_async(cfg, path))
+        asyncio.run(_engine_async(cfg, path, restarts))
 
 
 class EngineSupervisor:
@@ -243,11 +253,15 @@ class EngineSupervisor:
     def _spawn(self) -> None:
         if self._closing:
             return
-        p = self._ctx.Process(target=engine_main, args=(self.cfg.to_dict(), self.path), name="flashasr-engine",
+        p = self._ctx.Process(target=engine_main, args=(self.cfg.to_dict(), self.path, self.restarts), name="flashasr-engine",
                               daemon=True)
         p.start()
         self.proc = p
         self._loop.add_reader(p.sentinel, self._on_exit, p)
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping: an engine that exits from now on is not restarted."""
+        self._closing = True
 
     def _on_exit(self, p) -> None:
         self._loop.remove_reader(p.sentinel)
@@ -271,6 +285,8 @@ class EngineSupervisor:
         self._loop.call_later(delay, self._spawn)
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the engine process: :data:`STOP_SIGNAL`, then SIGKILL if it has not exited within
+        ``timeout`` s. Call it after the front ends have exited."""
         self._closing = True
         p = self.proc
         if p is None:
@@ -280,7 +296,11 @@ class EngineSupervisor:
         except Exception:  # noqa: BLE001
             pass
         if p.is_alive():
-            p.terminate()
+            log.info("stopping the engine process %s", p.pid)
+            try:
+                os.kill(p.pid, STOP_SIGNAL)
+            except ProcessLookupError:
+                pass
             p.join(timeout)
             if p.is_alive():
                 p.kill()

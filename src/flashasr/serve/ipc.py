@@ -27,7 +27,8 @@ Messages:
 type            direction            metadata
 ==============  ===================  ==============================================================
 ``HELLO``       engine -> front end  on connect: ``model``, ``family``, ``pid``, ``device``,
-                                     ``capabilities`` (:class:`~flashasr.options.ModelCapabilities`)
+                                     ``capabilities`` (:class:`~flashasr.options.ModelCapabilities`),
+                                     ``engine_restarts`` (the supervisor's count before this engine)
 ``TRANSCRIBE``  front end -> engine  ``options`` (:class:`~flashasr.options.TranscribeOptions` as a
                                      dict), ``priority``, optional ``key`` (a stream's partials
                                      coalesce), optional ``pieces`` ``[[start, end], ...]`` (an
@@ -136,6 +137,9 @@ class Conn:
     Reads use ``loop.sock_recv_into``: a payload lands directly in a preallocated numpy
     buffer (one kernel copy, no intermediate stream buffer). Writes are serialized by a lock
     and shielded from cancellation, so a frame is never cut in half on the wire.
+    :meth:`close` shuts the socket down at once, so a receive or send in progress ends (end of
+    stream, broken pipe) instead of waiting on a peer; the descriptor itself closes when the last
+    of them has returned (closed under the event loop's feet, asyncio logs ``Bad file descriptor``).
     """
 
     def __init__(self, sock: socket.socket):
@@ -146,6 +150,7 @@ class Conn:
         self.closed = False
         self._buf = bytearray(1 << 18)  # read-ahead: many small frames per recv call
         self._start = self._end = 0
+        self._ops = 0  # receives and sends in progress on the socket
 
     @classmethod
     async def connect(cls, path: str) -> "Conn":
@@ -193,6 +198,15 @@ class Conn:
         Header and metadata come from the read-ahead buffer; a payload is copied from what was
         already read ahead and the rest is received straight into its own array.
         """
+        if self.closed:
+            raise ConnectionError("connection closed")
+        self._ops += 1
+        try:
+            return await self._recv_frame()
+        finally:
+            self._op_done()
+
+    async def _recv_frame(self) -> Frame:
         await self._fill(HEADER_SIZE)
         mtype, flags, req_id, mlen, plen = parse_header(self._take(HEADER_SIZE))
         meta = {}
@@ -222,9 +236,15 @@ class Conn:
         if len(payload) <= 65536:  # small frame: one write
             head, payload = head + bytes(payload), b""
         async with self._wlock:
-            await self.loop.sock_sendall(self.sock, head)
-            if len(payload):
-                await self.loop.sock_sendall(self.sock, payload)
+            if self.closed:  # closed while this frame waited for the one before it
+                raise ConnectionError("connection closed")
+            self._ops += 1
+            try:
+                await self.loop.sock_sendall(self.sock, head)
+                if len(payload):
+                    await self.loop.sock_sendall(self.sock, payload)
+            finally:
+                self._op_done()
 
     async def send(self, parts: list) -> None:
         """Send one encoded frame (:func:`encode`); completes even if the caller is cancelled."""
@@ -236,9 +256,15 @@ class Conn:
         if not self.closed:
             self.closed = True
             try:
-                self.sock.shutdown(socket.SHUT_RDWR)
+                self.sock.shutdown(socket.SHUT_RDWR)  # a receive or send in progress returns now
             except OSError:
                 pass
+            if not self._ops:
+                self.sock.close()
+
+    def _op_done(self) -> None:
+        self._ops -= 1
+        if self.closed and not self._ops:
             self.sock.close()
 
 
@@ -458,10 +484,17 @@ class EngineClient:
     :class:`EngineUnavailable` (HTTP 503) and the client reconnects in the background.
     A request made while no connection is up waits for one up to ``connect_wait_s`` (each
     front end connects on its own: one can take requests a moment before the engine has
-    greeted it), then gets the 503 naming why (:meth:`unavailable_reason`).
+    greeted it), then gets the 503 naming why (:meth:`unavailable_reason`). :meth:`close`
+    wakes every request still waiting on the engine -- for a connection, inside a send, for
+    its reply -- with the 503 'shutting down'.
+
+    ``engine_seen``: the engine was serving when this front end started (a replaced worker: the
+    supervisor says so), so before its first connection it counts as restarting, not starting;
+    ``engine_restarts``: the supervisor's count then, until a HELLO says it.
     """
 
-    def __init__(self, path: str, *, shm_threshold: int = 1 << 20, metrics=None, connect_wait_s: float = 5.0):
+    def __init__(self, path: str, *, shm_threshold: int = 1 << 20, metrics=None, connect_wait_s: float = 5.0,
+                 engine_seen: bool = False, engine_restarts: int = 0):
         self.path = path
         self.connect_wait_s = connect_wait_s
         self.shm_threshold = shm_threshold
@@ -472,9 +505,12 @@ class EngineClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
-        self._connected = asyncio.Event()
+        self._connected = asyncio.Event()  # set while connected, and for good once closed (wakes the waiters)
         self._closed = False
+        self._stopping = False  # begin_shutdown(): the server is stopping
         self.connects = 0
+        self.engine_seen = engine_seen
+        self.engine_restarts = engine_restarts  # the last HELLO's (or the supervisor's at start)
 
     @property
     def ready(self) -> bool:
@@ -484,20 +520,21 @@ class EngineClient:
         self._task = asyncio.get_running_loop().create_task(self._connect_loop(), name="flashasr-engine-client")
 
     async def wait_ready(self, timeout: float) -> bool:
-        if self._closed:
-            return False
-        try:
-            await asyncio.wait_for(self._connected.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        """Wait up to ``timeout`` s for the engine connection; whether it is up (False at once
+        when the client closes meanwhile)."""
+        if not self._closed:
+            try:
+                await asyncio.wait_for(self._connected.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self.ready
 
     def unavailable_reason(self) -> str:
         """Why no request can go to the engine now: shutting down, starting (never connected yet:
         the engine is loading the model) or restarting (the connection was lost)."""
-        if self._closed:
+        if self._closed or self._stopping:
             return "the server is shutting down"
-        if self.connects == 0:
+        if self.connects == 0 and not self.engine_seen:
             return "the transcription engine is starting (loading the model); retry shortly"
         return "the transcription engine is restarting; retry shortly"
 
@@ -505,19 +542,31 @@ class EngineClient:
         """The engine connection, waiting up to ``connect_wait_s`` for one; raises
         :class:`EngineUnavailable` (503) with :meth:`unavailable_reason` when none comes."""
         c = self._conn
-        if c is None and await self.wait_ready(self.connect_wait_s):
+        if c is None and not self._stopping and await self.wait_ready(self.connect_wait_s):
             c = self._conn
         if c is None:
             raise EngineUnavailable(self.unavailable_reason())
         return c
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping: from now on a request that finds no engine connection, or loses
+        it, gets the 503 'shutting down' at once (no wait, no reconnecting), and a lost connection is
+        no warning (the engine stops after the front ends, but may be killed first)."""
+        self._stopping = True
+
     async def close(self) -> None:
+        """Stop for good: every request waiting on the engine fails now with the 503 'shutting
+        down' (those waiting for a connection wake and find none, a send in progress fails as the
+        socket shuts down, those waiting for a reply get the error); idempotent."""
         self._closed = True
-        if self._task:
-            self._task.cancel()
-        if self._conn:
-            self._conn.close()
+        conn, self._conn = self._conn, None
+        self._connected.set()
+        if conn is not None:
+            conn.close()
         self._fail_all(EngineUnavailable(self.unavailable_reason()))
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])  # its connection closed and nothing left pending
         self._pool.close()
 
     def _fail_all(self, err: Exception) -> None:
@@ -528,7 +577,7 @@ class EngineClient:
 
     async def _connect_loop(self) -> None:
         delay = 0.05
-        while not self._closed:
+        while not (self._closed or self._stopping):
             try:
                 conn = await Conn.connect(self.path)
             except (FileNotFoundError, ConnectionRefusedError, OSError):
@@ -540,6 +589,9 @@ class EngineClient:
                 if hello.type != MsgType.HELLO:
                     raise FramingError("engine did not greet with HELLO")
                 self.info = hello.meta
+                self.engine_restarts = int(hello.meta.get("engine_restarts", self.engine_restarts))
+                if self.metrics is not None and hasattr(self.metrics, "engine_restarts"):
+                    self.metrics.engine_restarts.set(self.engine_restarts)
                 self._conn = conn
                 self.connects += 1
                 self._connected.set()
@@ -552,12 +604,15 @@ class EngineClient:
                         continue
                     fut.set_result(f)
             except (asyncio.IncompleteReadError, ConnectionError, FramingError, asyncio.TimeoutError, OSError) as e:
-                if not self._closed:
+                if not (self._closed or self._stopping):
                     log.warning("engine connection lost: %s", e)
+                else:
+                    log.info("engine connection closed while shutting down (%s)", e)
             finally:
                 self._conn = None
                 self.info = {}
-                self._connected.clear()
+                if not self._closed:
+                    self._connected.clear()
                 conn.close()
                 self._fail_all(EngineUnavailable(self.unavailable_reason()))
             await asyncio.sleep(delay)

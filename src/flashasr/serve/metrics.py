@@ -34,7 +34,8 @@ class FrontendMetrics:
         self.inflight = Gauge("flashasr_engine_requests_inflight",
                               "Requests sent to the engine and not answered yet", registry=r)
         self.engine_restarts = Gauge("flashasr_engine_restarts", "Times the engine process was restarted "
-                                     "(multi mode, supervising process only)", registry=r)
+                                     "(multi mode: the supervisor's count, on every front end from the "
+                                     "engine's HELLO)", registry=r)
         self.http_inflight = Gauge("flashasr_http_requests_inflight", "HTTP requests received and not answered "
                                    "yet, by endpoint", ["endpoint"], registry=r)
         self.recent: dict[str, LatencyWindow] = {}

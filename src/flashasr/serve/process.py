@@ -9,6 +9,13 @@
   with ``SO_REUSEPORT``; every front end reaches the engine through a
   :class:`~.backend.RemoteBackend` over the engine's Unix socket (:mod:`.ipc`).
 
+Stopping (SIGINT/SIGTERM, to the supervisor or to the whole process group as Ctrl-C does): every
+front end stops taking connections and finishes what it holds within :data:`GRACE_S` (requests
+still waiting for the engine a second before that get 503 'shutting down'); the supervisor passes
+the signal on to the worker front ends, waits for them to exit and only then stops the engine
+(:meth:`~.engine_proc.EngineSupervisor.stop`: the engine ignores SIGINT/SIGTERM), so no front end
+loses its engine while it still serves.
+
 Each process runs one event loop (uvloop when installed); the soft fd limit is lifted to the hard
 one (thousands of WebSockets). With ``--ssl-certfile`` uvicorn serves https:// and wss:// on the same
 socket. One line on stderr says where the server listens; log records
@@ -106,24 +113,42 @@ def _listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
 
 
 EXIT_MODEL_FAILED = 2  # the model cannot be loaded: the server stops (as `flashasr transcribe` exits 2)
+GRACE_S = 5.0  # a stopping front end's time to finish its requests (uvicorn's timeout_graceful_shutdown)
 
 
-async def _serve(cfg: ServeConfig, app, sock: socket.socket) -> int:
+async def _serve(cfg: ServeConfig, app, sock: socket.socket, on_stop=None) -> int:
     """Serve until stopped; returns the exit status (``app.state.shutdown(code)`` stops it early,
-    e.g. when the model cannot be loaded)."""
+    e.g. when the model cannot be loaded). When it begins to stop (the first SIGINT/SIGTERM, or
+    ``shutdown``), once, on the event loop: the backend's ``begin_shutdown`` (multi mode: requests
+    still waiting for the engine a second before :data:`GRACE_S` get 503 'shutting down'), then
+    ``on_stop()``."""
     import uvicorn
 
     ucfg = uvicorn.Config(app, loop="none", lifespan="on", log_level=cfg.log_level, access_log=False,
                           ws_max_size=16 << 20, timeout_keep_alive=30, backlog=4096,
-                          timeout_graceful_shutdown=5, ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile)
+                          timeout_graceful_shutdown=GRACE_S, ssl_certfile=cfg.ssl_certfile,
+                          ssl_keyfile=cfg.ssl_keyfile)
     _redact_api_keys()  # uvicorn.Config set up uvicorn's log handlers just now
     server = _quiet_stop_server(uvicorn)(ucfg)
-    status = {"code": 0}
+    status = {"code": 0, "stopping": False}
+    loop = asyncio.get_running_loop()
+
+    def begin_stop() -> None:
+        if status["stopping"]:
+            return
+        status["stopping"] = True
+        backend = app.state.flashasr.get("backend")
+        if hasattr(backend, "begin_shutdown"):
+            backend.begin_shutdown(GRACE_S - 1.0)
+        if on_stop is not None:
+            on_stop()
 
     def shutdown(code: int) -> None:
         status["code"] = code
         server.should_exit = True
+        begin_stop()
 
+    server.on_exit_signal = lambda: loop.call_soon_threadsafe(begin_stop)  # from the signal handler
     app.state.shutdown = shutdown
     await server.serve(sockets=[sock])
     return status["code"]
@@ -133,7 +158,8 @@ def _quiet_stop_server(uvicorn):
     """``uvicorn.Server`` whose SIGINT/SIGTERM stop the server gracefully and end there. uvicorn
     (0.29+) raises the captured signal again once ``serve()`` has returned; under ``asyncio.run`` /
     ``uvloop.run`` that SIGINT cancels the main task while Starlette's lifespan still waits, and every
-    Ctrl-C printed an ERROR traceback (KeyboardInterrupt, then CancelledError) and exited 1."""
+    Ctrl-C printed an ERROR traceback (KeyboardInterrupt, then CancelledError) and exited 1. Each
+    signal also calls ``on_exit_signal()`` when set (in the signal handler: it must only schedule)."""
     import contextlib
     import signal
     import threading
@@ -141,6 +167,13 @@ def _quiet_stop_server(uvicorn):
     from uvicorn.server import HANDLED_SIGNALS
 
     class Server(uvicorn.Server):
+        on_exit_signal = None
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if self.on_exit_signal is not None:
+                self.on_exit_signal()
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -165,17 +198,18 @@ def _run_loop(coro):
         return asyncio.run(coro)
 
 
-def _remote_factory(path: str, supervisor=None):
+def _remote_factory(path: str, supervisor=None, engine: dict | None = None):
     def make(cfg, pool, metrics):
         from .backend import RemoteBackend
 
-        return RemoteBackend(cfg, path, metrics=metrics, supervisor=supervisor)
+        return RemoteBackend(cfg, path, metrics=metrics, supervisor=supervisor, engine=engine)
 
     return make
 
 
-def frontend_main(cfg_dict: dict, path: str, make_app) -> None:
-    """Entry point of an extra front-end worker process (multi mode, ``--workers`` > 1)."""
+def frontend_main(cfg_dict: dict, path: str, make_app, engine: dict | None = None) -> None:
+    """Entry point of an extra front-end worker process (multi mode, ``--workers`` > 1); ``engine``:
+    the supervisor's view of the engine when it started this one (:class:`~.backend.RemoteBackend`)."""
     from .engine_proc import die_with_parent
 
     die_with_parent()
@@ -183,7 +217,7 @@ def frontend_main(cfg_dict: dict, path: str, make_app) -> None:
     _configure_logging(cfg)
     _raise_fd_limit()
     sock = _listen_socket(cfg.host, cfg.port, reuse_port=True)
-    _run_loop(_serve(cfg, make_app(cfg, _remote_factory(path)), sock))
+    _run_loop(_serve(cfg, make_app(cfg, _remote_factory(path, engine=engine)), sock))
 
 
 def _configure_logging(cfg: ServeConfig) -> None:
@@ -262,7 +296,9 @@ def run(cfg: ServeConfig, make_app, run_ray=None) -> int:
 
 
 class _Workers:
-    """The extra front-end worker processes of multi mode; one that dies is replaced."""
+    """The extra front-end worker processes of multi mode; one that dies is replaced (until
+    :meth:`begin_stop`). ``engine_state()``: the supervisor's view of the engine, handed to each
+    worker it starts (``{"up": bool, "restarts": int}``)."""
 
     def __init__(self, cfg: ServeConfig, path: str, make_app):
         import multiprocessing as mp
@@ -271,10 +307,13 @@ class _Workers:
         self.ctx = mp.get_context("spawn")
         self.procs: list = []
         self.stopping = False
+        self.engine_state = dict
 
     def start(self, loop) -> None:
-        p = self.ctx.Process(target=frontend_main, args=(self.cfg.to_dict(), self.path, self.make_app), name="flashasr-frontend",
-                             daemon=True)
+        if self.stopping:  # a replacement scheduled just before the server began to stop
+            return
+        p = self.ctx.Process(target=frontend_main, args=(self.cfg.to_dict(), self.path, self.make_app, self.engine_state()),
+                             name="flashasr-frontend", daemon=True)
         p.start()
         self.procs.append(p)
         loop.add_reader(p.sentinel, self._on_exit, loop, p)
@@ -290,16 +329,29 @@ class _Workers:
             log.warning("front-end worker %s exited (code %s); starting another", p.pid, p.exitcode)
             loop.call_later(0.5, self.start, loop)
 
-    def unwatch(self, loop) -> None:
+    def begin_stop(self, loop) -> None:
+        """SIGTERM to every worker (each stops as front end #0 does); none is replaced from now on."""
+        if self.stopping:
+            return
         self.stopping = True
-        for p in list(self.procs):
+        for p in self.procs:
             loop.remove_reader(p.sentinel)
+            if p.is_alive():
+                p.terminate()
 
-    def stop(self) -> None:
+    def stop(self, loop, timeout: float) -> None:
+        """Stop every worker and wait for them, up to ``timeout`` s; SIGKILL for any still running."""
+        import time
+
+        self.begin_stop(loop)
+        t_end = time.monotonic() + timeout
         for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            p.join(5)
+            p.join(max(0.0, t_end - time.monotonic()))  # not the sentinel alone: it closes before the exit is reaped
+            if p.is_alive():
+                log.warning("front-end worker %s did not stop within %.0f s; killing it", p.pid, timeout)
+                p.kill()
+            p.join(1)
+        self.procs.clear()
 
 
 def _run_multi(cfg: ServeConfig, make_app) -> int:
@@ -324,19 +376,26 @@ def _run_multi(cfg: ServeConfig, make_app) -> int:
         app = make_app(cfg, _remote_factory(path, sup))
         sup.metrics = app.state.metrics
         sup.on_fatal = lambda: app.state.shutdown(EXIT_MODEL_FAILED)  # set by _serve before any engine exit
-        sup.start()
-        for _ in range(cfg.workers - 1):
-            workers.start(loop)
+        # a worker started now learns what front end #0 knows: whether the engine serves, its restarts
+        workers.engine_state = lambda: {"up": bool(getattr(app.state.flashasr.get("backend"), "ready", False)),
+                                        "restarts": sup.restarts}
+
+        def on_stop() -> None:  # front end #0 begins to stop: the workers too, and no engine restarts
+            workers.begin_stop(loop)
+            sup.begin_shutdown()
+
         try:
-            return await _serve(cfg, app, sock)
-        finally:
-            workers.unwatch(loop)
+            sup.start()
+            for _ in range(cfg.workers - 1):
+                workers.start(loop)
+            return await _serve(cfg, app, sock, on_stop)
+        finally:  # front end #0 has finished; the workers next (they stopped meanwhile), then the engine
+            workers.stop(loop, GRACE_S + 5.0)
             sup.stop()
 
     try:
         return int(_run_loop(main_async()) or 0)
     finally:
-        workers.stop()
         if tmpdir:
             try:
                 os.unlink(path)

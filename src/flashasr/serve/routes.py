@@ -70,12 +70,11 @@ def http_router(ctx: ServeContext) -> APIRouter:
         b = ctx.backend
         if b.ready:
             return {"status": "ready", "mode": b.mode, "frontend_pid": os.getpid(), **b.info}
-        body = {"status": "loading", "mode": b.mode}
+        body = {"status": "loading", "mode": b.mode, "frontend_pid": os.getpid()}
         if getattr(b, "error", None):
             body["error"] = b.error
-        sup = getattr(b, "supervisor", None)
-        if sup is not None:
-            body["engine_restarts"] = sup.restarts
+        if hasattr(b, "unready_info"):  # multi mode: why, and the engine's restarts (every front end)
+            body.update(b.unready_info())
         return JSONResponse(body, status_code=503)
 
     @router.get("/metrics")
