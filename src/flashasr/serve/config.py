@@ -285,9 +285,9 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                    help="chunked partials: longest queued chunks wait for more streams' chunks before a step "
                         "smaller than the stream batch runs, when nothing else is runnable; new work ends the "
                         "wait (0: never wait; at most 1000)")
-    g.add_argument("--switch-interval-ms", type=_number(float, 0), default=0.0,
+    g.add_argument("--switch-interval-ms", type=_number(float, 0, high=100), default=0.0,
                    help="the GIL switch interval in the process running the model (its thread shares the GIL "
-                        "with the event loop; 0: CPython's default, 5 ms)")
+                        "with the event loop; 0: leave CPython's 5 ms; at most 100)")
 
 
 def _ray_address(text: str) -> str:
