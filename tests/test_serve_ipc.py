@@ -97,6 +97,60 @@ def test_burst_of_small_and_large_frames():
         np.testing.assert_array_equal(ipc.unpack_audio(g), w)
 
 
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_concurrent_senders_coalesce_and_frames_stay_whole(loop_kind):
+    """Frames queued by many tasks in one turn of the loop leave together at its end (nothing
+    sent before it, the queue empty after it); with large payloads beyond the socket's buffer
+    in between and a sender cancelled while it waits for the queue to drain, every frame
+    arrives whole, in the order of the calls, and a frame sent just before close() arrives."""
+    rng = np.random.default_rng(2)
+    sizes = [int(n) for n in rng.integers(1, 3000, 300)]
+    sizes[50] = sizes[200] = 3_000_000  # 12 MB frames: over WRITE_HIGH, the senders after them wait
+    waves = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+
+    async def go():
+        a, b = socket.socketpair()
+        ca, cb = ipc.Conn(a), ipc.Conn(b)
+        frames = []
+        for i, w in enumerate(waves[:20]):  # one turn, no awaits in between: one flush at its end
+            f, m, p, _ = ipc.pack_audio(w, shm_threshold=1 << 30)
+            frames.append(asyncio.ensure_future(ca.send(ipc.encode(ipc.MsgType.TRANSCRIBE, i, m, p, f))))
+        await asyncio.sleep(0)   # the sends ran: all queued, none written yet
+        queued = len(ca._wq)
+        await asyncio.sleep(0)   # the flush ran
+        after = len(ca._wq)
+        await asyncio.gather(*frames)
+
+        async def send(i):
+            f, m, p, _ = ipc.pack_audio(waves[i], shm_threshold=1 << 30)
+            await ca.send(ipc.encode(ipc.MsgType.TRANSCRIBE, i, m, p, f))
+
+        tasks = [asyncio.ensure_future(send(i)) for i in range(20, len(waves))]
+        await asyncio.sleep(0)
+        tasks[201 - 20].cancel()  # queued behind a 12 MB frame, waiting for the drain
+        got = [await cb.recv_frame() for _ in waves]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await ca.send(ipc.encode(ipc.MsgType.PING, 999))
+        ca.close()
+        last = await cb.recv_frame()
+        cb.close()
+        return queued, after, got, last
+
+    queued, after, got, last = _run_loop(loop_kind, go())
+    assert queued == 2 * 20 and after == 0, (queued, after)  # header + payload per frame
+    assert [g.req_id for g in got] == list(range(len(waves)))
+    for g, w in zip(got, waves):
+        np.testing.assert_array_equal(ipc.unpack_audio(g), w)
+    assert last.type == ipc.MsgType.PING and last.req_id == 999
+
+
+def _run_loop(kind: str, coro):
+    if kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
 def test_malformed_frames_are_rejected():
     good = ipc.encode(ipc.MsgType.PING, 1)[0]
     for bad in (b"XX" + good[2:],                                       # magic

@@ -51,6 +51,7 @@ type            direction            metadata
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import itertools
 import json
@@ -131,12 +132,19 @@ def parse_header(b: bytes) -> tuple[int, int, int, int, int]:
     return mtype, flags, req_id, mlen, plen
 
 
+WRITE_HIGH = 4 << 20  # queued bytes above which Conn.send waits for the socket to drain ...
+WRITE_LOW = 1 << 20   # ... down to this
+IOV_MAX = 1024        # buffers per sendmsg (Linux's limit)
+
+
 class Conn:
     """One end of a framed Unix-socket connection on the running event loop.
 
     Reads use ``loop.sock_recv_into``: a payload lands directly in a preallocated numpy
-    buffer (one kernel copy, no intermediate stream buffer). Writes are serialized by a lock
-    and shielded from cancellation, so a frame is never cut in half on the wire.
+    buffer (one kernel copy, no intermediate stream buffer). Writes go out in order, whole: a
+    frame is written at once with one ``sendmsg`` when nothing is queued before it and the
+    socket takes it (the common case: no task, no future, no lock per frame); otherwise it is
+    queued for one writer task, and a caller cancelled while waiting never cuts a frame in half.
     :meth:`close` shuts the socket down at once, so a receive or send in progress ends (end of
     stream, broken pipe) instead of waiting on a peer; the descriptor itself closes when the last
     of them has returned (closed under the event loop's feet, asyncio logs ``Bad file descriptor``).
@@ -146,7 +154,12 @@ class Conn:
         sock.setblocking(False)
         self.sock = sock
         self.loop = asyncio.get_running_loop()
-        self._wlock = asyncio.Lock()
+        self._wq: collections.deque = collections.deque()  # unsent buffers (memoryviews), in order
+        self._wbytes = 0
+        self._flushing = False  # a flush is scheduled or the writer task runs
+        self._writer: asyncio.Task | None = None
+        self._drain: list[asyncio.Future] = []  # senders waiting for the queue to drain
+        self._werr: BaseException | None = None  # why the connection broke (no more sends)
         self.closed = False
         self._buf = bytearray(1 << 18)  # read-ahead: many small frames per recv call
         self._start = self._end = 0
@@ -231,30 +244,117 @@ class Conn:
             self._start = self._end = 0
         return Frame(mtype, req_id, flags, meta, payload)
 
-    async def _send(self, parts: list) -> None:
-        head, payload = parts
-        if len(payload) <= 65536:  # small frame: one write
-            head, payload = head + bytes(payload), b""
-        async with self._wlock:
-            if self.closed:  # closed while this frame waited for the one before it
-                raise ConnectionError("connection closed")
-            self._ops += 1
-            try:
-                await self.loop.sock_sendall(self.sock, head)
-                if len(payload):
-                    await self.loop.sock_sendall(self.sock, payload)
-            finally:
-                self._op_done()
-
     async def send(self, parts: list) -> None:
-        """Send one encoded frame (:func:`encode`); completes even if the caller is cancelled."""
-        if self.closed:
-            raise ConnectionError("connection closed")
-        await asyncio.shield(self._send(parts))
+        """Queue one encoded frame (:func:`encode`) for sending; frames leave whole and in the order
+        of the calls. The frames queued in one turn of the event loop go out together in one
+        ``sendmsg`` at its end (no task, future or lock per frame; one system call for a step's
+        replies); what the socket does not take then goes out from one writer task. Returns at
+        once unless more than :data:`WRITE_HIGH` bytes wait, then once they are down to
+        :data:`WRITE_LOW`. A frame queued is sent even if its caller is cancelled.
+
+        Raises:
+            ConnectionError: the connection is closed, or broke before the queue drained.
+        """
+        if self.closed or self._werr is not None:
+            raise ConnectionError("connection closed") from self._werr
+        for b in parts:
+            if len(b):
+                v = memoryview(b).cast("B")
+                self._wq.append(v)
+                self._wbytes += v.nbytes
+        if not self._flushing:
+            self._flushing = True
+            self.loop.call_soon(self._flush)
+        if self._wbytes > WRITE_HIGH:
+            fut = self.loop.create_future()
+            self._drain.append(fut)
+            await asyncio.shield(fut)
+
+    def _write_now(self) -> None:
+        """Send what the socket takes now without waiting (``sendmsg`` of the queued buffers)."""
+        wq = self._wq
+        while wq:
+            bufs = list(itertools.islice(wq, IOV_MAX))
+            try:
+                n = self.sock.sendmsg(bufs)
+            except (BlockingIOError, InterruptedError):
+                return
+            self._wbytes -= n
+            sent_all = n == sum(v.nbytes for v in bufs)
+            while n and n >= wq[0].nbytes:
+                n -= wq.popleft().nbytes
+            if n:
+                wq[0] = wq[0][n:]
+            if not sent_all:  # the socket's buffer is full
+                return
+
+    def _flush(self) -> None:
+        """End of the loop turn: write the queue; a rest goes to the writer task."""
+        if self.closed or self._werr is not None:
+            self._flushing = False
+            return
+        try:
+            self._write_now()
+        except OSError as e:
+            self._flushing = False
+            self._broken(e)
+            return
+        if self._wq:
+            self._writer = self.loop.create_task(self._write_rest())
+        else:
+            self._flushing = False
+            self._drained()
+
+    async def _write_rest(self) -> None:
+        """The writer task: what the socket did not take at once, waiting for it to drain."""
+        self._ops += 1
+        try:
+            while self._wq and not self.closed:
+                v = self._wq[0]
+                await self.loop.sock_sendall(self.sock, v)
+                self._wq.popleft()
+                self._wbytes -= v.nbytes
+                self._drained()
+                if len(self._wq) > 1:
+                    self._write_now()
+        except OSError as e:
+            self._broken(e)
+        finally:
+            self._writer = None
+            self._flushing = False
+            self._drained()
+            self._op_done()
+
+    def _drained(self) -> None:
+        if self._wbytes <= WRITE_LOW:
+            for f in self._drain:
+                if not f.done():
+                    f.set_result(None)
+            self._drain.clear()
+
+    def _broken(self, err: BaseException) -> None:
+        """A write failed (or the connection closed): queued frames are dropped, senders waiting
+        for the queue to drain get ConnectionError."""
+        if self._werr is None:
+            self._werr = err
+        self._wq.clear()
+        self._wbytes = 0
+        for f in self._drain:
+            if not f.done():
+                f.set_exception(ConnectionError(f"connection broken: {err}"))
+        self._drain.clear()
 
     def close(self) -> None:
+        """Shut the connection down now: what is queued goes out if the socket takes it at once
+        (a reply sent just before the close is not lost), the rest is dropped."""
         if not self.closed:
+            if self._wq and self._writer is None and self._werr is None:
+                try:
+                    self._write_now()
+                except OSError:
+                    pass
             self.closed = True
+            self._broken(ConnectionError("connection closed"))
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)  # a receive or send in progress returns now
             except OSError:
