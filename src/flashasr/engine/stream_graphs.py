@@ -161,8 +161,8 @@ class GraphedStreamer(ParakeetStreamer):
         g.h_out.copy_(g.dec.out, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         n = g.h_n[:B].tolist()
-        rows = g.h_out
-        return [rows[b, : n[b], 0].tolist() for b in range(B)]
+        rows = g.h_out[:B, : max(n, default=0), 0].tolist()  # one conversion for all rows
+        return [r[:k] for r, k in zip(rows, n)]
 
     def _decode_eager(self, g: _StepGraph, B: int) -> list[list[int]]:
         return self.decode_step(g.f_out[:B], g.n_new[:B], g.slots[:B])

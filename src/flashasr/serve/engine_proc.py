@@ -15,7 +15,6 @@ supervisor dies (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import logging
 import multiprocessing as mp
@@ -48,6 +47,24 @@ class EngineServer:
         streamer = make_streamer(model, cfg)
         self.scheduler = BatchScheduler(model, metrics=self.metrics, streamer=streamer, **cfg.scheduler_options)
         self.hello = {**model_info(model, cfg, streamer), "engine_restarts": int(restarts)}
+        self.caps = model.capabilities
+        self._options_seen: dict[tuple, TranscribeOptions] = {}  # raw options -> resolved (see _options)
+
+    def _options(self, raw) -> TranscribeOptions:
+        """A request's options checked against the model; the same raw options (every chunk of a
+        stream carries them) are parsed and checked once. Raises what
+        :meth:`TranscribeOptions.from_dict` / ``resolve`` raise."""
+        try:  # the value's type is in the key: 1, 1.0 and True are different options
+            key = tuple((k, type(v), v) for k, v in raw.items()) if isinstance(raw, dict) else (raw,)
+            got = self._options_seen.get(key)
+        except TypeError:  # unhashable values (lists): not cached
+            return TranscribeOptions.from_dict(raw).resolve(self.caps)
+        if got is None:
+            got = TranscribeOptions.from_dict(raw).resolve(self.caps)
+            if len(self._options_seen) >= 256:
+                self._options_seen.clear()
+            self._options_seen[key] = got
+        return got
 
     async def handle(self, conn: Conn) -> None:
         tasks: dict[int, asyncio.Task] = {}
@@ -115,12 +132,12 @@ class EngineServer:
         m = f.meta
         samples = unpack_audio(f)
         f.payload = b""
-        options = TranscribeOptions.from_dict(m.get("options")).resolve(self.model.capabilities)
+        options = self._options(m.get("options"))
         if m.get("stream") is not None:
             if not isinstance(m["stream"], str):
                 raise FramingError("'stream' must be a string key")
             r = await self.scheduler.submit_chunk(m["stream"], samples, options, new=bool(m.get("new")))
-            return {"stream_result": dataclasses.asdict(r)}
+            return {"stream_result": dict(vars(r))}  # flat fields: a shallow copy (asdict deep-copies)
         if m.get("pieces") is not None:
             pieces = _check_pieces(m["pieces"], samples.size, m.get("speech"))
             got = await self.scheduler.submit_pieces(samples, pieces, options, priority=int(m.get("priority", OFFLINE)))

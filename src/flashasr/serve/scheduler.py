@@ -163,7 +163,12 @@ class BatchScheduler:
         self.switch_interval_s = switch_interval_s if switch_interval_s and switch_interval_s > 0 else None
         self._switch_before: float | None = None
         self.metrics = metrics or EngineMetrics(getattr(model, "device", "cpu"))
-        self._depth = {p: self.metrics.queue_depth.labels(KIND[p]) for p in (FINAL, PARTIAL, OFFLINE)}
+        m, kinds = self.metrics, (FINAL, PARTIAL, OFFLINE)  # labelled children looked up once, not per item
+        self._depth = {p: m.queue_depth.labels(KIND[p]) for p in kinds}
+        self._batch_size = {p: m.batch_size.labels(KIND[p]) for p in kinds}
+        self._inference = {p: m.inference.labels(KIND[p]) for p in kinds}
+        self._audio_s = {p: m.audio_seconds.labels(KIND[p]) for p in kinds}
+        self._stage = {k: m.stage.labels(k) for k in ("queue", "inference", "handoff")}
         self.sample_rate = int(getattr(model, "sample_rate", 16000))
         self._queues: dict[int, list[_Item]] = {FINAL: [], PARTIAL: [], OFFLINE: []}
         self._runs: list[_Run] = []  # offline batches started and not finished
@@ -228,15 +233,18 @@ class BatchScheduler:
         self._queues[priority].append(it)
         return it
 
-    def _forget(self, it: _Item) -> None:
-        """After its awaiter is gone: drop the coalescing entry, and a not-yet-started item."""
+    def _forget(self, it: _Item) -> bool:
+        """After its awaiter is gone: drop the coalescing entry, and a not-yet-started item (True:
+        it was still queued)."""
         if it.key is not None and self._partials.get(it.key) is it:
             del self._partials[it.key]
         if not it.fut.done() or it.fut.cancelled():
             try:
                 self._queues[it.priority].remove(it)
+                return True
             except ValueError:
                 pass
+        return False
 
     async def submit(self, samples: np.ndarray, options: TranscribeOptions | None = None, *,
                      priority: int = OFFLINE, coalesce_key: str | None = None, speech=None, **changes):
@@ -304,13 +312,13 @@ class BatchScheduler:
             raise StreamError("this model has no chunked streaming partials")
         it = self._enqueue(samples, options, PARTIAL)
         it.stream, it.stream_new = key, bool(new)
-        self._gauge()
+        self._gauge(PARTIAL)
         self._wake.set()
         try:
             return await it.fut
         finally:
-            self._forget(it)
-            self._gauge()
+            if self._forget(it):
+                self._gauge(PARTIAL)
 
     def close_stream(self, key: str) -> None:
         """Drop a stream's chunked state, on the model thread after the work already handed to it
@@ -319,8 +327,9 @@ class BatchScheduler:
             self._exec.submit(self.streamer.close, key)
 
     # ---------------------------------------------------------------- internal
-    def _gauge(self) -> None:
-        for p, q in self._queues.items():
+    def _gauge(self, priority: int | None = None) -> None:
+        """Queue-depth gauges: of one priority's queue (after adding to it), or all."""
+        for p, q in self._queues.items() if priority is None else ((priority, self._queues[priority]),):
             self._depth[p].set(len(q))
 
     def _pick(self) -> tuple[str, object]:
@@ -452,8 +461,8 @@ class BatchScheduler:
         t0 = time.perf_counter()
         if kind == "batch" or work.steps == 0:
             for it in items:
-                self.metrics.stage.labels("queue").observe(t0 - it.t_enq)
-        self.metrics.batch_size.labels(KIND[items[0].priority]).observe(len(items))
+                self._stage["queue"].observe(t0 - it.t_enq)
+        self._batch_size[items[0].priority].observe(len(items))
         self.busy = True
         t1 = t2 = None
         try:
@@ -467,9 +476,9 @@ class BatchScheduler:
         if t1 is None:
             t1 = t2 = t3
         dt = t2 - t1  # the call on the model thread
-        self.metrics.stage.labels("inference").observe(dt)
-        self.metrics.stage.labels("handoff").observe((t1 - t0) + (t3 - t2))  # waiting for the threads' handovers
-        self.metrics.inference.labels(KIND[items[0].priority]).observe(dt)
+        self._stage["inference"].observe(dt)
+        self._stage["handoff"].observe((t1 - t0) + (t3 - t2))  # waiting for the threads' handovers
+        self._inference[items[0].priority].observe(dt)
         if kind == "run":
             self._stepped(work, getattr(work.run, "audio_s", None), done=results is not None)
             if results is None:
@@ -512,7 +521,7 @@ class BatchScheduler:
                 if results is None:
                     continue
                 for it in items:  # a final batch may carry partials too: count each under its own kind
-                    self.metrics.audio_seconds.labels(KIND[it.priority]).inc(len(it.samples) / self.sample_rate)
+                    self._audio_s[it.priority].inc(len(it.samples) / self.sample_rate)
                 for it, r in zip(items, results):
                     if it.fut.done():
                         continue

@@ -244,13 +244,16 @@ class _Stream:
     slot: int
     frames: int = 0              # encoder frames produced (v)
     received: int = 0            # samples received
-    x: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    x: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # pre-emphasised (_append)
     x_start: int = 0             # absolute index of x[0]
+    last: np.float32 = np.float32(0)  # the last sample received, as it came (pre-emphasis of the next)
     tokens: list = field(default_factory=list)
     word_start: int = 0          # index of the last token that starts a word
     last_used: float = 0.0
     stable: str = ""             # decoded tokens[:stable_upto] (grown word by word, not re-decoded)
     stable_upto: int = 0
+    text: str = ""               # decode(tokens[:text_upto]): reused by a step that decoded nothing new
+    text_upto: int = 0
     flushed: bool = False        # its audio ended (a flushed step): no more audio
 
 
@@ -293,6 +296,7 @@ class ParakeetStreamer:
         self.pool = StatePool(model, self.cfg, self.cfg.slots, self.device, self.dtype)
         self.streams: dict[str, _Stream] = {}
         self._closed: dict[str, float] = {}  # recently closed keys (refused if they come back)
+        self._next_evict = 0.0  # when _evict_idle scans again
         self._fresh: list[int] = []  # slots acquired since the last step, not reset yet (StatePool.reset_many)
         self._lock = threading.RLock()
         self._pe = relative_positions(0, enc.d_model, self.device, left=self.L + self.C - 1,
@@ -409,7 +413,12 @@ class ParakeetStreamer:
         return st
 
     def _evict_idle(self) -> None:
+        """Drop streams idle longer than ``idle_s``; the scan over all streams runs at most every
+        ``idle_s / 10`` (capped at 1 s), not on every step."""
         now = time.monotonic()
+        if now < self._next_evict:
+            return
+        self._next_evict = now + min(1.0, self.cfg.idle_s / 10)
         for key in [k for k, s in self.streams.items() if now - s.last_used > self.cfg.idle_s]:
             self.close(key)
 
@@ -420,10 +429,19 @@ class ParakeetStreamer:
         return as_waveform(samples, f"stream {key}") if len(samples) else np.zeros(0, np.float32)
 
     def _append(self, st: _Stream, a: np.ndarray) -> None:
-        if a.size:
-            st.x = np.concatenate([st.x, a]) if st.x.size else a.copy()
-            st.received += a.size
-            self.counters["audio_s"] += a.size / float(self.model.sample_rate)
+        """Keep the new samples pre-emphasised (``y[t] = x[t] - preemph * x[t-1]``, ``y[0] = x[0]``,
+        as the offline preprocessor): each sample once, so a window is one copy (:meth:`_segment`)."""
+        if not a.size:
+            return
+        y = a.copy()
+        if self.preemph is not None:
+            y[1:] -= self.preemph * a[:-1]
+            if st.received:
+                y[0] -= self.preemph * st.last
+        st.last = a[-1]
+        st.x = np.concatenate([st.x, y]) if st.x.size else y
+        st.received += a.size
+        self.counters["audio_s"] += a.size / float(self.model.sample_rate)
 
     def _frames_to_do(self, st: _Stream, flush: bool) -> tuple[int, int]:
         """``(new encoder frames, valid feature frames of the stream)``."""
@@ -443,17 +461,11 @@ class ParakeetStreamer:
         p1 = p0 + self.window_samples
         lo, hi = max(p0, 0), min(p1, st.received)
         if hi > lo:
-            xs = st.x[lo - st.x_start: hi - st.x_start]
-            y = out[lo - p0: hi - p0]
-            y[:] = xs
-            if self.preemph is not None:
-                y[1:] -= self.preemph * xs[:-1]
-                if lo > 0:
-                    y[0] -= self.preemph * st.x[lo - st.x_start - 1]
+            out[lo - p0: hi - p0] = st.x[lo - st.x_start: hi - st.x_start]
 
     def _advance(self, st: _Stream, k: int) -> None:
         st.frames += k
-        keep_from = self.hop * self.sub * (st.frames - 1) - self.n_fft // 2 - 1  # next window's start - 1
+        keep_from = self.hop * self.sub * (st.frames - 1) - self.n_fft // 2  # the next window's start
         cut = keep_from - st.x_start
         if cut > 0:
             st.x = st.x[cut:]
@@ -529,9 +541,11 @@ class ParakeetStreamer:
         if st.word_start > st.stable_upto:
             st.stable = self._joined(st.stable, st.tokens, st.stable_upto, st.word_start)
             st.stable_upto = st.word_start
-        text = self._joined(st.stable, st.tokens, st.stable_upto, len(st.tokens)) if st.stable_upto \
-            else tok.decode(st.tokens)
-        return StreamResult(text=text, stable_text=st.stable, frames=st.frames,
+        if st.text_upto != len(st.tokens):
+            st.text = self._joined(st.stable, st.tokens, st.stable_upto, len(st.tokens)) if st.stable_upto \
+                else tok.decode(st.tokens)
+            st.text_upto = len(st.tokens)
+        return StreamResult(text=st.text, stable_text=st.stable, frames=st.frames,
                             audio_s=round(st.frames * self.frame_seconds, 3), new_tokens=new_tokens,
                             tokens=len(st.tokens))
 
