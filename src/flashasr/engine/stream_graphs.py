@@ -116,6 +116,14 @@ class GraphedStreamer(ParakeetStreamer):
         top = self.buckets[-1]
         return (B // top) * top + (self._bucket(B % top) if B % top else 0)
 
+    def _window_buffer(self, B: int) -> np.ndarray:
+        """A step of at most the largest bucket writes its windows straight into that bucket's
+        pinned upload buffer (``_replay`` then skips the copy)."""
+        if not (self.use_graphs and self._graph_ok) or B > self.buckets[-1]:
+            return super()._window_buffer(B)
+        g = self._graph(self._bucket(B))
+        return super()._window_buffer(B) if g is None else g.h_seg[:B].numpy()
+
     def warmup(self, steps: int = 4) -> None:
         """Capture every bucket's graph (seconds), then the parent's throwaway stream."""
         if self.use_graphs:
@@ -139,7 +147,8 @@ class GraphedStreamer(ParakeetStreamer):
         g = self._graph(self._bucket(B))
         if g is None:  # capture failed just now: eager from here on
             return super().device_step(seg, n_new, first, feat_valid, slots)
-        g.h_seg[:B].copy_(torch.from_numpy(seg))
+        if seg.ctypes.data != g.h_seg.data_ptr():  # not already in place (_window_buffer)
+            g.h_seg[:B].copy_(torch.from_numpy(seg))
         g.h_seg[B:].zero_()
         idx = g.h_idx
         idx.zero_()

@@ -456,12 +456,18 @@ class ParakeetStreamer:
 
     def _segment(self, st: _Stream, out: np.ndarray) -> None:
         """Pre-emphasised samples of the window ``[sub*(v-1), sub*(v+C))`` feature frames into ``out``
-        (zeros where the stream has no samples; ``out`` arrives zeroed)."""
+        (all of it written: zeros where the stream has no samples)."""
         p0 = self.hop * self.sub * (st.frames - 1) - self.n_fft // 2
         p1 = p0 + self.window_samples
-        lo, hi = max(p0, 0), min(p1, st.received)
-        if hi > lo:
-            out[lo - p0: hi - p0] = st.x[lo - st.x_start: hi - st.x_start]
+        lo, hi = max(p0, 0), max(min(p1, st.received), max(p0, 0))
+        out[: lo - p0] = 0
+        out[lo - p0: hi - p0] = st.x[lo - st.x_start: hi - st.x_start]
+        out[hi - p0:] = 0
+
+    def _window_buffer(self, B: int) -> np.ndarray:
+        """Host memory for a step's ``[B, window_samples]`` float32 windows (every row is written by
+        :meth:`_segment`); a device subclass hands out its upload buffer instead (no copy)."""
+        return np.empty((B, self.window_samples), np.float32)
 
     def _advance(self, st: _Stream, k: int) -> None:
         st.frames += k
@@ -476,7 +482,7 @@ class ParakeetStreamer:
             self.pool.reset_many(self._fresh)
             self._fresh.clear()
         B = len(plan)
-        seg = np.zeros((B, self.window_samples), np.float32)
+        seg = self._window_buffer(B)
         n_new = np.zeros(B, np.int64)
         first = np.zeros(B, bool)
         feat_valid = np.zeros(B, np.int64)
