@@ -226,12 +226,7 @@ class Realtime(_Handler):
                        "(or use /v1/stream for raw PCM)", code="invalid_request")
 
     async def on_text(self, text):
-        try:
-            ev = json.loads(text or "")
-        except ValueError as e:
-            raise APIError(f"malformed JSON event: {e}", code="invalid_json") from None
-        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
-            raise APIError("every event must be a JSON object with a string 'type'", param="type")
+        ev = parse_event(text, "event")
         self.event_id = ev.get("event_id")
         typ, s = ev["type"], self.session
         if typ == "input_audio_buffer.append":
@@ -281,11 +276,7 @@ class Binary(_Handler):
         await self.session.append_pcm16(data)
 
     async def on_text(self, text):
-        try:
-            ev = json.loads(text or "")
-        except ValueError as e:
-            raise APIError(f"malformed JSON control message: {e}", code="invalid_json") from None
-        typ = ev.get("type") if isinstance(ev, dict) else None
+        typ = parse_event(text, "control message", CONTROL_TYPES)["type"]
         if typ in ("commit", "input_audio_buffer.commit"):
             await self.session.commit()
         elif typ in ("clear", "input_audio_buffer.clear"):
@@ -295,8 +286,40 @@ class Binary(_Handler):
             await self.ws.close(code=1000)
             return True
         else:
-            raise APIError(f"unknown control message {typ!r}; use commit, clear or close", param="type",
+            raise APIError(f"unknown control message type {typ[:100]!r}; use {CONTROL_TYPES}", param="type",
                            code="unknown_event")
+
+
+CONTROL_TYPES = "commit, clear or close"  # the /v1/stream control messages (named in its errors)
+
+
+def parse_event(text, what: str, types: str | None = None) -> dict:
+    """A client's JSON text message -> its object, whose ``type`` is a string (``what``: "event" or
+    "control message", ``types``: the types to name, both for the errors).
+
+    Raises:
+        APIError: ``invalid_json`` (not JSON); ``invalid_request`` with param ``type`` (valid JSON
+        that is not an object, an object without ``type``, a ``type`` that is not a string).
+    """
+    try:
+        ev = json.loads(text or "")
+    except ValueError as e:
+        raise APIError(f"malformed JSON {what}: {e}", code="invalid_json") from None
+    if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+        say = f" ({types})" if types else ""
+        raise APIError(f"every {what} must be a JSON object with a string 'type'{say}; got {_described(ev)[:100]}",
+                       param="type")
+    return ev
+
+
+def _described(ev) -> str:
+    """What a parsed message that is no event is, for its error: ``a JSON array`` (string, number,
+    boolean, null), ``an object without 'type'``, ``'type' 5``."""
+    if isinstance(ev, dict):
+        return f"'type' {ev['type']!r}" if "type" in ev else "an object without 'type'"
+    kind = "null" if ev is None else "boolean" if isinstance(ev, bool) else \
+        {list: "array", str: "string"}.get(type(ev), "number")
+    return f"a JSON {kind}"
 
 
 def _b64_audio(audio) -> bytes:
@@ -391,4 +414,5 @@ async def _connection_lost(receive, timeout: float = 2.0) -> None:
         pass
 
 
-__all__ = ["websocket_router", "WebSocketDoor", "NoSuchRoute", "Realtime", "Binary", "Refusal", "send_error"]
+__all__ = ["websocket_router", "WebSocketDoor", "NoSuchRoute", "Realtime", "Binary", "Refusal", "send_error",
+           "parse_event"]
