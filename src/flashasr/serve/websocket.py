@@ -50,6 +50,7 @@ from .protocol import (UNCHANGED, SessionUpdate, default_turn_detection, parse_s
 from .offline import UploadTranscriber
 from .routes import check_auth
 from .scheduler import FINAL
+from .shutdown import GOING_AWAY
 from .stream import SR, LazyVad, Resampler, StreamSession, check_rate
 
 log = logging.getLogger("flashasr.serve")
@@ -150,21 +151,28 @@ class WebSocketDoor:
 
     async def serve(self, ws: WebSocket, handler: "_Handler") -> None:
         """The receive loop: each message to the handler until the client leaves, idles past
-        ``--ws-idle-timeout-s`` (closed 1000) or the handler says stop."""
+        ``--ws-idle-timeout-s`` (closed 1000), the handler says stop or the server begins to stop
+        (:meth:`wind_down`: the committed finals out, closed 1001)."""
+        with self.ctx.stopping.session() as server_stop:
+            await self._serve(ws, handler, server_stop)
+
+    async def _serve(self, ws: WebSocket, handler: "_Handler", server_stop: asyncio.Future) -> None:
         try:
             await handler.start()
             while True:
-                try:
-                    msg = await asyncio.wait_for(ws.receive(), self.ctx.cfg.ws_idle_timeout_s)
-                except asyncio.TimeoutError:
+                msg = await self._next_message(ws, server_stop)
+                if msg is _IDLE:
                     await ws.close(code=1000, reason="idle timeout")
+                    break
+                if msg is _STOPPING:
+                    await self.wind_down(ws, handler)
                     break
                 if msg["type"] == "websocket.disconnect":
                     break
                 handler.event_id = None
                 try:
                     data = msg.get("bytes")
-                    stop = await (handler.on_bytes(data) if data is not None else handler.on_text(msg.get("text")))
+                    done = await (handler.on_bytes(data) if data is not None else handler.on_text(msg.get("text")))
                 except FlashASRError as e:  # a bad message: the session lives on
                     await send_error(handler.emit, e, handler.event_id)
                     continue
@@ -175,7 +183,7 @@ class WebSocketDoor:
                     await send_error(handler.emit, APIError(f"could not handle the message: {type(e).__name__}",
                                                             code="invalid_request"), handler.event_id)
                     continue
-                if stop:
+                if done:
                     break
         except (asyncio.TimeoutError, RuntimeError, ConnectionError) as e:
             log.info("%s stream ended: %s", handler.name, e)
@@ -184,6 +192,36 @@ class WebSocketDoor:
                 log.exception("%s stream failed", handler.name)
         finally:
             await handler.session.close()
+
+    async def _next_message(self, ws: WebSocket, stop: asyncio.Future):
+        """The client's next ASGI message; :data:`_IDLE` when none came for ``--ws-idle-timeout-s``,
+        :data:`_STOPPING` once ``stop`` is done (the server begins to stop; a message not read yet
+        stays unread)."""
+        if stop.done():
+            return _STOPPING
+        recv = asyncio.ensure_future(ws.receive())
+        try:
+            await asyncio.wait({recv, stop}, timeout=self.ctx.cfg.ws_idle_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not recv.done():
+                recv.cancel()  # safe: uvicorn's queue keeps a message nobody took
+        if recv.done() and not recv.cancelled():
+            return recv.result()
+        return _STOPPING if stop.done() else _IDLE
+
+    async def wind_down(self, ws: WebSocket, handler: "_Handler") -> None:
+        """The server is stopping (:mod:`.shutdown`): the finals the session committed go out, up
+        to the last cut (one still not out then gets ``...failed`` naming the shutdown), then close
+        :data:`~.shutdown.GOING_AWAY` (1001) "server shutting down"."""
+        stopping = self.ctx.stopping
+        try:  # bounded even for a client that does not read its events
+            await asyncio.wait_for(handler.session.finish(stopping.left()), stopping.left() + 0.2)
+        finally:
+            await asyncio.wait_for(ws.close(code=GOING_AWAY, reason="server shutting down"), 0.5)
+
+
+_IDLE, _STOPPING = object(), object()  # WebSocketDoor._next_message: no message came, and why
 
 
 class Refusal(Exception):
