@@ -4,9 +4,9 @@ nothing it holds ends in a 500 and a traceback, nothing committed goes unanswere
 One real ``flashasr serve`` per mode, holding at the signal (SIGINT to its process group, as
 Ctrl-C in a terminal sends it):
 
-* an upload the model is transcribing (20 minutes cut into 1 s pieces: ~1,200 model calls, so it
-  still waits for the model when the grace ends) -> 503 ``engine_unavailable`` "the server is
-  shutting down", the same JSON in both modes;
+* an upload the model is transcribing (20 minutes cut into 1 s pieces: ~1,200 model calls, so on
+  the 2-core VM it still waits for the model when the grace ends) -> 503 ``engine_unavailable``
+  "the server is shutting down", the same JSON in both modes (single mode gave a 500);
 * an upload whose body is still arriving (a client that sends 64 KiB of 1 MiB and waits) -> the same
   503 (it used to get uvicorn's 500 and a CancelledError traceback from ``read_multipart``);
 * a stream whose final was committed just before -> its ``...completed`` (or ``...failed`` naming
@@ -136,7 +136,9 @@ def test_ctrl_c_answers_every_request_and_stream_it_holds(tmp_path, mode):
         th.join(20)
         log = s.log_path.read_text(errors="replace")
         assert rc == 0, log
-        assert long_reply == [(503, {"error": SHUTTING_DOWN})], (long_reply, log)
+        # (a machine fast enough to finish its 1,200 model calls within the grace gives a 200)
+        assert len(long_reply) == 1 and (long_reply[0] == (503, {"error": SHUTTING_DOWN}) or
+                                         long_reply[0][0] == 200 and long_reply[0][1]["text"]), (long_reply, log)
         assert slow.answer() == (503, {"error": SHUTTING_DOWN}), log
         # the committed item's final, then a clean close
         types = [e["type"] for e in after if e.get("item_id") == item]
