@@ -157,10 +157,11 @@ class WebSocketDoor:
             await self._serve(ws, handler, server_stop)
 
     async def _serve(self, ws: WebSocket, handler: "_Handler", server_stop: asyncio.Future) -> None:
+        wait = _ReceiveWait(server_stop)
         try:
             await handler.start()
             while True:
-                msg = await self._next_message(ws, server_stop)
+                msg = await wait.next(ws, self.ctx.cfg.ws_idle_timeout_s)
                 if msg is _IDLE:
                     await ws.close(code=1000, reason="idle timeout")
                     break
@@ -193,23 +194,6 @@ class WebSocketDoor:
         finally:
             await handler.session.close()
 
-    async def _next_message(self, ws: WebSocket, stop: asyncio.Future):
-        """The client's next ASGI message; :data:`_IDLE` when none came for ``--ws-idle-timeout-s``,
-        :data:`_STOPPING` once ``stop`` is done (the server begins to stop; a message not read yet
-        stays unread)."""
-        if stop.done():
-            return _STOPPING
-        recv = asyncio.ensure_future(ws.receive())
-        try:
-            await asyncio.wait({recv, stop}, timeout=self.ctx.cfg.ws_idle_timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not recv.done():
-                recv.cancel()  # safe: uvicorn's queue keeps a message nobody took
-        if recv.done() and not recv.cancelled():
-            return recv.result()
-        return _STOPPING if stop.done() else _IDLE
-
     async def wind_down(self, ws: WebSocket, handler: "_Handler") -> None:
         """The server is stopping (:mod:`.shutdown`): the finals the session committed go out, up
         to the last cut (one still not out then gets ``...failed`` naming the shutdown), then close
@@ -221,7 +205,47 @@ class WebSocketDoor:
             await asyncio.wait_for(ws.close(code=GOING_AWAY, reason="server shutting down"), 0.5)
 
 
-_IDLE, _STOPPING = object(), object()  # WebSocketDoor._next_message: no message came, and why
+_IDLE, _STOPPING = object(), object()  # _ReceiveWait.next: no message came, and why
+
+
+class _ReceiveWait:
+    """A session's wait for its client's next message, ended early when the server begins to stop
+    (``stop`` done): the stop cancels the session's task while, and only while, it waits. The wait
+    itself stays one ``wait_for`` on the receive: no task or future more per message (a stream
+    sends 50 a second). A message the client sent in the very loop turn of the stop may go unread
+    (the session closes 1001 as for one sent after it)."""
+
+    def __init__(self, stop: asyncio.Future):
+        self.stop = stop
+        self.task = asyncio.current_task()
+        self.waiting = False
+        stop.add_done_callback(self._interrupt)
+
+    def _stopped(self) -> bool:
+        return self.stop.done() and not self.stop.cancelled()  # cancelled: the session ended first
+
+    def _interrupt(self, _fut) -> None:
+        if self.waiting and self._stopped():
+            self.task.cancel()
+
+    async def next(self, ws: WebSocket, idle_s: float):
+        """The next ASGI message, :data:`_IDLE` after ``idle_s`` without one, or :data:`_STOPPING`."""
+        if self._stopped():
+            return _STOPPING
+        self.waiting = True
+        try:
+            return await asyncio.wait_for(ws.receive(), idle_s)
+        except asyncio.TimeoutError:
+            return _IDLE
+        except asyncio.CancelledError:
+            if not self._stopped():
+                raise  # cancelled from outside (uvicorn, a disconnect): not ours to keep
+            uncancel = getattr(self.task, "uncancel", None)  # Python 3.11+: the cancel is consumed
+            if uncancel is not None:
+                uncancel()
+            return _STOPPING
+        finally:
+            self.waiting = False
 
 
 class Refusal(Exception):
