@@ -585,6 +585,39 @@ def test_stream_errors_keep_the_session(server):
     assert httpx.get(server.base + "/health").status_code == 200
 
 
+def test_a_json_message_that_is_not_an_object_with_a_string_type_is_named_as_such(server):
+    """A text message that is valid JSON but not an object with a string ``type`` (an array, a
+    string, a number, null, an object without ``type``, a ``type`` that is not a string) gets an
+    error event saying what every message must be and what it got, on both WebSocket protocols (the
+    binary stream said "unknown control message None"); an unknown ``type`` is ``unknown_event``
+    naming it; the session lives on."""
+    not_objects = [([1], "a JSON array"), ("commit", "a JSON string"), (5, "a JSON number"), (None, "a JSON null"),
+                   ({}, "an object without 'type'"), ({"type": 5}, "'type' 5"), ({"type": None}, "'type' None"),
+                   ({"type": ["commit"]}, "'type' ['commit']")]
+
+    async def errors(path: str, unknown: str) -> list[dict]:
+        async with connect(_ws_url(server, path), additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            await ws.recv()  # session created
+            out = []
+            for msg in [m for m, _ in not_objects] + [{"type": unknown}]:
+                await ws.send(json.dumps(msg))
+                ev = json.loads(await ws.recv())
+                assert ev["type"] == "error", ev
+                out.append(ev["error"])
+            await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+            assert json.loads(await ws.recv())["type"] == "input_audio_buffer.cleared"  # still alive
+            return out
+
+    for path, what, unknown in (("/v1/stream", "control message", "bogus"),
+                                ("/v1/realtime", "event", "bogus.event")):
+        errs = asyncio.run(errors(path, unknown))
+        for (msg, got), e in zip(not_objects, errs):
+            assert (e["code"], e["param"]) == ("invalid_request", "type"), (msg, e)
+            assert e["message"].startswith(f"every {what} must be a JSON object with a string 'type'"), (msg, e)
+            assert e["message"].endswith(f"; got {got}"), (msg, e)
+        assert (errs[-1]["code"], errs[-1]["param"]) == ("unknown_event", "type") and repr(unknown) in errs[-1]["message"]
+
+
 def test_malformed_session_updates_and_stream_queries_keep_the_server_whole(server):
     """Values a careless or hostile client sends in a session update (infinite or huge numbers, a
     string where an object goes, NaN) each get an error event naming the field, and the session

@@ -182,6 +182,45 @@ def test_a_short_upload_is_cut_between_a_long_uploads_vad_slices(monkeypatch):
     assert kinds.index("short") <= 3, kinds  # after the slice in progress (FIFO: after all ten)
     assert short_done < log[-1][1], "the short upload waited for the long upload's whole VAD"
 
+
+def test_a_stopping_single_mode_backend_answers_what_waits_for_the_model_503_shutting_down():
+    """Single mode as multi mode (``RemoteBackend.begin_shutdown``): once the time that
+    ``LocalBackend.begin_shutdown`` gives is up, the pieces still waiting for the model -- queued,
+    and the one on the model thread -- fail with 503 ``engine_unavailable`` "the server is shutting
+    down" (an answer before uvicorn's grace would cancel the request without one), the model runs
+    no more of them, and a request made after fails the same way at once."""
+    from flashasr.options import TranscribeOptions
+    from flashasr.serve.backend import LocalBackend
+    from flashasr.serve.config import ServeConfig
+    from flashasr.serve.errors import EngineUnavailable
+
+    model = SlowModel()
+    opts = TranscribeOptions(segmentation="fixed")
+
+    async def go():
+        b = LocalBackend(ServeConfig(max_batch=1, batch_wait_ms=0, warmup=False), None, model=model)
+        await b.start()
+        assert await b.wait_ready(10)
+        x = np.zeros(20 * 16000, np.float32)
+        work = asyncio.ensure_future(b.transcribe_pieces(x, [(i * 16000, (i + 1) * 16000) for i in range(20)], opts))
+        while not model.calls:  # 20 model calls of DELAY s each: the first is done, the rest wait
+            await asyncio.sleep(0.01)
+        b.begin_shutdown(0.05)
+        with pytest.raises(EngineUnavailable) as waiting:
+            await work
+        calls = len(model.calls)
+        with pytest.raises(EngineUnavailable) as after:
+            await b.transcribe(x[:16000], opts)
+        await asyncio.sleep(2 * DELAY)
+        await b.stop()
+        return waiting.value, after.value, calls, len(model.calls)
+
+    waiting, after, calls, calls_later = asyncio.run(go())
+    for err in (waiting, after):
+        assert (err.status, err.code, err.message) == (503, "engine_unavailable", "the server is shutting down")
+    assert calls <= 3 and calls_later <= calls + 1, (calls, calls_later)  # the call running then, no more
+
+
 # --------------------------------------------------------------------- real server, tiny.en
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -85,3 +85,49 @@ def test_a_slow_server_vad_does_not_block_the_stream_and_changes_no_utterance(mo
     got, took, calls = _run(x, 0.05)
     assert got == ref
     assert calls >= len(x) / 16000 / 0.5 * 0.9
+
+
+class _StuckBackend(_Backend):
+    """Every second final never comes (a model that the stop leaves no time), the others at once."""
+
+    def __init__(self):
+        self.calls = 0
+
+    async def transcribe(self, samples, options, **kw):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            await asyncio.Event().wait()
+        return await super().transcribe(samples, options, **kw)
+
+
+def test_finish_delivers_committed_finals_and_fails_the_late_ones_naming_the_shutdown():
+    """``StreamSession.finish`` (the server is stopping): a committed final that comes in time goes
+    out, also one made in time behind one that is not; one still being made when the time is up gets
+    ``...failed`` with 503 'the server is shutting down'; every committed item gets exactly one of
+    the two, in commit order; nothing after."""
+
+    async def go():
+        events = []
+
+        async def emit(ev):
+            events.append(ev)
+
+        s = StreamSession(_StuckBackend(), emit, input_rate=16000, partial_interval_ms=0)
+        items = []
+        for _ in range(4):
+            await s.append_pcm16(np.full(1600, 1000, "<i2").tobytes())
+            items.append(await s.commit())
+        t0 = time.perf_counter()
+        await s.finish(0.3)
+        took = time.perf_counter() - t0
+        await s.close()
+        await asyncio.sleep(0.05)  # nothing comes after the stop
+        return items, events, took
+
+    items, events, took = asyncio.run(go())
+    ends = [e for e in events if e["type"].endswith(("_transcription.completed", "_transcription.failed"))]
+    assert [(e["item_id"], e["type"].rsplit(".", 1)[1]) for e in ends] == \
+        [(items[0], "completed"), (items[1], "failed"), (items[2], "completed"), (items[3], "failed")], ends
+    assert ends[1]["error"] == {"message": "the server is shutting down", "type": "server_error", "param": None,
+                                "code": "engine_unavailable"}
+    assert took < 5  # bounded by the time given, not by the stuck model

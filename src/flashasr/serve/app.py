@@ -19,6 +19,8 @@ module              role
                     and ``WS /v1/stream?sample_rate=16000`` (raw PCM16 frames in, JSON events out)
 :mod:`.stream`      a live stream's session (resampling, server VAD, partials, finals)
 :mod:`.backend`     where transcription runs: this process or the engine process
+:mod:`.shutdown`    the graceful stop: streams deliver their committed finals, requests cut
+                    short get 503 'shutting down' before uvicorn's grace ends
 :mod:`.process`     running it: sockets, uvicorn, single and multi mode (:func:`main` here hands
                     it :func:`create_app`)
 ==================  ==========================================================================
@@ -49,6 +51,7 @@ from .errors import APIError, error_body
 from .metrics import FrontendMetrics
 from .process import main as _serve_main
 from .routes import http_router
+from .shutdown import ShutdownGuard, Stopping
 from .web import web_router
 from .websocket import websocket_router
 
@@ -68,10 +71,13 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
             default: :class:`~.backend.LocalBackend` (single-process mode).
     Returns:
         the app; ``app.state.flashasr`` is ``{"pool", "backend"}`` once started,
-        ``app.state.metrics`` the :class:`~.metrics.FrontendMetrics`, ``app.state.cfg`` ``cfg``.
+        ``app.state.metrics`` the :class:`~.metrics.FrontendMetrics`, ``app.state.stopping`` its
+        :class:`~.shutdown.Stopping` (:meth:`~.shutdown.Stopping.begin` when the server begins to
+        stop), ``app.state.cfg`` ``cfg``.
     """
     metrics = FrontendMetrics()
-    ctx = ServeContext(cfg, metrics, {})
+    stopping = Stopping()
+    ctx = ServeContext(cfg, metrics, {}, stopping)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -101,6 +107,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
 
     app = FastAPI(title="flashasr", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.flashasr = ctx.state
+    app.state.stopping = stopping
     app.state.metrics = metrics
     app.state.cfg = cfg
     app.add_exception_handler(FlashASRError, _flashasr_error)
@@ -109,6 +116,7 @@ def create_app(cfg: ServeConfig, backend_factory=None) -> FastAPI:
     app.include_router(http_router(ctx))
     app.include_router(web_router())
     app.include_router(websocket_router(ctx))
+    app.add_middleware(ShutdownGuard, stopping=stopping)  # inside the request log: it logs the 503
     app.add_middleware(_RequestLog, metrics=metrics, access_log=cfg.access_log)
     return app
 

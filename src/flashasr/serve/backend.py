@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import FlashASRError
 from ..options import ModelCapabilities, TranscribeOptions
 from .config import ENGINE_WAIT_S, ServeConfig
-from .errors import APIError
+from .errors import APIError, shutting_down
 from .ipc import EngineClient
 from .scheduler import OFFLINE, BatchScheduler
 
@@ -48,6 +48,8 @@ class LocalBackend:
         self.error: str | None = None
         self.on_fatal = None  # called when the model cannot be loaded (the app stops the server)
         self._task: asyncio.Task | None = None
+        self._closing: asyncio.TimerHandle | None = None
+        self._closed = False  # begin_shutdown's time has come: every request gets 503 'shutting down'
 
     @property
     def ready(self) -> bool:
@@ -80,7 +82,24 @@ class LocalBackend:
             await asyncio.wait_for(asyncio.shield(self._task), timeout)
         return self.ready
 
+    def begin_shutdown(self, close_after_s: float) -> None:
+        """The server is stopping: ``close_after_s`` s from now every request still waiting for the
+        model, and every one made after, fails with 503 'the server is shutting down'
+        (:func:`~.errors.shutting_down`, as :meth:`RemoteBackend.begin_shutdown` does in multi mode),
+        an answer before uvicorn's graceful timeout would cancel it without one. Idempotent."""
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().call_later(close_after_s, self._close)
+
+    def _close(self) -> None:
+        self._closed = True
+        if self.scheduler is not None:
+            n = self.scheduler.fail_all(shutting_down)
+            if n:
+                log.info("shutting down: %d piece(s) still waiting for the model get 503", n)
+
     async def stop(self) -> None:
+        if self._closing is not None:
+            self._closing.cancel()
         if self._task:
             self._task.cancel()
         if self.scheduler:
@@ -91,6 +110,8 @@ class LocalBackend:
         return self.model.capabilities if self.scheduler is not None else None
 
     def _scheduler(self) -> BatchScheduler:
+        if self._closed:
+            raise shutting_down()
         if self.scheduler is None:
             raise APIError("the model is still loading" if self.error is None else f"model failed: {self.error}",
                            status=503, code="model_not_ready")

@@ -1,5 +1,5 @@
-"""What every door of one front-end process shares: the config, the metrics, the CPU pool and the
-backend (the last two exist once the app's lifespan has started them)."""
+"""What every door of one front-end process shares: the config, the metrics, the server's stop, the
+CPU pool and the backend (the last two exist once the app's lifespan has started them)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from ..options import ModelCapabilities
 from .config import ENGINE_WAIT_S, ServeConfig
 from .errors import APIError, EngineUnavailable
 from .metrics import FrontendMetrics
+from .shutdown import Stopping
 
 
 class ServeContext:
@@ -15,12 +16,14 @@ class ServeContext:
         metrics: the front end's :class:`~.metrics.FrontendMetrics`.
         state: ``{"pool": CPUPool, "stream_pool": CPUPool, "backend": LocalBackend |
             RemoteBackend}``, filled by the lifespan (``app.state.flashasr``).
+        stopping: the front end's :class:`~.shutdown.Stopping` (``app.state.stopping``).
     """
 
-    def __init__(self, cfg: ServeConfig, metrics: FrontendMetrics, state: dict):
+    def __init__(self, cfg: ServeConfig, metrics: FrontendMetrics, state: dict, stopping: Stopping | None = None):
         self.cfg = cfg
         self.metrics = metrics
         self.state = state
+        self.stopping = stopping or Stopping()
 
     @property
     def backend(self):

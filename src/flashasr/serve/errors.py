@@ -33,6 +33,15 @@ class EngineUnavailable(APIError):
         super().__init__(message, status=503, code="engine_unavailable")
 
 
+SHUTTING_DOWN = "the server is shutting down"  # the message of every request the stop cuts short
+
+
+def shutting_down() -> EngineUnavailable:
+    """The error of a request the server's stop cuts short (503 ``engine_unavailable``, the same in
+    single and multi mode: an upload's reply, a stream final's ``...failed``)."""
+    return EngineUnavailable(SHUTTING_DOWN)
+
+
 _PARAM_OF_CODE = {"unsupported_language": "language"}  # errors raised without naming the request field
 
 

@@ -66,7 +66,7 @@ import numpy as np
 from ..options import TranscribeOptions
 from ..shm import create_segment, open_segment, unlink_segment
 from ..types import Segment, StreamResult, Transcript, Word
-from .errors import APIError, EngineUnavailable
+from .errors import SHUTTING_DOWN, APIError, EngineUnavailable
 
 log = logging.getLogger("flashasr.serve")
 
@@ -605,7 +605,7 @@ class EngineClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
-        self._connected = asyncio.Event()  # set while connected, and for good once closed (wakes the waiters)
+        self._connected = asyncio.Event()  # set while connected, and for good once stopping (wakes the waiters)
         self._closed = False
         self._stopping = False  # begin_shutdown(): the server is stopping
         self.connects = 0
@@ -621,8 +621,9 @@ class EngineClient:
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the engine connection; whether it is up (False at once
-        when the client closes meanwhile)."""
-        if not self._closed:
+        when the client closes meanwhile; no wait once the server is stopping: no connection
+        comes then, and a request must get its 503 within the grace)."""
+        if not (self._closed or self._stopping):
             try:
                 await asyncio.wait_for(self._connected.wait(), timeout)
             except asyncio.TimeoutError:
@@ -633,7 +634,7 @@ class EngineClient:
         """Why no request can go to the engine now: shutting down, starting (never connected yet:
         the engine is loading the model) or restarting (the connection was lost)."""
         if self._closed or self._stopping:
-            return "the server is shutting down"
+            return SHUTTING_DOWN
         if self.connects == 0 and not self.engine_seen:
             return "the transcription engine is starting (loading the model); retry shortly"
         return "the transcription engine is restarting; retry shortly"
@@ -651,8 +652,10 @@ class EngineClient:
     def begin_shutdown(self) -> None:
         """The server is stopping: from now on a request that finds no engine connection, or loses
         it, gets the 503 'shutting down' at once (no wait, no reconnecting), and a lost connection is
-        no warning (the engine stops after the front ends, but may be killed first)."""
+        no warning (the engine stops after the front ends, but may be killed first); a request
+        waiting for a connection now wakes and gets it."""
         self._stopping = True
+        self._connected.set()  # wakes wait_ready(): no connection comes any more
 
     async def close(self) -> None:
         """Stop for good: every request waiting on the engine fails now with the 503 'shutting
@@ -711,7 +714,7 @@ class EngineClient:
             finally:
                 self._conn = None
                 self.info = {}
-                if not self._closed:
+                if not (self._closed or self._stopping):
                     self._connected.clear()
                 conn.close()
                 self._fail_all(EngineUnavailable(self.unavailable_reason()))

@@ -318,16 +318,18 @@ async def drain(request: Request) -> None:
 
 async def _unless_client_leaves(request: Request, coro):
     """``await coro``, or None when the client disconnects first (the work is cancelled: removed
-    from the scheduler's queue, or CANCEL to the engine)."""
+    from the scheduler's queue, or CANCEL to the engine). Cancelled itself (a stopping server's
+    last cut), it cancels the work too."""
     loop = asyncio.get_running_loop()
     work = loop.create_task(coro)
     watch = loop.create_task(_until_disconnect(request))
-    done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    if work not in done:
-        work.cancel()
-        return None
-    watch.cancel()
-    return work.result()
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    return None if work.cancelled() else work.result()
 
 
 async def _until_disconnect(request: Request) -> None:

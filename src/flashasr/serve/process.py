@@ -10,9 +10,11 @@
   :class:`~.backend.RemoteBackend` over the engine's Unix socket (:mod:`.ipc`).
 
 Stopping (SIGINT/SIGTERM, to the supervisor or to the whole process group as Ctrl-C does): every
-front end stops taking connections and finishes what it holds within :data:`GRACE_S` (requests
-still waiting for the engine a second before that get 503 'shutting down'); the supervisor passes
-the signal on to the worker front ends, waits for them to exit and only then stops the engine
+front end stops taking connections and answers what it holds within :data:`GRACE_S`
+(:mod:`.shutdown`: streams deliver their committed finals and close 1001; requests still waiting
+for the model a second before the grace ends, and HTTP requests with no response half a second
+before, get 503 'shutting down'); in multi mode the supervisor passes the signal on to the worker
+front ends, waits for them to exit and only then stops the engine
 (:meth:`~.engine_proc.EngineSupervisor.stop`: the engine ignores SIGINT/SIGTERM), so no front end
 loses its engine while it still serves.
 
@@ -119,9 +121,10 @@ GRACE_S = 5.0  # a stopping front end's time to finish its requests (uvicorn's t
 async def _serve(cfg: ServeConfig, app, sock: socket.socket, on_stop=None) -> int:
     """Serve until stopped; returns the exit status (``app.state.shutdown(code)`` stops it early,
     e.g. when the model cannot be loaded). When it begins to stop (the first SIGINT/SIGTERM, or
-    ``shutdown``), once, on the event loop: the backend's ``begin_shutdown`` (multi mode: requests
-    still waiting for the engine a second before :data:`GRACE_S` get 503 'shutting down'), then
-    ``on_stop()``."""
+    ``shutdown``), once, on the event loop: ``app.state.stopping.begin`` (:mod:`.shutdown`: streams
+    deliver their committed finals and close, requests still waiting a second before :data:`GRACE_S`
+    get 503 'shutting down'), then ``on_stop()``; uvicorn's shutdown of the connections waits for the
+    streams to close (:meth:`~.shutdown.Stopping.sessions_closed`)."""
     import uvicorn
 
     ucfg = uvicorn.Config(app, loop="none", lifespan="on", log_level=cfg.log_level, access_log=False,
@@ -132,14 +135,13 @@ async def _serve(cfg: ServeConfig, app, sock: socket.socket, on_stop=None) -> in
     server = _quiet_stop_server(uvicorn)(ucfg)
     status = {"code": 0, "stopping": False}
     loop = asyncio.get_running_loop()
+    stopping = app.state.stopping
 
     def begin_stop() -> None:
         if status["stopping"]:
             return
         status["stopping"] = True
-        backend = app.state.flashasr.get("backend")
-        if hasattr(backend, "begin_shutdown"):
-            backend.begin_shutdown(GRACE_S - 1.0)
+        stopping.begin(GRACE_S, app.state.flashasr.get("backend"))
         if on_stop is not None:
             on_stop()
 
@@ -149,6 +151,7 @@ async def _serve(cfg: ServeConfig, app, sock: socket.socket, on_stop=None) -> in
         begin_stop()
 
     server.on_exit_signal = lambda: loop.call_soon_threadsafe(begin_stop)  # from the signal handler
+    server.before_shutdown = stopping.sessions_closed
     app.state.shutdown = shutdown
     await server.serve(sockets=[sock])
     return status["code"]
@@ -159,20 +162,44 @@ def _quiet_stop_server(uvicorn):
     (0.29+) raises the captured signal again once ``serve()`` has returned; under ``asyncio.run`` /
     ``uvloop.run`` that SIGINT cancels the main task while Starlette's lifespan still waits, and every
     Ctrl-C printed an ERROR traceback (KeyboardInterrupt, then CancelledError) and exited 1. Each
-    signal also calls ``on_exit_signal()`` when set (in the signal handler: it must only schedule)."""
+    signal also calls ``on_exit_signal()`` when set (in the signal handler: it must only schedule).
+
+    ``before_shutdown`` (a coroutine function, when set) runs when uvicorn begins its shutdown, after
+    the listening sockets close and before uvicorn shuts the connections down (its ``1012`` to every
+    WebSocket at once); uvicorn's graceful timeout then gets what is left of it."""
     import contextlib
     import signal
     import threading
+    import time
 
     from uvicorn.server import HANDLED_SIGNALS
 
     class Server(uvicorn.Server):
         on_exit_signal = None
+        before_shutdown = None
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             if self.on_exit_signal is not None:
                 self.on_exit_signal()
+
+        async def shutdown(self, sockets=None) -> None:
+            t0 = time.monotonic()
+            if self.before_shutdown is not None:
+                for server in self.servers:
+                    server.close()  # no new connections meanwhile (uvicorn closes them again: harmless)
+                await self._before_shutdown()
+            grace = self.config.timeout_graceful_shutdown
+            if grace is not None:
+                self.config.timeout_graceful_shutdown = max(0.5, grace - (time.monotonic() - t0))
+            await super().shutdown(sockets)
+
+        async def _before_shutdown(self) -> None:
+            """``before_shutdown()``, given up on a second Ctrl-C (uvicorn's ``force_exit``)."""
+            task = asyncio.ensure_future(self.before_shutdown())
+            while not task.done() and not self.force_exit:
+                await asyncio.wait([task], timeout=0.1)
+            task.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self):

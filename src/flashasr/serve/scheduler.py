@@ -208,6 +208,20 @@ class BatchScheduler:
             sys.setswitchinterval(self._switch_before)
             self._switch_before = None
 
+    def fail_all(self, make_error) -> int:
+        """Fail every item queued or in a started batch with a new ``make_error()`` each (the server
+        is stopping); a model call running now still ends, its results are dropped. Returns the
+        number of items failed."""
+        n = 0
+        for q in [*self._queues.values(), *(r.items for r in self._runs)]:
+            for it in q:
+                if not it.fut.done():
+                    it.fut.set_exception(make_error())
+                    n += 1
+        if self._wake is not None:
+            self._wake.set()  # the queues drop done items at the next pick
+        return n
+
     def depth(self) -> int:
         return sum(len(q) for q in self._queues.values()) + sum(len(r.items) for r in self._runs)
 

@@ -23,7 +23,8 @@ emits OpenAI Realtime transcription events through an ``emit`` coroutine:
   repetition guard), so it equals the offline transcript of the same audio with the session's
   options (no word lost at packet boundaries, after a pause or at the end; nothing invented on a
   silent utterance),
-* ``...failed`` when the final could not be produced,
+* ``...failed`` when the final could not be produced (also one the server's stop leaves no time
+  for: :meth:`StreamSession.finish`),
 * extension (off by default): ``conversation.item.input_audio_transcription.partial`` with every
   partial hypothesis in full (``transcript``, ``audio_end_ms``), for clients that redraw text.
 
@@ -44,7 +45,7 @@ from collections import deque
 import numpy as np
 
 from ..options import TranscribeOptions
-from .errors import APIError
+from .errors import APIError, error_body, shutting_down
 from .scheduler import FINAL, PARTIAL
 
 log = logging.getLogger("flashasr.serve")
@@ -233,6 +234,15 @@ class LazyVad:
         return await self._vad.process(x, start)
 
 
+async def _ended(task: asyncio.Task) -> None:
+    """Wait until ``task`` has ended, however it ends (its error was its own to report); raises
+    only when the waiting task itself is cancelled (``await task`` would raise the task's
+    cancellation too, and a final cancelled by :meth:`StreamSession.finish` went on)."""
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" at exit
+
+
 def _words(text: str) -> list[str]:
     return text.split()
 
@@ -290,6 +300,8 @@ class StreamSession:
         self._prev_hyp: list[str] = []
         self._emitted: list[str] = []
         self._final_chain: asyncio.Task | None = None
+        self._transcribing: dict[str, asyncio.Task] = {}  # committed items whose transcript is being made
+        self._cut = False  # finish(): the server's stop cuts the finals still being made short
         self._tasks: set[asyncio.Task] = set()
         self.closed = False
         self.chunked = chunked
@@ -480,7 +492,7 @@ class StreamSession:
                          "audio_end_ms": self._ms(start + audio.size)})
         self.prev_item = item
         prev = self._final_chain
-        self._final_chain = self._spawn(self._final(item, audio, emitted, prev))
+        self._final_chain = self._transcribing[item] = self._spawn(self._final(item, audio, emitted, prev))
         return item
 
     async def clear(self) -> None:
@@ -502,6 +514,22 @@ class StreamSession:
         await self.vad_settled()
         if self._final_chain is not None:
             await asyncio.wait_for(asyncio.shield(self._final_chain), timeout)
+
+    async def finish(self, timeout: float) -> None:
+        """The server is stopping: wait up to ``timeout`` s for the finals committed so far (the
+        server VAD's pending audio first: a pause it finds there still commits). Then each final
+        whose transcript is still being made is cut short: it gets ``...failed`` with 503 'the
+        server is shutting down' (:func:`~.errors.shutting_down`), those already made still go out,
+        all in commit order. Audio not committed is dropped, as by :meth:`close`."""
+        try:
+            return await asyncio.wait_for(self.drain(timeout), timeout)
+        except Exception as e:  # noqa: BLE001 - the time is up (or the VAD failed): cut what is left
+            log.debug("stream finish: %s", type(e).__name__)
+        self._cut = True
+        for t in list(self._transcribing.values()):
+            t.cancel()
+        if self._final_chain is not None:
+            await _ended(self._final_chain)
 
     async def close(self) -> None:
         self.closed = True
@@ -607,24 +635,20 @@ class StreamSession:
                 t = await self.backend.transcribe(audio, self.options, priority=FINAL)
             err = None
         except asyncio.CancelledError:
-            raise
+            if not self._cut:
+                raise
+            t, err = None, shutting_down()  # finish(): the server's stop leaves it no time
         except Exception as e:  # noqa: BLE001
             t, err = None, e
+        finally:
+            self._transcribing.pop(item, None)
         if prev is not None:  # finals leave in commit order
-            try:
-                await prev
-            except BaseException:  # noqa: BLE001
-                pass
+            await _ended(prev)
         if self.metrics is not None:
             self.metrics.observe("final", time.perf_counter() - t0)
             self.metrics.audio_seconds.labels("stream").inc(audio.size / SR)
         if err is not None:
-            from .errors import error_body
-
-            _, body = error_body(err)
-            await self.emit({"type": "conversation.item.input_audio_transcription.failed", "item_id": item,
-                             "content_index": 0, "error": body["error"]})
-            return
+            return await self._failed(item, err)
         text = t.text.strip()
         words = _words(text)
         if emitted and len(words) > len(emitted):
@@ -639,3 +663,9 @@ class StreamSession:
                              "content_index": 0, "delta": text})
         await self.emit({"type": "conversation.item.input_audio_transcription.completed", "item_id": item,
                          "content_index": 0, "transcript": text})
+
+    async def _failed(self, item: str, err: BaseException) -> None:
+        """``...transcription.failed`` for ``item``, with ``err`` as OpenAI's error object."""
+        _, body = error_body(err)
+        await self.emit({"type": "conversation.item.input_audio_transcription.failed", "item_id": item,
+                         "content_index": 0, "error": body["error"]})

@@ -50,6 +50,7 @@ from .protocol import (UNCHANGED, SessionUpdate, default_turn_detection, parse_s
 from .offline import UploadTranscriber
 from .routes import check_auth
 from .scheduler import FINAL
+from .shutdown import GOING_AWAY
 from .stream import SR, LazyVad, Resampler, StreamSession, check_rate
 
 log = logging.getLogger("flashasr.serve")
@@ -150,21 +151,29 @@ class WebSocketDoor:
 
     async def serve(self, ws: WebSocket, handler: "_Handler") -> None:
         """The receive loop: each message to the handler until the client leaves, idles past
-        ``--ws-idle-timeout-s`` (closed 1000) or the handler says stop."""
+        ``--ws-idle-timeout-s`` (closed 1000), the handler says stop or the server begins to stop
+        (:meth:`wind_down`: the committed finals out, closed 1001)."""
+        with self.ctx.stopping.session() as server_stop:
+            await self._serve(ws, handler, server_stop)
+
+    async def _serve(self, ws: WebSocket, handler: "_Handler", server_stop: asyncio.Future) -> None:
+        wait = _ReceiveWait(server_stop)
         try:
             await handler.start()
             while True:
-                try:
-                    msg = await asyncio.wait_for(ws.receive(), self.ctx.cfg.ws_idle_timeout_s)
-                except asyncio.TimeoutError:
+                msg = await wait.next(ws, self.ctx.cfg.ws_idle_timeout_s)
+                if msg is _IDLE:
                     await ws.close(code=1000, reason="idle timeout")
+                    break
+                if msg is _STOPPING:
+                    await self.wind_down(ws, handler)
                     break
                 if msg["type"] == "websocket.disconnect":
                     break
                 handler.event_id = None
                 try:
                     data = msg.get("bytes")
-                    stop = await (handler.on_bytes(data) if data is not None else handler.on_text(msg.get("text")))
+                    done = await (handler.on_bytes(data) if data is not None else handler.on_text(msg.get("text")))
                 except FlashASRError as e:  # a bad message: the session lives on
                     await send_error(handler.emit, e, handler.event_id)
                     continue
@@ -175,7 +184,7 @@ class WebSocketDoor:
                     await send_error(handler.emit, APIError(f"could not handle the message: {type(e).__name__}",
                                                             code="invalid_request"), handler.event_id)
                     continue
-                if stop:
+                if done:
                     break
         except (asyncio.TimeoutError, RuntimeError, ConnectionError) as e:
             log.info("%s stream ended: %s", handler.name, e)
@@ -184,6 +193,59 @@ class WebSocketDoor:
                 log.exception("%s stream failed", handler.name)
         finally:
             await handler.session.close()
+
+    async def wind_down(self, ws: WebSocket, handler: "_Handler") -> None:
+        """The server is stopping (:mod:`.shutdown`): the finals the session committed go out, up
+        to the last cut (one still not out then gets ``...failed`` naming the shutdown), then close
+        :data:`~.shutdown.GOING_AWAY` (1001) "server shutting down"."""
+        stopping = self.ctx.stopping
+        try:  # bounded even for a client that does not read its events
+            await asyncio.wait_for(handler.session.finish(stopping.left()), stopping.left() + 0.2)
+        finally:
+            await asyncio.wait_for(ws.close(code=GOING_AWAY, reason="server shutting down"), 0.5)
+
+
+_IDLE, _STOPPING = object(), object()  # _ReceiveWait.next: no message came, and why
+
+
+class _ReceiveWait:
+    """A session's wait for its client's next message, ended early when the server begins to stop
+    (``stop`` done): the stop cancels the session's task while, and only while, it waits. The wait
+    itself stays one ``wait_for`` on the receive: no task or future more per message (a stream
+    sends 50 a second). A message the client sent in the very loop turn of the stop may go unread
+    (the session closes 1001 as for one sent after it)."""
+
+    def __init__(self, stop: asyncio.Future):
+        self.stop = stop
+        self.task = asyncio.current_task()
+        self.waiting = False
+        stop.add_done_callback(self._interrupt)
+
+    def _stopped(self) -> bool:
+        return self.stop.done() and not self.stop.cancelled()  # cancelled: the session ended first
+
+    def _interrupt(self, _fut) -> None:
+        if self.waiting and self._stopped():
+            self.task.cancel()
+
+    async def next(self, ws: WebSocket, idle_s: float):
+        """The next ASGI message, :data:`_IDLE` after ``idle_s`` without one, or :data:`_STOPPING`."""
+        if self._stopped():
+            return _STOPPING
+        self.waiting = True
+        try:
+            return await asyncio.wait_for(ws.receive(), idle_s)
+        except asyncio.TimeoutError:
+            return _IDLE
+        except asyncio.CancelledError:
+            if not self._stopped():
+                raise  # cancelled from outside (uvicorn, a disconnect): not ours to keep
+            uncancel = getattr(self.task, "uncancel", None)  # Python 3.11+: the cancel is consumed
+            if uncancel is not None:
+                uncancel()
+            return _STOPPING
+        finally:
+            self.waiting = False
 
 
 class Refusal(Exception):
@@ -226,12 +288,7 @@ class Realtime(_Handler):
                        "(or use /v1/stream for raw PCM)", code="invalid_request")
 
     async def on_text(self, text):
-        try:
-            ev = json.loads(text or "")
-        except ValueError as e:
-            raise APIError(f"malformed JSON event: {e}", code="invalid_json") from None
-        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
-            raise APIError("every event must be a JSON object with a string 'type'", param="type")
+        ev = parse_event(text, "event")
         self.event_id = ev.get("event_id")
         typ, s = ev["type"], self.session
         if typ == "input_audio_buffer.append":
@@ -281,11 +338,7 @@ class Binary(_Handler):
         await self.session.append_pcm16(data)
 
     async def on_text(self, text):
-        try:
-            ev = json.loads(text or "")
-        except ValueError as e:
-            raise APIError(f"malformed JSON control message: {e}", code="invalid_json") from None
-        typ = ev.get("type") if isinstance(ev, dict) else None
+        typ = parse_event(text, "control message", CONTROL_TYPES)["type"]
         if typ in ("commit", "input_audio_buffer.commit"):
             await self.session.commit()
         elif typ in ("clear", "input_audio_buffer.clear"):
@@ -295,8 +348,40 @@ class Binary(_Handler):
             await self.ws.close(code=1000)
             return True
         else:
-            raise APIError(f"unknown control message {typ!r}; use commit, clear or close", param="type",
+            raise APIError(f"unknown control message type {typ[:100]!r}; use {CONTROL_TYPES}", param="type",
                            code="unknown_event")
+
+
+CONTROL_TYPES = "commit, clear or close"  # the /v1/stream control messages (named in its errors)
+
+
+def parse_event(text, what: str, types: str | None = None) -> dict:
+    """A client's JSON text message -> its object, whose ``type`` is a string (``what``: "event" or
+    "control message", ``types``: the types to name, both for the errors).
+
+    Raises:
+        APIError: ``invalid_json`` (not JSON); ``invalid_request`` with param ``type`` (valid JSON
+        that is not an object, an object without ``type``, a ``type`` that is not a string).
+    """
+    try:
+        ev = json.loads(text or "")
+    except ValueError as e:
+        raise APIError(f"malformed JSON {what}: {e}", code="invalid_json") from None
+    if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+        say = f" ({types})" if types else ""
+        raise APIError(f"every {what} must be a JSON object with a string 'type'{say}; got {_described(ev)[:100]}",
+                       param="type")
+    return ev
+
+
+def _described(ev) -> str:
+    """What a parsed message that is no event is, for its error: ``a JSON array`` (string, number,
+    boolean, null), ``an object without 'type'``, ``'type' 5``."""
+    if isinstance(ev, dict):
+        return f"'type' {ev['type']!r}" if "type" in ev else "an object without 'type'"
+    kind = "null" if ev is None else "boolean" if isinstance(ev, bool) else \
+        {list: "array", str: "string"}.get(type(ev), "number")
+    return f"a JSON {kind}"
 
 
 def _b64_audio(audio) -> bytes:
@@ -391,4 +476,5 @@ async def _connection_lost(receive, timeout: float = 2.0) -> None:
         pass
 
 
-__all__ = ["websocket_router", "WebSocketDoor", "NoSuchRoute", "Realtime", "Binary", "Refusal", "send_error"]
+__all__ = ["websocket_router", "WebSocketDoor", "NoSuchRoute", "Realtime", "Binary", "Refusal", "send_error",
+           "parse_event"]
