@@ -60,7 +60,7 @@ class ServeConfig:
     stream_max_slots: int = 8192        # chunked partials: most live streams with chunked state
     stream_batch: int = 512             # chunked partials: most streams in one batched step
     final_wait_ms: float = 20.0         # longest a stream's final gathers with others while partials wait
-    partial_wait_ms: float = 0.0        # longest chunked partials gather for a larger step (0: no wait)
+    partial_wait_ms: float = 40.0       # longest chunked partials gather for a larger step (0: no wait)
     switch_interval_ms: float = 0.0     # GIL switch interval in the model's process (0: CPython's 5 ms)
     vad_threshold: float = 0.5
     vad_prefix_padding_ms: int = 300
@@ -281,10 +281,10 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                    help="longest a stream's final waits to be batched with others while partial work is "
                         "queued; a final runs at once when a full batch of finals waits or nothing else is "
                         "queued (0: finals always first; at most 1000)")
-    g.add_argument("--partial-wait-ms", type=_number(float, 0, high=1000), default=0.0,
+    g.add_argument("--partial-wait-ms", type=_number(float, 0, high=1000), default=40.0,
                    help="chunked partials: longest queued chunks wait for more streams' chunks before a step "
                         "smaller than the stream batch runs, when nothing else is runnable; new work ends the "
-                        "wait (0: never wait; at most 1000)")
+                        "wait; a lone stream's partials come this much later (0: never wait; at most 1000)")
     g.add_argument("--switch-interval-ms", type=_number(float, 0, high=100), default=0.0,
                    help="the GIL switch interval in the process running the model (its thread shares the GIL "
                         "with the event loop; 0: leave CPython's 5 ms; at most 100)")
