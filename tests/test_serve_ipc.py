@@ -463,6 +463,51 @@ def test_scheduler_short_requests_first_bulk_shared_fairly_nothing_starves():
     assert sum(longs[:20]) >= 5, longs
 
 
+def test_engine_options_are_parsed_once_per_distinct_raw_options():
+    """The engine resolves a stream's options once (every chunk carries them) but never mixes up
+    raw options that hash alike (1, 1.0 and True), still refuses bad ones on every request, and
+    passes unhashable values (lists) uncached to the parser, whose error names the option."""
+    from flashasr.errors import FlashASRError
+    from flashasr.models.base import ASRModel
+    from flashasr.options import TranscribeOptions
+    from flashasr.serve.config import ServeConfig
+    from flashasr.serve.engine_proc import EngineServer
+
+    class English(ASRModel):
+        name, family, multilingual = "fake-en", "whisper", False
+
+        def languages(self):
+            return frozenset({"en"})
+
+        def _transcribe(self, waves, options):
+            return []
+
+    server = EngineServer(English(), ServeConfig())
+    calls = []
+    real = TranscribeOptions.from_dict
+
+    def counted(d):
+        calls.append(d)
+        return real(d)
+
+    TranscribeOptions.from_dict = staticmethod(counted)
+    try:
+        a = server._options({"language": "en", "word_timestamps": True})
+        assert server._options({"language": "en", "word_timestamps": True}) is a and len(calls) == 1
+        assert a.max_segment_s == server.caps.window_s  # resolved against the model
+        with pytest.raises(FlashASRError):  # 1 is not True: parsed (and refused) on its own
+            server._options({"language": "en", "word_timestamps": 1})
+        for _ in range(2):  # a refused option is refused every time, never cached
+            with pytest.raises(FlashASRError):
+                server._options({"language": "de"})
+        for _ in range(2):  # unhashable values (a list) go uncached to the parser, which says what is wrong
+            with pytest.raises(FlashASRError, match="temperature"):
+                server._options({"language": "en", "temperature": [0.0, 0.2]})
+        assert server._options(None) is server._options(None)
+    finally:
+        TranscribeOptions.from_dict = real
+
+
 class _NoModel:  # the picking logic runs without any model call
     sample_rate = 16000
 

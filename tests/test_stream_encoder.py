@@ -379,6 +379,23 @@ def test_errors_are_per_request_and_streams_close(tiny, speech):
     assert s.live() == 2
 
 
+def test_idle_streams_are_evicted_and_their_slots_reused(tiny, speech):
+    """A stream not stepped for ``idle_s`` is dropped (its front end went away) within a step or
+    two, although the scan over all streams no longer runs on every step: its slot serves a new
+    stream and the key is refused as closed; a stream stepped meanwhile stays."""
+    import time
+
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=8, left_frames=4, slots=2, max_slots=2, idle_s=0.2))
+    s.step([("gone", speech[:4000]), ("live", speech[:4000])])
+    t_end = time.monotonic() + 0.5
+    while time.monotonic() < t_end:  # "live" keeps stepping, "gone" never again
+        assert not isinstance(s.step([("live", speech[:160])])[0], Exception)
+        time.sleep(0.02)
+    assert "gone" not in s.streams and "live" in s.streams
+    assert not isinstance(s.step([("new", speech[:4000])])[0], Exception)  # the freed slot (max_slots=2)
+    assert isinstance(s.step([("gone", speech[:160])])[0], StreamError)
+
+
 def test_a_flushed_stream_takes_no_more_audio(tiny, speech):
     """A flush ends the stream's audio (its last frames were encoded with zero padding): more audio
     for it is a StreamError naming the flush, the other requests of the step go on, and an empty
