@@ -323,3 +323,68 @@ def test_streams_gauge_returns_however_the_opening_ends(monkeypatch):
     assert cancelled == before, "a handler cancelled while waiting for the engine kept its stream counted"
     assert gone == before, "a refusal sent to a client already gone kept its stream counted"
     assert ev["error"]["code"] == "invalid_sample_rate" and code == 1008 and after == before
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_receive_wait_idles_stops_and_passes_outside_cancels(loop_kind):
+    """The session's wait for its client (``_ReceiveWait``, one bare receive per message and one
+    watchdog timer per session): steady messages never idle it, and neither does a session busy
+    with a message for longer than the idle time; a wait that lasts the idle time ends _IDLE; the
+    server's stop ends a wait at once (_STOPPING); a cancel from anyone else propagates."""
+    from flashasr.serve.websocket import _IDLE, _STOPPING, _ReceiveWait
+
+    class FakeWS:
+        def __init__(self):
+            self.q = asyncio.Queue()
+
+        async def receive(self):
+            return await self.q.get()
+
+    async def session(ws, stop, idle_s, log):
+        wait = _ReceiveWait(stop, idle_s)
+        try:
+            while True:
+                msg = await wait.next(ws)
+                log.append((msg["n"] if isinstance(msg, dict) else msg, time.monotonic()))
+                if msg in (_IDLE, _STOPPING):
+                    return msg
+                await asyncio.sleep(msg.get("busy", 0))  # handling the message
+        finally:
+            wait.close()
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        ws, log = FakeWS(), []
+        stop = loop.create_future()
+        t = asyncio.ensure_future(session(ws, stop, 0.3, log))
+        for i in range(12):  # 0.6 s of messages every 50 ms: never idle
+            ws.q.put_nowait({"n": i})
+            await asyncio.sleep(0.05)
+        ws.q.put_nowait({"n": 99, "busy": 0.5})  # busy 0.5 s > idle, the next message already waiting
+        ws.q.put_nowait({"n": 100})
+        await asyncio.sleep(0.6)
+        assert not t.done()
+        t0 = time.monotonic()
+        idle = await asyncio.wait_for(t, 3)
+        idle_after = time.monotonic() - t0
+
+        stop2 = loop.create_future()
+        t2 = asyncio.ensure_future(session(FakeWS(), stop2, 30, []))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        stop2.set_result(None)
+        stopped = await asyncio.wait_for(t2, 1)
+        stop_after = time.monotonic() - t0
+
+        t3 = asyncio.ensure_future(session(FakeWS(), loop.create_future(), 30, []))
+        await asyncio.sleep(0.05)
+        t3.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t3
+        return idle, idle_after, stopped, stop_after, [n for n, _ in log]
+
+    run = pytest.importorskip("uvloop").run if loop_kind == "uvloop" else asyncio.run
+    idle, idle_after, stopped, stop_after, seen = run(go())
+    assert seen[:-1] == list(range(12)) + [99, 100] and seen[-1] is _IDLE
+    assert idle is _IDLE and 0.1 < idle_after < 1.5, idle_after  # about 0.3 s after the last message
+    assert stopped is _STOPPING and stop_after < 0.2

@@ -157,11 +157,11 @@ class WebSocketDoor:
             await self._serve(ws, handler, server_stop)
 
     async def _serve(self, ws: WebSocket, handler: "_Handler", server_stop: asyncio.Future) -> None:
-        wait = _ReceiveWait(server_stop)
+        wait = _ReceiveWait(server_stop, self.ctx.cfg.ws_idle_timeout_s)
         try:
             await handler.start()
             while True:
-                msg = await wait.next(ws, self.ctx.cfg.ws_idle_timeout_s)
+                msg = await wait.next(ws)
                 if msg is _IDLE:
                     await ws.close(code=1000, reason="idle timeout")
                     break
@@ -192,6 +192,7 @@ class WebSocketDoor:
             if type(e).__name__ not in ("WebSocketDisconnect", "ClientDisconnected"):
                 log.exception("%s stream failed", handler.name)
         finally:
+            wait.close()
             await handler.session.close()
 
     async def wind_down(self, ws: WebSocket, handler: "_Handler") -> None:
@@ -209,17 +210,27 @@ _IDLE, _STOPPING = object(), object()  # _ReceiveWait.next: no message came, and
 
 
 class _ReceiveWait:
-    """A session's wait for its client's next message, ended early when the server begins to stop
-    (``stop`` done): the stop cancels the session's task while, and only while, it waits. The wait
-    itself stays one ``wait_for`` on the receive: no task or future more per message (a stream
-    sends 50 a second). A message the client sent in the very loop turn of the stop may go unread
-    (the session closes 1001 as for one sent after it)."""
+    """A session's wait for its client's next message, ended early by the server's stop (``stop``
+    done) or by ``idle_s`` without a message: both cancel the session's task while, and only
+    while, it waits for the client. The wait itself is a bare ``receive``: no task, future or
+    timeout object per message (a stream sends 50 a second); the idle watchdog is one timer per
+    session that re-arms itself (every ``idle_s`` while messages keep coming). A message the client sent in
+    the very loop turn of the stop may go unread (the session closes 1001 as for one sent after it).
+    :meth:`close` ends the watchdog."""
 
-    def __init__(self, stop: asyncio.Future):
+    def __init__(self, stop: asyncio.Future, idle_s: float):
         self.stop = stop
         self.task = asyncio.current_task()
+        self.loop = asyncio.get_running_loop()
+        self.idle_s = float(idle_s)
+        self.since = self.loop.time()  # when the current wait for the client began
         self.waiting = False
+        self.idle = False
         stop.add_done_callback(self._interrupt)
+        self._timer = self.loop.call_later(self.idle_s, self._watch)
+
+    def close(self) -> None:
+        self._timer.cancel()
 
     def _stopped(self) -> bool:
         return self.stop.done() and not self.stop.cancelled()  # cancelled: the session ended first
@@ -228,22 +239,30 @@ class _ReceiveWait:
         if self.waiting and self._stopped():
             self.task.cancel()
 
-    async def next(self, ws: WebSocket, idle_s: float):
+    def _watch(self) -> None:
+        """The idle watchdog: idle once one wait for the client has lasted ``idle_s`` (a session busy
+        with a message is not idle); otherwise look again when that could first be."""
+        left = self.since + self.idle_s - self.loop.time()
+        if self.waiting and left <= 0 and not self._stopped():
+            self.idle = True
+            self.task.cancel()
+            return
+        self._timer = self.loop.call_later(left if self.waiting and left > 0 else self.idle_s, self._watch)
+
+    async def next(self, ws: WebSocket):
         """The next ASGI message, :data:`_IDLE` after ``idle_s`` without one, or :data:`_STOPPING`."""
         if self._stopped():
             return _STOPPING
-        self.waiting = True
+        self.waiting, self.since = True, self.loop.time()
         try:
-            return await asyncio.wait_for(ws.receive(), idle_s)
-        except asyncio.TimeoutError:
-            return _IDLE
+            return await ws.receive()
         except asyncio.CancelledError:
-            if not self._stopped():
+            if not (self._stopped() or self.idle):
                 raise  # cancelled from outside (uvicorn, a disconnect): not ours to keep
             uncancel = getattr(self.task, "uncancel", None)  # Python 3.11+: the cancel is consumed
             if uncancel is not None:
                 uncancel()
-            return _STOPPING
+            return _STOPPING if self._stopped() else _IDLE
         finally:
             self.waiting = False
 
