@@ -151,3 +151,55 @@ def test_ctrl_c_answers_every_request_and_stream_it_holds(tmp_path, mode):
             assert noise not in log, log
     finally:
         s.stop()
+
+
+def test_a_stopped_single_mode_server_leaves_without_waiting_for_a_running_model_call(monkeypatch):
+    """Single mode, after the server stopped: a model call still running (its clients already have
+    their answers) does not hold the exit: ``wait_idle`` says so within its timeout, and
+    ``_exit_when_idle`` then leaves at once with the exit status (``os._exit``, here recorded);
+    with the model thread idle it returns the status for the normal exit."""
+    import numpy as np
+
+    from flashasr.models.base import ASRModel
+    from flashasr.serve import process
+    from flashasr.serve.scheduler import BatchScheduler
+    from flashasr.types import Transcript
+
+    class Slow(ASRModel):
+        name, family = "slow", "whisper"
+
+        def _transcribe(self, waves, options):
+            time.sleep(1.5)
+            return [Transcript(text="x", language="en", duration=1.0) for _ in waves]
+
+    async def go():
+        s = BatchScheduler(Slow(), max_batch=1)
+        s.start()
+        req = asyncio.ensure_future(s.submit(np.zeros(16000, np.float32)))
+        while s._inflight is None:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        busy = s.wait_idle(0.2)  # blocks this loop 0.2 s: the model thread runs on
+        waited = time.monotonic() - t0
+        await req
+        idle = s.wait_idle(0.2)
+        await s.stop()
+        return busy, waited, idle
+
+    busy, waited, idle = asyncio.run(go())
+    assert busy is False and 0.15 < waited < 1.0 and idle is True
+
+    class App:  # what create_app leaves in app.state
+        class state:
+            flashasr = {}
+
+    def fake_exit(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(process.os, "_exit", fake_exit)
+    App.state.flashasr = {"backend": type("B", (), {"wait_idle": lambda self, t: True})()}
+    assert process._exit_when_idle(App, 3, wait_s=0.01) == 3  # idle: the normal exit
+    App.state.flashasr = {"backend": type("B", (), {"wait_idle": lambda self, t: False})()}
+    with pytest.raises(SystemExit) as e:  # busy: at once
+        process._exit_when_idle(App, 3, wait_s=0.01)
+    assert e.value.code == 3

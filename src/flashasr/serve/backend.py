@@ -97,6 +97,11 @@ class LocalBackend:
             if n:
                 log.info("shutting down: %d piece(s) still waiting for the model get 503", n)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s until no model call runs (:meth:`BatchScheduler.wait_idle`);
+        whether none does."""
+        return self.scheduler is None or self.scheduler.wait_idle(timeout)
+
     async def stop(self) -> None:
         if self._closing is not None:
             self._closing.cancel()

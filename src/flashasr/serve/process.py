@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import tempfile
 from dataclasses import replace
 
@@ -318,8 +319,34 @@ def run(cfg: ServeConfig, make_app, run_ray=None) -> int:
         _check_serve_device(cfg.device)  # before "listening on ...": a device that cannot work stops the start
         sock = _listen_socket(cfg.host, cfg.port, reuse_port=False)
         _announce(cfg, sock)
-        return int(_run_loop(_serve(cfg, make_app(cfg), sock)) or 0)
+        app = make_app(cfg)
+        return _exit_when_idle(app, int(_run_loop(_serve(cfg, app, sock)) or 0))
     return _run_multi(cfg, make_app)
+
+
+EXIT_WAIT_S = 1.0  # single mode: how long a stopped server's exit waits for a model call still running
+
+
+def _exit_when_idle(app, code: int, wait_s: float = EXIT_WAIT_S) -> int:
+    """Single mode, once the server has stopped: returns ``code`` when no model call runs (after
+    at most ``wait_s``). Otherwise the process leaves at once with it (``os._exit``, logs
+    flushed): the call's clients already have their 503 or ``failed`` event, and the interpreter's
+    exit would join the model thread until the call ends (seconds for a long final on a CPU; a
+    second Ctrl-C in that join aborted the process). Multi mode's engine is its own process."""
+    backend = (getattr(getattr(app, "state", None), "flashasr", None) or {}).get("backend")
+    idle = getattr(backend, "wait_idle", None)
+    if idle is None or idle(wait_s):
+        return code
+    log.warning("exiting with a model call still running (its requests were already answered)")
+    for h in [*logging.getLogger().handlers, *log.handlers]:
+        h.flush()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+    return code  # not reached (os._exit does not return)
 
 
 class _Workers:

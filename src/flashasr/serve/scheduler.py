@@ -60,7 +60,8 @@ import itertools
 import logging
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,6 +181,7 @@ class BatchScheduler:
         # one thread owns the model: no per-request threads, ever
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashasr-model")
         self._exec.submit(lambda: None).result()  # start the thread now (constant thread count)
+        self._inflight: Future | None = None  # the model call handed to the thread last
         self.busy = False
 
     # ------------------------------------------------------------------ public
@@ -221,6 +223,12 @@ class BatchScheduler:
         if self._wake is not None:
             self._wake.set()  # the queues drop done items at the next pick
         return n
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s until the model call handed to the model thread last has ended
+        (any thread; for the exit of a stopped server); whether it has."""
+        f = self._inflight
+        return f is None or f.done() or not _wait_futures([f], timeout).not_done
 
     def depth(self) -> int:
         return sum(len(q) for q in self._queues.values()) + sum(len(r.items) for r in self._runs)
@@ -480,8 +488,8 @@ class BatchScheduler:
         self.busy = True
         t1 = t2 = None
         try:
-            results, t1, t2 = await loop.run_in_executor(self._exec, _timed, self._infer if kind == "batch" else
-                                                         self._step, work)
+            self._inflight = self._exec.submit(_timed, self._infer if kind == "batch" else self._step, work)
+            results, t1, t2 = await asyncio.wrap_future(self._inflight, loop=loop)
         except Exception as e:  # noqa: BLE001
             results = [e] * len(items)
         finally:
