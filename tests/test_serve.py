@@ -592,8 +592,8 @@ def test_a_json_message_that_is_not_an_object_with_a_string_type_is_named_as_suc
     binary stream said "unknown control message None"); an unknown ``type`` is ``unknown_event``
     naming it; the session lives on."""
     not_objects = [([1], "a JSON array"), ("commit", "a JSON string"), (5, "a JSON number"), (None, "a JSON null"),
-                   ({}, "an object without 'type'"), ({"type": 5}, "'type' 5"), ({"type": None}, "'type' None"),
-                   ({"type": ["commit"]}, "'type' ['commit']")]
+                   ({}, "an object without 'type'"), ({"type": 5}, "'type' 5"), ({"type": None}, "'type' null"),
+                   ({"type": ["commit"]}, "'type' [\"commit\"]")]
 
     async def errors(path: str, unknown: str) -> list[dict]:
         async with connect(_ws_url(server, path), additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:

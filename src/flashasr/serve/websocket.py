@@ -397,7 +397,7 @@ def _described(ev) -> str:
     """What a parsed message that is no event is, for its error: ``a JSON array`` (string, number,
     boolean, null), ``an object without 'type'``, ``'type' 5``."""
     if isinstance(ev, dict):
-        return f"'type' {ev['type']!r}" if "type" in ev else "an object without 'type'"
+        return f"'type' {json.dumps(ev['type'])[:50]}" if "type" in ev else "an object without 'type'"
     kind = "null" if ev is None else "boolean" if isinstance(ev, bool) else \
         {list: "array", str: "string"}.get(type(ev), "number")
     return f"a JSON {kind}"
