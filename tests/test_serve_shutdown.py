@@ -93,8 +93,9 @@ class _SlowUpload:
             return int(head.split()[1]), body
 
 
-async def _final_then_ctrl_c(s: Server, pgid: int) -> tuple[str, list[dict], int | None, str | None]:
-    """Stream 50 s of speech (no server VAD), commit, Ctrl-C the group once ``committed`` arrives;
+async def _final_then_ctrl_c(s: Server, pgid: int, signals: int = 1) -> tuple[str, list[dict], int | None, str | None]:
+    """Stream 50 s of speech (no server VAD), commit, Ctrl-C the group once ``committed`` arrives
+    (``signals`` times, 50 ms apart: the same stop delivered twice, as ``timeout -s INT`` does);
     returns the item, the events after it until the server closed, and the close code and reason."""
     url = f"ws://127.0.0.1:{s.port}/v1/stream?sample_rate=16000&vad=false&partial_interval_ms=0"
     async with connect(url, max_size=None) as ws:
@@ -104,6 +105,9 @@ async def _final_then_ctrl_c(s: Server, pgid: int) -> tuple[str, list[dict], int
         ev = json.loads(await asyncio.wait_for(ws.recv(), 30))
         assert ev["type"] == "input_audio_buffer.committed", ev
         os.killpg(pgid, signal.SIGINT)  # the final is being computed (~0.5 s for 50 s on the 2-core VM)
+        for _ in range(signals - 1):
+            await asyncio.sleep(0.05)
+            os.killpg(pgid, signal.SIGINT)
         after = []
         try:
             async for msg in ws:
@@ -113,8 +117,10 @@ async def _final_then_ctrl_c(s: Server, pgid: int) -> tuple[str, list[dict], int
         return ev["item_id"], after, ws.close_code, ws.close_reason
 
 
-@pytest.mark.parametrize("mode", ["single", "multi"])
-def test_ctrl_c_answers_every_request_and_stream_it_holds(tmp_path, mode):
+@pytest.mark.parametrize("mode,signals", [("single", 1), ("multi", 1), ("single", 2)])
+def test_ctrl_c_answers_every_request_and_stream_it_holds(tmp_path, mode, signals):
+    """(``signals`` 2: a second SIGINT 50 ms after the first is the same stop, not uvicorn's
+    force-quit, which closed the streams 1012 with their finals unsent and logged tracebacks.)"""
     s = Server(tmp_path, "--mode", mode, "--model", MODEL, "--no-warmup", "--max-utterance-s", "60",
                start_new_session=True, preexec_fn=sigint_default)
     pgid = s.proc.pid
@@ -128,7 +134,7 @@ def test_ctrl_c_answers_every_request_and_stream_it_holds(tmp_path, mode):
             assert time.monotonic() < t_end and th.is_alive(), (long_reply, s.log())
             time.sleep(0.05)
         slow = _SlowUpload(s.port)
-        item, after, code, reason = asyncio.run(_final_then_ctrl_c(s, pgid))
+        item, after, code, reason = asyncio.run(_final_then_ctrl_c(s, pgid, signals))
         try:
             rc = s.proc.wait(15)
         except subprocess.TimeoutExpired:

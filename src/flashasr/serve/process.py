@@ -116,6 +116,7 @@ def _listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
 
 
 EXIT_MODEL_FAILED = 2  # the model cannot be loaded: the server stops (as `flashasr transcribe` exits 2)
+SAME_STOP_S = 1.0  # a second SIGINT/SIGTERM this soon after the first is the same stop; a later SIGINT forces the exit
 GRACE_S = 5.0  # a stopping front end's time to finish its requests (uvicorn's timeout_graceful_shutdown)
 
 
@@ -164,6 +165,9 @@ def _quiet_stop_server(uvicorn):
     ``uvloop.run`` that SIGINT cancels the main task while Starlette's lifespan still waits, and every
     Ctrl-C printed an ERROR traceback (KeyboardInterrupt, then CancelledError) and exited 1. Each
     signal also calls ``on_exit_signal()`` when set (in the signal handler: it must only schedule).
+    A signal within :data:`SAME_STOP_S` of the first is ignored: ``timeout -s INT`` and a signal to
+    the process group with one to the process deliver the same stop twice, and uvicorn took the
+    second SIGINT as a force-quit (tracebacks, WebSockets closed 1012 with their finals unsent).
 
     ``before_shutdown`` (a coroutine function, when set) runs when uvicorn begins its shutdown, after
     the listening sockets close and before uvicorn shuts the connections down (its ``1012`` to every
@@ -179,7 +183,14 @@ def _quiet_stop_server(uvicorn):
         on_exit_signal = None
         before_shutdown = None
 
+        _first_signal = None
+
         def handle_exit(self, sig, frame) -> None:
+            now = time.monotonic()
+            if self._first_signal is not None and now - self._first_signal < SAME_STOP_S:
+                return  # the same stop delivered twice (to the process and to its group): not a force-quit
+            if self._first_signal is None:
+                self._first_signal = now
             super().handle_exit(sig, frame)
             if self.on_exit_signal is not None:
                 self.on_exit_signal()
