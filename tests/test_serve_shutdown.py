@@ -209,3 +209,19 @@ def test_a_stopped_single_mode_server_leaves_without_waiting_for_a_running_model
     with pytest.raises(SystemExit) as e:  # busy: at once
         process._exit_when_idle(App, 3, wait_s=0.01)
     assert e.value.code == 3
+
+    def ctrl_c_meanwhile(self, t):  # a second Ctrl-C while the exit waits: leave at once, same status
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        return True
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        App.state.flashasr = {"backend": type("B", (), {"wait_idle": ctrl_c_meanwhile})()}
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit) as e:  # (a KeyboardInterrupt here joined the model thread)
+            process._exit_when_idle(App, 3, wait_s=5)
+        assert e.value.code == 3 and time.monotonic() - t0 < 2
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)

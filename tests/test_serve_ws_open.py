@@ -329,7 +329,8 @@ def test_streams_gauge_returns_however_the_opening_ends(monkeypatch):
 def test_receive_wait_idles_stops_and_passes_outside_cancels(loop_kind):
     """The session's wait for its client (``_ReceiveWait``, one bare receive per message and one
     watchdog timer per session): steady messages never idle it, and neither does a session busy
-    with a message for longer than the idle time; a wait that lasts the idle time ends _IDLE; the
+    with a message for longer than the idle time, nor one that still owes its client a final (it
+    used to be closed 1000 with the final lost); a wait that lasts the idle time ends _IDLE; the
     server's stop ends a wait at once (_STOPPING); a cancel from anyone else propagates."""
     from flashasr.serve.websocket import _IDLE, _STOPPING, _ReceiveWait
 
@@ -340,8 +341,8 @@ def test_receive_wait_idles_stops_and_passes_outside_cancels(loop_kind):
         async def receive(self):
             return await self.q.get()
 
-    async def session(ws, stop, idle_s, log):
-        wait = _ReceiveWait(stop, idle_s)
+    async def session(ws, stop, idle_s, log, busy=lambda: False):
+        wait = _ReceiveWait(stop, idle_s, busy)
         try:
             while True:
                 msg = await wait.next(ws)
@@ -381,10 +382,17 @@ def test_receive_wait_idles_stops_and_passes_outside_cancels(loop_kind):
         t3.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t3
-        return idle, idle_after, stopped, stop_after, [n for n, _ in log]
+
+        owed_until = time.monotonic() + 0.8  # a final owed for 0.8 s: no message, yet not idle
+        t4 = asyncio.ensure_future(session(FakeWS(), loop.create_future(), 0.2, [],
+                                           busy=lambda: time.monotonic() < owed_until))
+        owed_idle = await asyncio.wait_for(t4, 3)
+        owed_after = time.monotonic() - (owed_until - 0.8)
+        return idle, idle_after, stopped, stop_after, [n for n, _ in log], owed_idle, owed_after
 
     run = pytest.importorskip("uvloop").run if loop_kind == "uvloop" else asyncio.run
-    idle, idle_after, stopped, stop_after, seen = run(go())
+    idle, idle_after, stopped, stop_after, seen, owed_idle, owed_after = run(go())
+    assert owed_idle is _IDLE and 0.8 < owed_after < 1.6, owed_after  # idle only after the final went out
     assert seen[:-1] == list(range(12)) + [99, 100] and seen[-1] is _IDLE
     assert idle is _IDLE and 0.1 < idle_after < 1.5, idle_after  # about 0.3 s after the last message
     assert stopped is _STOPPING and stop_after < 0.2

@@ -341,14 +341,28 @@ EXIT_WAIT_S = 1.0  # single mode: how long a stopped server's exit waits for a m
 def _exit_when_idle(app, code: int, wait_s: float = EXIT_WAIT_S) -> int:
     """Single mode, once the server has stopped: returns ``code`` when no model call runs (after
     at most ``wait_s``). Otherwise the process leaves at once with it (``os._exit``, logs
-    flushed): the call's clients already have their 503 or ``failed`` event, and the interpreter's
-    exit would join the model thread until the call ends (seconds for a long final on a CPU; a
-    second Ctrl-C in that join aborted the process). Multi mode's engine is its own process."""
+    flushed): the interpreter's exit would join the model thread until the call ends (seconds for a
+    long final on a CPU; the call's clients have had their 503 or ``failed`` event, unless a forced
+    exit cut them off), and a Ctrl-C in that join aborted the process. From here on a SIGINT or
+    SIGTERM leaves at once too. Multi mode's engine is its own process."""
+    import signal
+
+    def leave(*_) -> None:
+        _flush_output()
+        os._exit(code)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, leave)
     backend = (getattr(getattr(app, "state", None), "flashasr", None) or {}).get("backend")
     idle = getattr(backend, "wait_idle", None)
     if idle is None or idle(wait_s):
         return code
-    log.warning("exiting with a model call still running (its requests were already answered)")
+    log.warning("exiting with a model call still running (its results are dropped)")
+    leave()
+    return code  # not reached (os._exit does not return)
+
+
+def _flush_output() -> None:
     for h in [*logging.getLogger().handlers, *log.handlers]:
         h.flush()
     for f in (sys.stdout, sys.stderr):
@@ -356,8 +370,6 @@ def _exit_when_idle(app, code: int, wait_s: float = EXIT_WAIT_S) -> int:
             f.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code)
-    return code  # not reached (os._exit does not return)
 
 
 class _Workers:

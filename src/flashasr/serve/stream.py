@@ -509,6 +509,11 @@ class StreamSession:
         self._end_stream()
         await self.emit({"type": "input_audio_buffer.cleared"})
 
+    @property
+    def finals_pending(self) -> bool:
+        """A committed utterance's final (``completed`` or ``failed``) has not been emitted yet."""
+        return self._final_chain is not None and not self._final_chain.done()
+
     async def drain(self, timeout: float = 60.0) -> None:
         """Wait until every queued final has been emitted."""
         await self.vad_settled()

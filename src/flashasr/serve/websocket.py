@@ -157,7 +157,7 @@ class WebSocketDoor:
             await self._serve(ws, handler, server_stop)
 
     async def _serve(self, ws: WebSocket, handler: "_Handler", server_stop: asyncio.Future) -> None:
-        wait = _ReceiveWait(server_stop, self.ctx.cfg.ws_idle_timeout_s)
+        wait = _ReceiveWait(server_stop, self.ctx.cfg.ws_idle_timeout_s, busy=lambda: handler.session.finals_pending)
         try:
             await handler.start()
             while True:
@@ -211,15 +211,17 @@ _IDLE, _STOPPING = object(), object()  # _ReceiveWait.next: no message came, and
 
 class _ReceiveWait:
     """A session's wait for its client's next message, ended early by the server's stop (``stop``
-    done) or by ``idle_s`` without a message: both cancel the session's task while, and only
-    while, it waits for the client. The wait itself is a bare ``receive``: no task, future or
+    done) or by ``idle_s`` without a message and without a final still owed (``busy()``: while it is,
+    the idle time starts again): both cancel the session's task while, and only while,
+    it waits for the client. The wait itself is a bare ``receive``: no task, future or
     timeout object per message (a stream sends 50 a second); the idle watchdog is one timer per
     session that re-arms itself (every ``idle_s`` while messages keep coming). A message the client sent in
     the very loop turn of the stop may go unread (the session closes 1001 as for one sent after it).
     :meth:`close` ends the watchdog."""
 
-    def __init__(self, stop: asyncio.Future, idle_s: float):
+    def __init__(self, stop: asyncio.Future, idle_s: float, busy=lambda: False):
         self.stop = stop
+        self.busy = busy  # the session still owes its client something (a final): not idle
         self.task = asyncio.current_task()
         self.loop = asyncio.get_running_loop()
         self.idle_s = float(idle_s)
@@ -244,9 +246,12 @@ class _ReceiveWait:
         with a message is not idle); otherwise look again when that could first be."""
         left = self.since + self.idle_s - self.loop.time()
         if self.waiting and left <= 0 and not self._stopped():
-            self.idle = True
-            self.task.cancel()
-            return
+            if self.busy():  # its client waits for a final: the idle time starts again from now
+                self.since, left = self.loop.time(), self.idle_s
+            else:
+                self.idle = True
+                self.task.cancel()
+                return
         self._timer = self.loop.call_later(left if self.waiting and left > 0 else self.idle_s, self._watch)
 
     async def next(self, ws: WebSocket):
