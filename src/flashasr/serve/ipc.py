@@ -141,10 +141,10 @@ class Conn:
     """One end of a framed Unix-socket connection on the running event loop.
 
     Reads use ``loop.sock_recv_into``: a payload lands directly in a preallocated numpy
-    buffer (one kernel copy, no intermediate stream buffer). Writes go out in order, whole: a
-    frame is written at once with one ``sendmsg`` when nothing is queued before it and the
-    socket takes it (the common case: no task, no future, no lock per frame); otherwise it is
-    queued for one writer task, and a caller cancelled while waiting never cuts a frame in half.
+    buffer (one kernel copy, no intermediate stream buffer). Writes go out in order, whole: the
+    frames queued during one turn of the event loop leave together in one ``sendmsg`` at its end
+    (no task, future or lock per frame); what the socket does not take goes out from one writer
+    task, so a caller cancelled meanwhile never cuts a frame in half (:meth:`send`).
     :meth:`close` shuts the socket down at once, so a receive or send in progress ends (end of
     stream, broken pipe) instead of waiting on a peer; the descriptor itself closes when the last
     of them has returned (closed under the event loop's feet, asyncio logs ``Bad file descriptor``).
@@ -312,6 +312,8 @@ class Conn:
             while self._wq and not self.closed:
                 v = self._wq[0]
                 await self.loop.sock_sendall(self.sock, v)
+                if not self._wq or self._wq[0] is not v:  # closed meanwhile: the queue was dropped
+                    break
                 self._wq.popleft()
                 self._wbytes -= v.nbytes
                 self._drained()
