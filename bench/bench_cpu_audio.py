@@ -73,6 +73,9 @@ def versions() -> dict:
         v["ffmpeg_libs"] = {k: ".".join(map(str, x)) for k, x in av.library_versions.items()}
     except Exception:
         pass
+    from flashasr.audio import opus
+
+    v["opus_decoder"] = f"libopus at the output rate ({opus.version()})" if opus.enabled() else "FFmpeg at 48 kHz + soxr"
     for mod in ("onnxruntime", "torch"):
         try:
             v[mod] = __import__(mod).__version__

@@ -292,6 +292,10 @@ def environment(device: str) -> dict:
             env[mod] = __import__(mod).__version__
         except Exception as e:
             env[mod] = f"unavailable: {e}"
+    from flashasr.audio import opus
+
+    env["opus_decoder"] = f"libopus at the output rate ({opus.version()})" if opus.enabled() else \
+        "FFmpeg at 48 kHz + soxr"
     try:
         import pynvml
 

@@ -15,6 +15,7 @@ import pytest
 
 import flashasr.audio.parallel as par
 from flashasr.audio import encode_audio, load_audio, load_audio_parallel
+from flashasr.audio.opus import enabled as opus_enabled
 from flashasr.errors import AudioError, AudioTooLongError
 
 from conftest import AUDIO
@@ -22,8 +23,12 @@ from conftest import AUDIO
 SECONDS = 100.0
 BOUND = 1e-5  # stated in flashasr/audio/parallel.py: measured <= 2e-7 (opus <= 1e-6)
 # AAC's perceptual noise substitution draws from a decoder-side random generator whose state
-# depends on where decoding started: those bands differ (measured <= 2.3e-4, 419 of 1.6 M samples)
-AAC_BOUND, AAC_SHARE = 1e-3, 1e-3
+# depends on where decoding started: those bands differ (measured <= 8.5e-4 on 419-2,186 of 1.6 M
+# samples, depending on the input)
+AAC_BOUND, AAC_SHARE = 1e-3, 5e-3
+# ogg/opus through libopus (flashasr/audio/opus.py): a decoder started mid-stream converges slowly
+# in hybrid/SILK modes (measured <= 2e-3 for seconds after a join); bound its size and energy
+OPUS_BOUND, OPUS_REL_RMS = 1e-2, 1e-3
 
 # name: (container, codec, rate, channels, encode_audio keywords)
 FILES = {
@@ -106,6 +111,9 @@ def test_parallel_equals_sequential(files, spy, name):
         diff = float(err.max())
         if name.startswith("aac"):
             assert diff <= AAC_BOUND and np.count_nonzero(err > BOUND) <= AAC_SHARE * err.size, (workers, diff)
+        elif name.startswith("opus") and opus_enabled():
+            rel = float(np.sqrt(np.mean(err.astype(np.float64) ** 2) / np.mean(ref.samples.astype(np.float64) ** 2)))
+            assert diff <= OPUS_BOUND and rel <= OPUS_REL_RMS, (workers, diff, rel)
         else:
             assert diff <= BOUND, (workers, diff)
         assert (got.sample_rate, got.source_sample_rate, got.source_channels, got.source_format, got.warnings) == \
@@ -119,9 +127,23 @@ def test_parallel_equals_sequential(files, spy, name):
         for s in plan.bounds[1:]:
             at = plan.out_index(s)
             j = slice(max(0, at - 800), at + 800)
-            assert float(np.abs(got.samples[j] - ref.samples[j]).max()) <= (AAC_BOUND if name.startswith("aac") else BOUND)
+            bound = AAC_BOUND if name.startswith("aac") else OPUS_BOUND if name.startswith("opus") and opus_enabled() \
+                else BOUND
+            assert float(np.abs(got.samples[j] - ref.samples[j]).max()) <= bound
             if float(np.abs(ref.samples[j]).max()) > 0.01:  # speech here: no lost or doubled sample
                 assert _join_lags(got.samples, ref.samples, at, 16000) == 0
+
+
+def test_opus_through_ffmpeg_equals_sequential(files, spy, monkeypatch):
+    """With ``FLASHASR_OPUS_DECODER=ffmpeg`` Ogg/Opus decodes with FFmpeg at 48 kHz, and its ranges
+    join within the tight bound (FFmpeg's decoder converges within the 1 s pre-roll)."""
+    monkeypatch.setenv("FLASHASR_OPUS_DECODER", "ffmpeg")
+    assert not opus_enabled()
+    ref = load_audio(files["opus_48k"])
+    got = load_audio_parallel(files["opus_48k"], workers=3)
+    assert len(spy) == 1 and spy[0]["fallback"] is None and spy[0]["plan"].in_rate == 48000
+    assert len(got) == len(ref) and float(np.abs(got.samples - ref.samples).max()) <= BOUND
+    assert got.source_sample_rate == ref.source_sample_rate == 48000
 
 
 def test_webm_equals_sequential(tmp_path, spy):
@@ -142,9 +164,11 @@ def test_target_rate_none_and_other_rates(files):
     ref = load_audio(files["flac_44k_stereo"], target_rate=None)
     got = load_audio_parallel(files["flac_44k_stereo"], target_rate=None, workers=3)
     assert np.array_equal(got.samples, ref.samples)  # lossless, no resampler: bit-exact
-    ref = load_audio(files["opus_48k"], target_rate=8000)
+    ref = load_audio(files["opus_48k"], target_rate=8000)  # libopus decodes at 8 kHz itself
     got = load_audio_parallel(files["opus_48k"], target_rate=8000, workers=3)
-    assert len(got) == len(ref) and float(np.abs(got.samples - ref.samples).max()) <= BOUND
+    assert got.sample_rate == 8000 and got.source_sample_rate == 48000
+    assert len(got) == len(ref) and float(np.abs(got.samples - ref.samples).max()) <= (
+        OPUS_BOUND if opus_enabled() else BOUND)
 
 
 def test_short_files_bytes_and_streams_are_sequential(files, spy, tmp_path):

@@ -546,13 +546,22 @@ def _riff_declared(head: bytes) -> float | None:
 
 
 class _ContainerSource:
-    """Iterates one container's audio stream as float32 [C, n] blocks, tolerating damage."""
+    """Iterates one container's audio stream as float32 [C, n] blocks, tolerating damage.
 
-    def __init__(self, source: Any, label: str):
+    ``target_rate``: the caller's output rate; an Ogg/Opus stream is decoded by libopus at that
+    rate where it can (:mod:`flashasr.audio.opus`), so its frames come at ``target_rate`` and
+    need no resampling. Every other stream (and Opus without libopus) decodes with FFmpeg at its
+    own rate. ``libopus``: None lets :func:`flashasr.audio.opus.enabled` decide; True or False
+    forces the choice (the parallel decoder's ranges decode as its plan did)."""
+
+    def __init__(self, source: Any, label: str, target_rate: int | None = None, libopus: bool | None = None):
         self.label = label
         head = _head(source, 4096) if not _is_array(source) else b""
         riff = _riff_declared(head)
         self.container, self.stream = _open_container(source, label, wave=_is_wave(head))
+        from .opus import OggOpusStream
+
+        self.opus = OggOpusStream.open(self.container, self.stream, target_rate, libopus)
         self.format = _format_name(self.container, self.stream)
         self.declared = _declared_duration(self.container, self.stream)
         if riff is not None and self.format.startswith("wav") and (self.declared is None or riff > self.declared):
@@ -570,15 +579,26 @@ class _ContainerSource:
             self.container.close()
         except Exception:
             pass
+        if self.opus is not None:
+            self.opus.close()
+
+    def source_rate(self, decoded_rate: int) -> int:
+        """The input's sample rate to report for frames decoded at ``decoded_rate``: the stream's
+        own (48 kHz for Opus, as FFmpeg decodes it) when libopus decodes at another rate."""
+        return int(self.rate or decoded_rate) if self.opus is not None else int(decoded_rate)
 
     def blocks(self) -> Iterator[tuple[np.ndarray, int]]:
         """Yields (float32 [C, n], rate): decoded frames gathered into blocks of ~0.5 s
         (fewer, larger numpy/soxr calls). Float frames (``flt``/``fltp``, what the mp3, AAC,
         Opus and Vorbis decoders give) are gathered as views of their planes and joined once per
         block (one copy, no numpy call per frame: ~4 us less per frame, 180,000 frames per audio
-        hour of Opus); other formats are converted straight into their block."""
+        hour of Opus); other formats are converted straight into their block. Opus decoded by
+        libopus goes straight into its block (:meth:`_opus_blocks`)."""
         import av
 
+        if self.opus is not None:
+            yield from self._opus_blocks(av)
+            return
         acc: np.ndarray | None = None  # integer / packed multichannel frames, converted
         views: list[list] | None = None  # float frames: per channel, views of the frames' planes
         fill = cap = acc_rate = acc_ch = 0
@@ -612,35 +632,77 @@ class _ContainerSource:
         if fill:
             yield _joined(views, fill) if views is not None else acc[:, :fill], acc_rate
 
-    def _frames(self, av) -> Iterator[Any]:
-        ctx = self.stream.codec_context
+    def _packets(self, av) -> Iterator[Any]:
+        """The stream's demuxed packets (the demuxer's empty flush packet last); a demuxer error
+        is counted and reading resumes after it."""
         done = False
         while not done:
             try:
                 for packet in self.container.demux(self.stream):
                     if packet.size:
                         self.packets += 1
-                    try:
-                        frames = packet.decode()
-                    except av.error.FFmpegError:
-                        # the demuxer ends with an empty flush packet: its failure is no packet of
-                        # the file's (counting it gave "17 of 16 packets failed")
-                        if packet.size:
-                            self.bad_packets += 1
-                        continue
-                    yield from frames
+                    yield packet
                 done = True
             except av.error.FFmpegError:
                 # container-level damage: the demuxer raised; resume reading after it
                 self.demux_errors += 1
                 if self.demux_errors >= _MAX_DEMUX_ERRORS:
                     done = True
-        if self.demux_errors:
+
+    def _frames(self, av) -> Iterator[Any]:
+        """Decoded frames: ``av.AudioFrame`` s from FFmpeg, or :class:`~flashasr.audio.opus.OpusFrame` s
+        (the same attributes) from libopus. A packet that fails to decode is counted and skipped."""
+        from .opus import OpusPacketError
+
+        decode = self.opus.frames if self.opus is not None else av.Packet.decode
+        for packet in self._packets(av):
+            try:
+                frames = decode(packet)
+            except (av.error.FFmpegError, OpusPacketError):
+                # the demuxer ends with an empty flush packet: its failure is no packet of
+                # the file's (counting it gave "17 of 16 packets failed")
+                if packet.size:
+                    self.bad_packets += 1
+                continue
+            yield from frames
+        if self.demux_errors and self.opus is None:
             # demux stopped early: flush the decoder's buffered frames ourselves
             try:
-                yield from ctx.decode(None)
+                yield from self.stream.codec_context.decode(None)
             except av.error.FFmpegError:
                 pass
+
+    def _opus_blocks(self, av) -> Iterator[tuple[np.ndarray, int]]:
+        """:meth:`blocks` for libopus: each packet decoded straight into its ~0.5 s block (no frame
+        objects, no copy per packet)."""
+        from .opus import OpusPacketError
+
+        opus, rate = self.opus, self.opus.rate
+        cap = rate // 2 + opus.max_frame
+        acc: np.ndarray | None = None
+        fill = 0
+        for packet in self._packets(av):
+            if not packet.size:
+                continue
+            try:
+                skip = opus.prepare(packet)
+                if acc is not None and acc.shape[0] != opus.channels:  # a chained link changed them
+                    if fill:
+                        yield acc[:, :fill], rate
+                    acc = None
+                if acc is None:
+                    acc, fill = np.empty((opus.channels, cap), np.float32), 0
+                fill += opus.decode_into(packet, acc, fill, skip)
+            except OpusPacketError:
+                self.bad_packets += 1
+                continue
+            if self.frame_channels is None and fill:
+                self.frame_channels = opus.channels
+            if fill > cap - opus.max_frame:
+                yield acc[:, :fill], rate
+                acc = None
+        if acc is not None and fill:
+            yield acc[:, :fill], rate
 
     def warnings(self, decoded_s: float) -> list[str]:
         w = []
@@ -812,7 +874,7 @@ class _Decode:
                     f"{max_duration:g} s")
             self._blocks = _array_blocks(a, self.src_rate)
         else:
-            self.container = _ContainerSource(source, self.label)
+            self.container = _ContainerSource(source, self.label, target_rate)
             self.format = self.container.format
             self.src_rate, self.src_channels = self.container.rate, self.container.channels
             self.declared = self.container.declared
@@ -844,6 +906,7 @@ class _Decode:
         if self.pipe.first_rate is not None:
             self.src_rate = self.pipe.first_rate
             if self.container is not None:  # the pipeline may not see LFE channels
+                self.src_rate = self.container.source_rate(self.src_rate)
                 self.src_channels = self.container.frame_channels or self.src_channels
             else:
                 self.src_channels = self.pipe.first_channels or self.src_channels
@@ -992,7 +1055,7 @@ def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None
             pos = source.tell() if source.seekable() else None
         except (AttributeError, OSError, ValueError):
             pos = None
-    src = _ContainerSource(source, label)
+    src = _ContainerSource(source, label, libopus=False)  # headers only: no decoder
     try:
         br = src.stream.codec_context.bit_rate or src.container.bit_rate or None
         return {"duration": src.declared, "sample_rate": int(src.rate), "channels": int(src.channels),

@@ -232,6 +232,7 @@ class _Plan:
     context: int           # C, input samples (multiple of L)
     preroll: int           # D, input samples
     max_duration: float | None
+    libopus: bool = False  # Ogg/Opus decoded by libopus at out_rate (every range decodes the same way)
 
     def out_index(self, s: int) -> int:
         return s // self.L * self.M
@@ -242,7 +243,7 @@ def _plan(path: str, label: str, target_rate: int | None, workers: int, max_dura
     """Open the file once (main thread), decode its first frame and choose the ranges; None
     when the file should be decoded sequentially. Raises what :func:`load_audio` raises for a
     file that cannot be opened."""
-    src = _ContainerSource(path, label)
+    src = _ContainerSource(path, label, target_rate)
     try:
         import av
 
@@ -289,7 +290,7 @@ def _plan(path: str, label: str, target_rate: int | None, workers: int, max_dura
         preroll = int(PREROLL_S * in_rate)
         plan = _Plan(path=path, label=label, in_rate=in_rate, out_rate=out_rate, channels=int(c), tb=tb,
                      first=int(first), L=L, M=M, bounds=tuple(bounds), context=context, preroll=preroll,
-                     max_duration=max_duration)
+                     max_duration=max_duration, libopus=src.opus is not None)
         return plan, src
     except BaseException:
         src.close()
@@ -348,7 +349,7 @@ def _decode_range_tries(plan: _Plan, k: int, out: np.ndarray, abort: threading.E
     sink = _RangeOut(out, plan.out_index(s), None if e is None else plan.out_index(e))
     back = plan.preroll
     for _attempt in range(_SEEK_TRIES):
-        src = _ContainerSource(plan.path, plan.label)
+        src = _ContainerSource(plan.path, plan.label, plan.out_rate, libopus=plan.libopus)
         try:
             got = _decode_span(plan, src, av, k, p0, feed_end, back, sink, last, abort)
         finally:
@@ -665,7 +666,7 @@ def _run(plan: _Plan, src: _ContainerSource, pool: cf.Executor | str | None, kee
         raise
     dur = samples.shape[0] / plan.out_rate
     return DecodedAudio(samples=samples, sample_rate=plan.out_rate, duration=dur,
-                        source_sample_rate=plan.in_rate, source_channels=plan.channels,
+                        source_sample_rate=src.source_rate(plan.in_rate), source_channels=plan.channels,
                         source_format=src.format, warnings=src.warnings(dur), declared_duration=src.declared,
                         resample_cpu_s=resample_s, other_threads_cpu_s=cpu_s,
                         segment=segment)
