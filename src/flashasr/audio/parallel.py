@@ -47,10 +47,18 @@ re-encoded with PyAV, ``tests/test_decode_parallel.py``):
   substitution: their noise comes from a decoder-side random generator whose state depends on
   where decoding started (as between any two AAC decoders), so a few samples differ far from
   any join (measured: 419 of 1.6 M samples, at most 2.3e-4, -71 dB below the peak).
-* ogg/opus: the decoder converges after the recommended 80 ms pre-roll but is not bit-exact
-  (its float state keeps ~1e-7 differences); with D = 1 s the join error is <= 1e-6.
+* ogg/opus decoded by libopus at the output rate (the default, :mod:`flashasr.audio.opus`): a
+  decoder started mid-stream converges slowly in SILK and hybrid modes (its synthesis filters'
+  and energy predictors' state): measured up to 2e-3 (-54 dB) for seconds after a join, on a
+  few % of the samples, bit-exact only from a point the content decides (3 s into a 32 kb/s
+  hybrid stream, not within 5 s in another). The joins are sample-exact; the samples near them
+  are close, not equal, like AAC's noise bands.
+* ogg/opus decoded by FFmpeg (``FLASHASR_OPUS_DECODER=ffmpeg``, and webm/opus): the decoder
+  converges after the recommended 80 ms pre-roll but is not bit-exact (its float state keeps
+  ~1e-7 differences); with D = 1 s the join error is <= 1e-6.
 
-The test bound is 1e-5 (AAC: 1e-3 on at most 0.1 % of samples). ``D`` (1 s) is over ten times any codec's need (opus: 80 ms
+The test bound is 1e-5 (AAC: 1e-3 on at most 0.5 % of samples; libopus: 1e-2, the difference's
+energy at most 1e-3 of the signal's). ``D`` (1 s) is over ten times any codec's need (opus: 80 ms
 pre-roll, 312-sample pre-skip; mp3: bit reservoir of up to 511 bytes, 576-sample overlap; AAC:
 1024-sample overlap); ``C`` (0.25 s) is far beyond soxr HQ's filter length (a 10 ms context
 already joins 44.1 -> 16 kHz within rounding). Both cost < 1 % of a range of >= 10 s.
@@ -503,8 +511,8 @@ def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_dur
     Returns:
         :class:`DecodedAudio`: ``samples`` float32 [N] at ``target_rate``, equal in length to
         the sequential decode's and within 1e-5 of it (measured: <= 2e-7 for wav, flac, mp3;
-        <= 1e-6 for ogg/opus; AAC's noise-substituted bands up to 2.3e-4), with the same
-        metadata and warnings.
+        <= 1e-6 for ogg/opus through FFmpeg; AAC's noise-substituted bands up to 8.5e-4; ogg/opus
+        through libopus up to 2e-3 for seconds after a join), with the same metadata and warnings.
     Raises:
         What :func:`load_audio` raises, for the same inputs.
     """
