@@ -74,7 +74,10 @@ def test_libopus_matches_ffmpeg(monkeypatch, rate, channels):
     x = _speech(rate, 6.3)
     if channels == 2:
         x = np.stack([x, 0.5 * np.roll(x, rate // 3)], 1)
-    data = encode_audio(x, rate, format="ogg", codec="libopus", bit_rate=24000)
+    data = encode_audio(x, rate, format="ogg", codec="libopus", bit_rate=12000 if rate == 8000 else 24000)
+    src = _ContainerSource(data, "x", 16000)
+    assert src.opus is not None  # SILK / hybrid packets: libopus
+    src.close()
     got, ref = load_audio(data), _ffmpeg(monkeypatch, data)
     assert len(got) == len(ref)  # pre-skip and end trim as FFmpeg's
     assert (got.source_sample_rate, got.source_channels, got.source_format, got.declared_duration, got.warnings) == \
@@ -88,7 +91,7 @@ def test_libopus_matches_ffmpeg(monkeypatch, rate, channels):
 
 
 def test_decode_rate_follows_the_target(monkeypatch):
-    data = encode_audio(_speech(48000, 3.0), 48000, format="ogg", codec="libopus")
+    data = encode_audio(_speech(48000, 3.0), 48000, format="ogg", codec="libopus", bit_rate=24000)
     for target in (8000, 12000, 16000, 24000, 48000):
         d = load_audio(data, target_rate=target)
         assert d.sample_rate == target and d.resample_cpu_s == 0.0
@@ -101,7 +104,7 @@ def test_decode_rate_follows_the_target(monkeypatch):
 def test_blocks_iter_audio_and_frames_agree():
     """The block path (packets decoded into ~0.5 s blocks), iter_audio and the frame path (what the
     parallel ranges read) give the same samples."""
-    data = encode_audio(_speech(48000, 7.0), 48000, format="ogg", codec="libopus")
+    data = encode_audio(_speech(48000, 7.0), 48000, format="ogg", codec="libopus", bit_rate=24000)
     whole = load_audio(data).samples
     assert np.array_equal(np.concatenate(list(iter_audio(data, block_seconds=1.3))), whole)
     src = _ContainerSource(data, "x", 16000)
@@ -113,16 +116,33 @@ def test_blocks_iter_audio_and_frames_agree():
     assert np.array_equal(np.concatenate(frames), whole)
 
 
+def test_celt_only_streams_stay_with_ffmpeg(monkeypatch):
+    """Mostly CELT-only packets (music-grade bit rates): FFmpeg's decoder is the cheaper one
+    (opus.CELT_NOTE), so it decodes them unless libopus is asked for; both give FFmpeg's length."""
+    data = encode_audio(_speech(48000, 3.0), 48000, format="ogg", codec="libopus", bit_rate=64000)
+    silk, celt = opus.first_packet_modes(data[:4096])
+    assert celt > 0 and silk == 0
+    src = _ContainerSource(data, "x", 16000)
+    assert src.opus is None
+    src.close()
+    src = _ContainerSource(data, "x", 16000, libopus=True)
+    assert src.opus is not None
+    src.close()
+    assert len(load_audio(data)) == len(_ffmpeg(monkeypatch, data))
+    assert opus.first_packet_modes(b"RIFF" + bytes(60)) == (0, 0)
+    assert opus.first_packet_modes(data[:200]) == (0, 0)  # no audio packet in so few bytes
+
+
 def test_chained_links_trim_each_pre_skip(monkeypatch):
-    a = encode_audio(_speech(16000, 2.02), 16000, format="ogg", codec="libopus")
-    b = encode_audio(_speech(48000, 3.37), 48000, format="ogg", codec="libopus")
+    a = encode_audio(_speech(16000, 2.02), 16000, format="ogg", codec="libopus", bit_rate=16000)
+    b = encode_audio(_speech(48000, 3.37), 48000, format="ogg", codec="libopus", bit_rate=24000)
+    assert _ContainerSource(a + b, "x", 16000).opus is not None
     got, ref = load_audio(a + b), _ffmpeg(monkeypatch, a + b)
     assert len(got) == len(ref) == len(load_audio(a)) + len(load_audio(b))
 
 
 def test_output_gain_is_applied(monkeypatch):
-    x = 0.3 * np.sin(2 * np.pi * 440 * np.arange(48000 * 2) / 48000)
-    plain = encode_audio(x, 48000, format="ogg", codec="libopus")
+    plain = encode_audio(_speech(48000, 3.0), 48000, format="ogg", codec="libopus", bit_rate=24000)
     data = bytearray(plain)
     page = _pages(bytes(data))[0]
     head = page[1]
@@ -130,6 +150,7 @@ def test_output_gain_is_applied(monkeypatch):
     data[head + 16:head + 18] = (-6 * 256).to_bytes(2, "little", signed=True)  # -6 dB, Q7.8
     _recrc(data, page)
     rms = lambda y: float(np.sqrt(np.mean(np.asarray(y[4000:-4000], np.float64) ** 2)))  # noqa: E731
+    assert _ContainerSource(bytes(data), "x", 16000).opus is not None
     got, ref = load_audio(bytes(data)), _ffmpeg(monkeypatch, bytes(data))
     assert rms(got.samples) == pytest.approx(rms(ref.samples), rel=0.01)
     assert rms(got.samples) == pytest.approx(10 ** (-6 / 20) * rms(load_audio(plain).samples), rel=0.01)
@@ -152,7 +173,8 @@ def test_a_refused_packet_is_skipped_and_reported(monkeypatch):
 
 
 def test_truncated_and_damaged_files_report_as_ffmpeg(monkeypatch):
-    data = encode_audio(_speech(48000, 8.0), 48000, format="ogg", codec="libopus")
+    data = encode_audio(_speech(48000, 8.0), 48000, format="ogg", codec="libopus", bit_rate=24000)
+    assert _ContainerSource(data, "x", 16000).opus is not None
     cut = data[: len(data) * 2 // 3]
     got, ref = load_audio(cut), _ffmpeg(monkeypatch, cut)
     assert len(got) == len(ref) and got.warnings == ref.warnings  # Ogg declares no total length: no warning

@@ -561,7 +561,7 @@ class _ContainerSource:
         self.container, self.stream = _open_container(source, label, wave=_is_wave(head))
         from .opus import OggOpusStream
 
-        self.opus = OggOpusStream.open(self.container, self.stream, target_rate, libopus)
+        self.opus = OggOpusStream.open(self.container, self.stream, target_rate, libopus, head)
         self.format = _format_name(self.container, self.stream)
         self.declared = _declared_duration(self.container, self.stream)
         if riff is not None and self.format.startswith("wav") and (self.declared is None or riff > self.declared):

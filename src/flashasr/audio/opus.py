@@ -24,8 +24,9 @@ its packet's plus the trimmed start, as FFmpeg gives it, so the parallel range d
 (:mod:`flashasr.audio.parallel`) places frames the same way.
 
 Used only where nothing is lost by it: an Ogg container, an ``OpusHead`` of version 0.x with
-channel mapping family 0 (mono or stereo; families 1 and 255 go to FFmpeg), and a libopus that
-can be loaded -- PyAV's wheels ship one (``av.libs``), else the system's (``libopus.so.0``).
+channel mapping family 0 (mono or stereo; families 1 and 255 go to FFmpeg), first packets that
+are mostly SILK or hybrid (CELT-only streams decode faster in FFmpeg: :data:`CELT_NOTE`), and a
+libopus that can be loaded -- PyAV's wheels ship one (``av.libs``), else the system's (``libopus.so.0``).
 Anything else, or ``FLASHASR_OPUS_DECODER=ffmpeg``, decodes with FFmpeg as before. The output
 gain of the header (Q7.8 dB) is applied, as FFmpeg does. A packet libopus refuses is counted as
 an undecodable packet, as FFmpeg's decoder failures are.
@@ -45,6 +46,13 @@ import os
 import threading
 
 import numpy as np
+
+#: Why a stream of CELT-only packets stays with FFmpeg (2-core VM, 69 s of speech, CPU s per audio
+#: hour of ``load_audio`` to 16 kHz, libopus against FFmpeg): SILK wideband (16 kHz source, 16-32
+#: kb/s) 2.03-2.51 against 3.20-3.90; hybrid (48 kHz, 32 kb/s) 3.54 against 4.06; CELT-only (64
+#: kb/s) 3.35-3.99 against 3.03-3.56 -- FFmpeg's CELT has SIMD code this libopus build does not
+#: beat, and libopus decodes CELT at 48 kHz whatever the output rate.
+CELT_NOTE = "CELT-only Opus decodes faster in FFmpeg"
 
 #: Rates libopus decodes at (RFC 6716 s. 4.3).
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
@@ -129,6 +137,37 @@ def decode_rate(target_rate: int | None) -> int:
     """The rate to decode at for output at ``target_rate`` Hz: itself when libopus has it,
     else 48 kHz (then resampled as any other source)."""
     return int(target_rate) if target_rate in OPUS_RATES else 48000
+
+
+def first_packet_modes(head: bytes) -> tuple[int, int]:
+    """Counts (SILK or hybrid, CELT-only) among the audio packets that start in ``head``, the first
+    bytes of an Ogg/Opus file: Ogg pages (RFC 3533) split into packets by their lacing values, the
+    first two packets (``OpusHead``, ``OpusTags``) skipped, each audio packet's mode read from its
+    TOC byte (RFC 6716 s. 3.1: configurations 0-15 SILK or hybrid, 16-31 CELT-only). (0, 0) when
+    ``head`` holds no audio packet (not Ogg, or long tags)."""
+    silk = celt = 0
+    pos, packet, new_packet = 0, 0, True
+    while pos + 27 <= len(head) and head[pos:pos + 4] == b"OggS":
+        nseg = head[pos + 26]
+        body = pos + 27 + nseg
+        if body > len(head):
+            break
+        lacing = head[pos + 27:body]
+        if not (head[pos + 5] & 1):  # a page that starts a fresh packet (not a continuation)
+            new_packet = True
+        at = body
+        for lace in lacing:
+            if new_packet and packet >= 2 and at < len(head):
+                if head[at] >> 3 < 16:
+                    silk += 1
+                else:
+                    celt += 1
+            at += lace
+            new_packet = lace < 255
+            if new_packet:
+                packet += 1
+        pos = at
+    return silk, celt
 
 
 def parse_head(extradata: bytes | None) -> tuple[int, int, int] | None:
@@ -289,15 +328,22 @@ class OggOpusStream:
         self._dec = OpusDecoder(self.rate, head[0], head[2])
 
     @classmethod
-    def open(cls, container, stream, target_rate: int | None, use: bool | None = None) -> "OggOpusStream | None":
-        """The decoder for ``stream`` of ``container``, or None where FFmpeg must decode it (not Ogg,
-        not Opus, a header this module does not take, libopus missing, or switched off: ``use``
-        False, or ``use`` None and :func:`enabled` False)."""
+    def open(cls, container, stream, target_rate: int | None, use: bool | None = None,
+             head: bytes = b"") -> "OggOpusStream | None":
+        """The decoder for ``stream`` of ``container``, or None where FFmpeg decodes it: not Ogg, not
+        Opus, a header this module does not take, libopus missing, switched off (``use`` False, or
+        ``use`` None and :func:`enabled` False), or -- ``use`` None -- a stream whose first packets
+        (in ``head``, the file's first bytes) are mostly CELT-only, where FFmpeg's own decoder is the
+        cheaper (:data:`CELT_NOTE`)."""
         try:
             if use is False or stream.codec_context.name not in ("opus", "libopus"):
                 return None
             if container.format.name.split(",")[0] != "ogg" or not (enabled() if use is None else libopus()):
                 return None
+            if use is None:
+                silk, celt = first_packet_modes(head)
+                if celt > silk:
+                    return None
             return cls(stream, target_rate)
         except (ValueError, RuntimeError, AttributeError):
             return None
@@ -364,4 +410,4 @@ class OggOpusStream:
 
 
 __all__ = ["OPUS_RATES", "OggOpusStream", "OpusDecoder", "OpusFrame", "OpusPacketError", "decode_rate",
-           "enabled", "libopus", "parse_head", "version"]
+           "enabled", "first_packet_modes", "libopus", "parse_head", "version"]
