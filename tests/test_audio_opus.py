@@ -118,7 +118,7 @@ def test_blocks_iter_audio_and_frames_agree():
 
 def test_celt_only_streams_stay_with_ffmpeg(monkeypatch):
     """Mostly CELT-only packets (music-grade bit rates): FFmpeg's decoder is the cheaper one
-    (opus.CELT_NOTE), so it decodes them unless libopus is asked for; both give FFmpeg's length."""
+    (flashasr.audio.opus's docstring), so it decodes them unless libopus is asked for; both give FFmpeg's length."""
     data = encode_audio(_speech(48000, 3.0), 48000, format="ogg", codec="libopus", bit_rate=64000)
     silk, celt = opus.first_packet_modes(data[:4096])
     assert celt > 0 and silk == 0

@@ -5,9 +5,15 @@ it), and FFmpeg's wrapper of libopus forces 48 kHz as well; the pipeline then re
 16 kHz with soxr. libopus itself decodes at any of 8, 12, 16, 24 or 48 kHz (RFC 6716 s. 4.3: a
 decoder may run at a lower rate; RFC 7845 s. 4.2: pre-skip and end trimming scale with it), and
 at 16 kHz it skips both resampling steps. Measured on the 2-core VM over the benchmark corpus's
-Ogg/Opus files (``bench/bench_offline_e2e.py prepare``; CPU s per audio hour, including PyAV's
-demux): 8 kHz sources 1.94 -> 1.29, 16 kHz 2.77 -> 1.70, 48 kHz 2.96 -> 2.13, before soxr's
-48 -> 16 kHz resampling (about 0.35 more) that the old path also paid.
+27 Ogg/Opus files (``bench/bench_offline_e2e.py prepare``: speech at 12-24 kb/s, SILK and hybrid
+packets; CPU s per audio hour of ``load_audio`` to 16 kHz, FFmpeg + soxr -> libopus, same run):
+8 kHz sources 2.48 -> 1.67, 16 kHz 3.38 -> 2.14, 48 kHz 3.56 -> 2.55.
+
+CELT-only streams (music-grade bit rates) are the exception: FFmpeg's CELT has SIMD code this
+libopus build does not beat, and libopus decodes CELT at 48 kHz whatever the output rate (69 s of
+speech, same measure, libopus against FFmpeg: SILK wideband at 16-32 kb/s 2.03-2.51 against
+3.20-3.90; hybrid at 32 kb/s 3.54 against 4.06; CELT-only at 64 kb/s 3.35-3.99 against 3.03-3.56).
+So a stream whose first packets are mostly CELT-only stays with FFmpeg (:func:`first_packet_modes`).
 
 Data flow, per packet (PyAV demuxes; this module only decodes)::
 
@@ -25,7 +31,7 @@ its packet's plus the trimmed start, as FFmpeg gives it, so the parallel range d
 
 Used only where nothing is lost by it: an Ogg container, an ``OpusHead`` of version 0.x with
 channel mapping family 0 (mono or stereo; families 1 and 255 go to FFmpeg), first packets that
-are mostly SILK or hybrid (CELT-only streams decode faster in FFmpeg: :data:`CELT_NOTE`), and a
+are mostly SILK or hybrid (above), and a
 libopus that can be loaded -- PyAV's wheels ship one (``av.libs``), else the system's (``libopus.so.0``).
 Anything else, or ``FLASHASR_OPUS_DECODER=ffmpeg``, decodes with FFmpeg as before. The output
 gain of the header (Q7.8 dB) is applied, as FFmpeg does. A packet libopus refuses is counted as
@@ -46,13 +52,6 @@ import os
 import threading
 
 import numpy as np
-
-#: Why a stream of CELT-only packets stays with FFmpeg (2-core VM, 69 s of speech, CPU s per audio
-#: hour of ``load_audio`` to 16 kHz, libopus against FFmpeg): SILK wideband (16 kHz source, 16-32
-#: kb/s) 2.03-2.51 against 3.20-3.90; hybrid (48 kHz, 32 kb/s) 3.54 against 4.06; CELT-only (64
-#: kb/s) 3.35-3.99 against 3.03-3.56 -- FFmpeg's CELT has SIMD code this libopus build does not
-#: beat, and libopus decodes CELT at 48 kHz whatever the output rate.
-CELT_NOTE = "CELT-only Opus decodes faster in FFmpeg"
 
 #: Rates libopus decodes at (RFC 6716 s. 4.3).
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
@@ -334,7 +333,7 @@ class OggOpusStream:
         Opus, a header this module does not take, libopus missing, switched off (``use`` False, or
         ``use`` None and :func:`enabled` False), or -- ``use`` None -- a stream whose first packets
         (in ``head``, the file's first bytes) are mostly CELT-only, where FFmpeg's own decoder is the
-        cheaper (:data:`CELT_NOTE`)."""
+        cheaper (the module docstring)."""
         try:
             if use is False or stream.codec_context.name not in ("opus", "libopus"):
                 return None
