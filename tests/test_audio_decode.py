@@ -225,6 +225,109 @@ def test_wav_without_stream_probe_decodes_the_same(monkeypatch, codec, rate, ch)
                                    probed.declared_duration, probed.warnings)
     assert fast.warnings  # the cut copy says it is truncated
 
+def _decoded_both_ways(monkeypatch, make_source):
+    """load_audio of ``make_source()`` through the numpy WAV reader and through FFmpeg: (whether
+    the reader took it, the two results: a DecodedAudio's fields or the error's type and text)."""
+    import flashasr.audio.decode as decode
+
+    took, real = [], decode._WavSource.open
+
+    def spy(*a):
+        got = real(*a)
+        took.append(got is not None)
+        return got
+
+    out = []
+    for opener in (spy, lambda *a: None):
+        monkeypatch.setattr(decode._WavSource, "open", opener)
+        try:
+            d = load_audio(make_source())
+            out.append((d.samples, d.source_format, d.source_sample_rate, d.source_channels,
+                        d.declared_duration, d.warnings))
+        except AudioError as e:
+            out.append((type(e).__name__, str(e)))
+        monkeypatch.undo()
+    return any(took), out[0], out[1]
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    if len(a) == 2:
+        assert a == b
+    else:
+        assert np.array_equal(a[0], b[0])
+        assert a[1:] == b[1:]
+
+
+@pytest.mark.parametrize("codec", ["pcm_u8", "pcm_s16le", "pcm_s32le", "pcm_f32le", "pcm_f64le"])
+@pytest.mark.parametrize("rate,ch", [(16000, 1), (44100, 2), (8000, 2)])
+def test_wav_numpy_reader_equals_ffmpeg(monkeypatch, tmp_path, codec, rate, ch):
+    """A plain PCM WAV is read with numpy, not FFmpeg: the same samples (bit for bit), format, rate,
+    channels, declared length and warnings, whole, cut mid-sample and cut inside its header, from
+    bytes, a path and a file object."""
+    rng = np.random.default_rng(rate + ch)
+    sig = (rng.standard_normal((int(rate * 1.3), ch)) * 0.2).astype(np.float32)
+    data = encode_audio(sig if ch > 1 else sig[:, 0], rate, format="wav", codec=codec)
+    path = tmp_path / "a.wav"
+    for blob, fast in ((data, True), (data[: len(data) * 2 // 3 + 1], True), (data[:30], False)):
+        path.write_bytes(blob)
+        for make in (lambda: blob, lambda: path, lambda: io.BytesIO(blob)):
+            took, a, b = _decoded_both_ways(monkeypatch, make)
+            assert took == fast
+            _assert_same(a, b)
+    assert "truncated" in " ".join(_decoded_both_ways(monkeypatch, lambda: data[: len(data) * 2 // 3 + 1])[1][5])
+
+
+def _riff(chunks: list[tuple[bytes, bytes]]) -> bytes:
+    body = b"WAVE" + b"".join(cid + len(c).to_bytes(4, "little") + c + b"\0" * (len(c) & 1) for cid, c in chunks)
+    return b"RIFF" + len(body).to_bytes(4, "little") + body
+
+
+def test_wav_numpy_reader_chunks_and_extensible(monkeypatch):
+    """Chunks around ``data`` (``fact`` before, ``LIST`` after: never read as audio) and
+    WAVE_FORMAT_EXTENSIBLE stereo PCM16 read as FFmpeg reads them; 24-bit and mu-law go to FFmpeg."""
+    pcm = (np.random.default_rng(1).standard_normal(2 * 24000) * 3000).astype("<i2").tobytes()
+    plain = (1).to_bytes(2, "little") + (2).to_bytes(2, "little") + (24000).to_bytes(4, "little") + \
+        (96000).to_bytes(4, "little") + (4).to_bytes(2, "little") + (16).to_bytes(2, "little")
+    guid = (1).to_bytes(2, "little") + bytes.fromhex("000000001000800000aa00389b71")
+    ext = (0xFFFE).to_bytes(2, "little") + plain[2:] + (22).to_bytes(2, "little") + (16).to_bytes(2, "little") + \
+        (3).to_bytes(4, "little") + guid
+    for fmt in (plain, ext):
+        blob = _riff([(b"fmt ", fmt), (b"fact", (24000).to_bytes(4, "little")), (b"data", pcm),
+                      (b"LIST", b"INFOISFT\x05\0\0\0test\0")])
+        took, a, b = _decoded_both_ways(monkeypatch, lambda: blob)
+        assert took
+        _assert_same(a, b)
+        assert a[0].size == 16000  # 1 s: the LIST chunk is not audio
+    for codec in ("pcm_s24le", "pcm_mulaw"):
+        blob = encode_audio(_sine(16000, 0.5), 16000, format="wav", codec=codec)
+        took, a, b = _decoded_both_ways(monkeypatch, lambda: blob)
+        assert not took
+        _assert_same(a, b)
+
+
+def test_sequential_suffices(tmp_path):
+    """Which files the parallel decoder leaves to one thread without opening them with FFmpeg: PCM
+    WAVs that are short or already at the target rate."""
+    from flashasr.audio.parallel import sequential_suffices
+
+    def wav(rate, seconds):
+        p = tmp_path / f"{rate}_{seconds}.wav"
+        encode_audio(np.zeros(int(rate * seconds), np.float32), rate, p, format="wav", codec="pcm_s16le")
+        return p
+
+    assert sequential_suffices(wav(44100, 30))
+    assert sequential_suffices(wav(16000, 90))
+    assert not sequential_suffices(wav(44100, 90))
+    assert sequential_suffices(wav(44100, 90), target_rate=44100)
+    mp3 = tmp_path / "a.mp3"
+    encode_audio(np.zeros(16000 * 5, np.float32), 16000, mp3, format="mp3")
+    assert not sequential_suffices(mp3)
+    with open(wav(16000, 90), "rb") as f:
+        f.seek(100)
+        assert sequential_suffices(f) and f.tell() == 100
+
+
 LOSSY = [
     ("flac", "flac", 44100, 2, 0.001),
     ("flac", "flac", 8000, 1, 0.001),

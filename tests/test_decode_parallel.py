@@ -5,7 +5,7 @@ to) the sequential path and give its result or its error class.
 
 Test files: ~100 s of real speech (../shared/audio, read in place) re-encoded with PyAV once per
 session: mp3 44.1 kHz stereo CBR 128 kb/s, mp3 16 kHz mono VBR with and without its Xing header,
-ogg/opus 48 kHz, m4a/aac 44.1 kHz, flac 44.1 kHz stereo, wav 16 kHz, webm/opus.
+ogg/opus 48 kHz, m4a/aac 44.1 kHz, flac 44.1 kHz stereo, wav 16 kHz 24-bit, webm/opus.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ FILES = {
     "opus_48k": ("ogg", "libopus", 48000, 1, {"bit_rate": 32000}),
     "aac_44k": ("ipod", "aac", 44100, 1, {"bit_rate": 96000}),
     "flac_44k_stereo": ("flac", "flac", 44100, 2, {}),
-    "wav_16k": ("wav", "pcm_s16le", 16000, 1, {}),
+    "wav24_16k": ("wav", "pcm_s24le", 16000, 1, {}),  # 24-bit: FFmpeg reads it (PCM16 WAVs need no ranges: sequential_suffices)
 }
 EXT = {"ipod": "m4a", "ogg": "opus"}
 
@@ -245,9 +245,9 @@ def test_max_duration(files):
 def test_worker_pool_argument(files):
     import concurrent.futures as cf
 
-    ref = load_audio(files["wav_16k"])
+    ref = load_audio(files["wav24_16k"])
     with cf.ThreadPoolExecutor(2) as ex:
-        got = load_audio_parallel(files["wav_16k"], workers=4, pool=ex)
+        got = load_audio_parallel(files["wav24_16k"], workers=4, pool=ex)
     assert np.array_equal(got.samples, ref.samples)
 
 
@@ -268,9 +268,9 @@ def test_a_daemonic_process_decodes_sequentially(files, spy):
     not start the range processes: the decode is sequential there, with the same samples."""
     import multiprocessing as mp
 
-    ref = load_audio(files["wav_16k"]).samples
+    ref = load_audio(files["wav24_16k"]).samples
     q = mp.get_context("fork").Queue()
-    p = mp.get_context("fork").Process(target=_decode_in_daemon, args=(files["wav_16k"], q), daemon=True)
+    p = mp.get_context("fork").Process(target=_decode_in_daemon, args=(files["wav24_16k"], q), daemon=True)
     p.start()
     n, head = q.get(timeout=120)
     p.join(30)
@@ -281,15 +281,15 @@ def test_a_daemonic_process_decodes_sequentially(files, spy):
 def test_a_job_of_one_long_file_decodes_its_ranges_in_processes(files, spy, tmp_path):
     """run_job with fewer files than workers: the files in threads of the job's process, each file's
     time ranges in load_audio_parallel's processes (a worker process may not start them); the same
-    output as a one-worker job (16 kHz WAV: bit-exact samples, so the hash model's text agrees)."""
+    output as a one-worker job (16 kHz 24-bit WAV: bit-exact samples, so the hash model's text agrees)."""
     from flashasr.jobs import run_job
     from test_jobs import HashModel, _outputs
 
-    r4 = run_job([files["wav_16k"]], HashModel(), tmp_path / "o4", "json", workers=4, cpu_pool="process",
+    r4 = run_job([files["wav24_16k"]], HashModel(), tmp_path / "o4", "json", workers=4, cpu_pool="process",
                  segmentation="fixed")
     assert r4.exit_code == 0 and r4.cpu_pool == "thread"
     assert len(spy) == 1 and spy[0]["fallback"] is None and len(spy[0]["plan"].bounds) == 4
-    r1 = run_job([files["wav_16k"]], HashModel(), tmp_path / "o1", "json", workers=1, segmentation="fixed")
+    r1 = run_job([files["wav24_16k"]], HashModel(), tmp_path / "o1", "json", workers=1, segmentation="fixed")
     assert len(spy) == 1 and _outputs(tmp_path / "o4") == _outputs(tmp_path / "o1")
 
 
@@ -316,7 +316,7 @@ def test_range_processes_end_when_their_owner_is_killed(files, tmp_path):
 
     script = tmp_path / "owner.py"
     script.write_text(_KILLED_OWNER)
-    p = subprocess.Popen([sys.executable, str(script), str(files["wav_16k"])], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, str(script), str(files["wav24_16k"])], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(x) for x in p.stdout.readline().split()]
     finally:
@@ -387,7 +387,7 @@ def test_a_signal_to_the_process_group_leaves_the_decode_working_and_quiet(files
 
     script = tmp_path / "owner.py"
     script.write_text(_SIGNALLED_GROUP)
-    p = subprocess.Popen([sys.executable, str(script), str(files["wav_16k"])], stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, str(script), str(files["wav24_16k"])], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          preexec_fn=sigint_default)
     try:

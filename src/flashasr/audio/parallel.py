@@ -89,10 +89,12 @@ from .decode import (
     DecodedAudio,
     _ContainerSource,
     _frame_info,
+    _head,
     _frame_into,
     _kept_channels,
     _label,
     _Pipeline,
+    _WavSource,
     load_audio,
 )
 from .errors import AudioArgumentError, AudioError, AudioTooLongError
@@ -111,6 +113,19 @@ _MAX_WORKERS = 16
 _SEEK_TRIES = 3
 
 log = logging.getLogger(__name__)
+
+
+def sequential_suffices(source: Any, target_rate: int | None = 16000,
+                        min_duration: float = MIN_PARALLEL_S) -> bool:
+    """True when ``source`` (a path or seekable binary file; its first 4 KiB are read, the file's
+    position is kept) decodes as fast in one thread as in ranges: a PCM WAV that
+    :func:`~flashasr.audio.load_audio` reads with numpy (no FFmpeg) and that declares less than
+    ``min_duration`` seconds or is already at ``target_rate`` (nothing to spread: an hour of
+    16 kHz PCM16 reads in tens of milliseconds). The server asks before it spills an upload to disk
+    for :func:`load_audio_parallel`."""
+    head = _head(source, 4096)
+    wav = _WavSource.open(b"", "", head) if head else None
+    return wav is not None and (wav.declared < min_duration or wav.rate == (target_rate or wav.rate))
 
 
 def default_workers() -> int:
@@ -527,6 +542,8 @@ def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_dur
         if pool == "process" and mp_daemonic():  # may not start processes: sequential
             return load_audio(source, target_rate=target_rate, max_duration=max_duration)
     path = os.fspath(source)
+    if sequential_suffices(path, target_rate, max(min_duration, 2 * MIN_RANGE_S)):
+        return load_audio(source, target_rate=target_rate, max_duration=max_duration)
     label = _label(source)
     plan, src = _plan(path, label, target_rate, int(workers), max_duration, min_duration)
     try:
@@ -687,4 +704,4 @@ def _unlink(name: str | None) -> None:
         unlink_segment(name)
 
 
-__all__ = ["load_audio_parallel", "default_workers", "default_pool_kind", "MIN_PARALLEL_S"]
+__all__ = ["load_audio_parallel", "default_workers", "default_pool_kind", "sequential_suffices", "MIN_PARALLEL_S"]

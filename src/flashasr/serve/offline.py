@@ -194,7 +194,7 @@ class UploadTranscriber:
         from ..audio import load_audio, load_audio_parallel
 
         workers = self.ctx.cfg.decode_workers
-        path = _upload_path(up.file, up.file_size) if workers != 1 else None
+        path = _upload_path(up.file, up.file_size, rate) if workers != 1 else None
         try:
             if path is not None:
                 wav = load_audio_parallel(path, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s,
@@ -240,12 +240,16 @@ VAD_SLICE_CHUNKS = 4  # a long recording's CPU VAD in jobs of 4 state chunks (65
 PARALLEL_MIN_BYTES = 256 << 10  # smaller uploads hold < 60 s at any usual bit rate: decoded from memory
 
 
-def _upload_path(f, size: int) -> str | None:
+def _upload_path(f, size: int, rate: int = 16000) -> str | None:
     """A path that reopens the spooled upload ``f`` (Linux ``/proc/self/fd/N``: the unlinked temp
     file, each open with its own offset), rolling a large in-memory upload over to its temp file
-    first; None for small uploads or where no such path exists (the decode then reads ``f``)."""
-    if size < PARALLEL_MIN_BYTES or not os.path.isdir("/proc/self/fd"):
-        return None
+    first; None for small uploads, for WAVs that decode as fast from memory
+    (:func:`~flashasr.audio.parallel.sequential_suffices`) or where no such path exists (the decode
+    then reads ``f``)."""
+    from ..audio.parallel import sequential_suffices
+
+    if size < PARALLEL_MIN_BYTES or not os.path.isdir("/proc/self/fd") or sequential_suffices(f, rate):
+        return None  # a short or plain-PCM WAV upload decodes from memory at once
     try:
         if hasattr(f, "rollover"):
             f.rollover()  # SpooledTemporaryFile: an in-memory upload goes to its (unlinked) temp file
