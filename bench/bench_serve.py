@@ -315,6 +315,7 @@ def _offline_proc(base: str, bodies: list[bytes], order: list[int], concurrency:
 
     lat: list[float] = []
     errors: list[int] = []
+    stages: list[dict] = []  # each reply's Server-Timing split (ms), with the client's latency
 
     async def go():
         await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -329,6 +330,9 @@ def _offline_proc(base: str, bodies: list[bytes], order: list[int], concurrency:
                                          data={"response_format": "json"})
                         if r.status_code != 200:
                             errors.append(r.status_code)
+                        else:
+                            stages.append({**_server_timing(r.headers.get("server-timing", "")),
+                                           "client": (time.perf_counter() - t) * 1000})
                     except httpx.HTTPError:
                         errors.append(-1)
                     lat.append(time.perf_counter() - t)
@@ -339,7 +343,32 @@ def _offline_proc(base: str, bodies: list[bytes], order: list[int], concurrency:
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     asyncio.run(go())
     r1 = resource.getrusage(resource.RUSAGE_SELF)
-    q.put({"lat": lat, "errors": errors, "cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)})
+    q.put({"lat": lat, "errors": errors, "stages": stages,
+           "cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)})
+
+
+def _server_timing(value: str) -> dict:
+    """``Server-Timing`` header -> {stage: ms} (``upload;dur=1.2, decode;dur=0.4, ...``)."""
+    out = {}
+    for part in value.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        try:
+            out[name] = float(dur)
+        except ValueError:
+            pass
+    return out
+
+
+def _stage_split(stages: list[dict]) -> dict:
+    """Where the uploads' time went, ms (p50 and mean of each ``Server-Timing`` stage; ``outside``:
+    the client's latency less upload + total: the front end's queue before the handler, the reply's
+    way back and the client itself)."""
+    for st in stages:
+        if "total" in st:
+            st["outside"] = st["client"] - st["total"] - st.get("upload", 0.0)
+    keys = ["upload", "decode", "plan", "transcribe", "total", "outside", "client"]
+    return {k: {"p50": round(float(np.median(v)), 1), "mean": round(float(np.mean(v)), 1)}
+            for k in keys if (v := [st[k] for st in stages if k in st])}
 
 
 def run_offline(server: Server, clips: list[tuple[str, bytes]], a) -> dict:
@@ -373,7 +402,8 @@ def run_offline(server: Server, clips: list[tuple[str, bytes]], a) -> dict:
     rows = _metric(m1, "flashasr_engine_batch_size_sum") - _metric(m0, "flashasr_engine_batch_size_sum")
     return {"requests": len(order), "concurrency": a.offline_concurrency, "client_procs": procs,
             "audio_s": round(audio_s, 1), "wall_s": round(wall, 3), "speed_factor": round(audio_s / wall, 1),
-            "errors": len(errors), "latency": _pct(lat), "server_cpu_cores": round(cpu / wall, 2),
+            "errors": len(errors), "latency": _pct(lat),
+            "stages_ms": _stage_split(sum((o["stages"] for o in outs), [])), "server_cpu_cores": round(cpu / wall, 2),
             "client_cpu_cores": round(sum(o["cpu_s"] for o in outs) / wall, 2),
             "engine_busy_fraction": round(inf_s / wall, 3), "engine_calls": int(calls),
             "engine_mean_batch": round(rows / calls, 1) if calls else None, "engine_inference_s": round(inf_s, 3)}
@@ -520,6 +550,8 @@ def main(argv=None) -> int:
                       f"{r['speed_factor']}x, p50/p99 {r['latency'].get('p50_ms')}/{r['latency'].get('p99_ms')} ms, "
                       f"errors {r['errors']}, engine busy {r['engine_busy_fraction']} batch {r['engine_mean_batch']}, "
                       f"server cpu {r['server_cpu_cores']} client cpu {r['client_cpu_cores']}", flush=True)
+                print("  p50 ms by stage: " + ", ".join(f"{k} {v['p50']}" for k, v in r["stages_ms"].items()),
+                      flush=True)
                 save()
             for n, pk, cad in cfgs:
                 need = a.ramp_s + max(len(p) for p in pcms) / 32000 + 15 + n / 500
