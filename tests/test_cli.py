@@ -494,3 +494,20 @@ def test_options_the_model_changes_are_said_and_words_need_verbose_json():
     for fmt in ("json", "text", "srt"):
         r = _cli("transcribe", STELLA, "--word-timestamps", "-f", fmt)
         assert r.returncode == 2 and "--word-timestamps needs -f verbose_json" in r.stderr, r.stderr
+
+
+def test_pin_mmap_threshold(monkeypatch):
+    """The CLI and the server fix glibc's mmap threshold (freed model buffers go back to the system);
+    glibc's own MALLOC_MMAP_THRESHOLD_ wins, and nothing is raised where mallopt is missing."""
+    import ctypes
+    import sys
+
+    from flashasr.malloc import pin_mmap_threshold
+
+    glibc = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "mallopt")
+    assert pin_mmap_threshold() is glibc
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert pin_mmap_threshold() is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert pin_mmap_threshold() is False

@@ -408,6 +408,9 @@ def cmd_serve(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flashasr`` console script; returns the exit code."""
+    from .malloc import pin_mmap_threshold
+
+    pin_mmap_threshold()  # freed model buffers go back to the system (a 10 h file: 4.0 -> 3.0 GiB peak)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         return cmd_serve(argv[1:])

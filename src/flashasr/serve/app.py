@@ -191,6 +191,9 @@ class _RequestLog:
 def main(argv: list[str] | None = None) -> int:
     """``flashasr serve`` (the CLI dispatches here): :func:`.process.main` serving :func:`create_app`.
     Returns the exit status."""
+    from ..malloc import pin_mmap_threshold
+
+    pin_mmap_threshold()  # also for ``python -m flashasr.serve.app`` (see flashasr.malloc)
     return _serve_main(argv, create_app, _run_ray)
 
 

@@ -237,6 +237,9 @@ def engine_main(cfg_dict: dict, path: str, restarts: int = 0) -> None:
     die_with_parent(STOP_SIGNAL)
     cfg = ServeConfig.from_dict(cfg_dict)
     logging.basicConfig(level=cfg.log_level.upper())
+    from ..malloc import pin_mmap_threshold
+
+    pin_mmap_threshold()  # a spawned process: glibc's settings start afresh
     try:
         import uvloop
 
