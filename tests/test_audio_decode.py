@@ -306,26 +306,38 @@ def test_wav_numpy_reader_chunks_and_extensible(monkeypatch):
         _assert_same(a, b)
 
 
-def test_sequential_suffices(tmp_path):
-    """Which files the parallel decoder leaves to one thread without opening them with FFmpeg: PCM
-    WAVs that are short or already at the target rate."""
-    from flashasr.audio.parallel import sequential_suffices
+def test_plain_wavs_are_not_split_into_ranges(tmp_path, monkeypatch):
+    """Which files load_audio_parallel leaves to one thread without opening them with FFmpeg: PCM
+    WAVs that are short, or already at the target rate (unless the caller keeps the ranges'
+    shared-memory segment); and plain_pcm_wav's answer (a file's position kept)."""
+    import flashasr.audio.parallel as par
+    from flashasr.audio.decode import plain_pcm_wav
 
-    def wav(rate, seconds):
-        p = tmp_path / f"{rate}_{seconds}.wav"
-        encode_audio(np.zeros(int(rate * seconds), np.float32), rate, p, format="wav", codec="pcm_s16le")
+    planned = []
+    real = par._plan
+    monkeypatch.setattr(par, "_plan", lambda *a, **k: planned.append(a[0]) or real(*a, **k))
+
+    def wav(rate, seconds, codec="pcm_s16le"):
+        p = tmp_path / f"{rate}_{seconds}_{codec}.wav"
+        encode_audio(np.zeros(int(rate * seconds), np.float32), rate, p, format="wav", codec=codec)
         return p
 
-    assert sequential_suffices(wav(44100, 30))
-    assert sequential_suffices(wav(16000, 90))
-    assert not sequential_suffices(wav(44100, 90))
-    assert sequential_suffices(wav(44100, 90), target_rate=44100)
+    for p, ranges in ((wav(44100, 30), False), (wav(16000, 90), False), (wav(44100, 90), True),
+                      (wav(16000, 90, "pcm_s24le"), True)):
+        planned.clear()
+        par.load_audio_parallel(p, workers=2, pool="thread")
+        assert bool(planned) == ranges, p.name
+    planned.clear()
+    par.load_audio_parallel(wav(16000, 90), workers=2, pool="thread", keep_segment=True)
+    assert planned  # the caller wants the ranges' segment (the server's engine maps it)
+    assert plain_pcm_wav(wav(44100, 30)) == (44100, pytest.approx(30.0))
+    assert plain_pcm_wav(wav(16000, 90, "pcm_s24le")) is None
     mp3 = tmp_path / "a.mp3"
     encode_audio(np.zeros(16000 * 5, np.float32), 16000, mp3, format="mp3")
-    assert not sequential_suffices(mp3)
+    assert plain_pcm_wav(mp3) is None
     with open(wav(16000, 90), "rb") as f:
         f.seek(100)
-        assert sequential_suffices(f) and f.tell() == 100
+        assert plain_pcm_wav(f) == (16000, pytest.approx(90.0)) and f.tell() == 100
 
 
 LOSSY = [

@@ -35,6 +35,7 @@ from websockets.asyncio.client import connect
 import flashasr
 from conftest import AUDIO, manifest
 from flashasr.audio import load_audio
+from flashasr.audio.encode import encode_audio
 from flashasr.cli import main
 from test_serve_util import Server, words
 
@@ -379,7 +380,8 @@ def test_a_long_upload_crosses_to_the_engine_without_a_copy(files, servers, tmp_
 
     x = np.concatenate([load_audio(files["pair"]).samples, np.zeros(50 * SR, np.float32),
                         load_audio(files["pair"]).samples])  # 70 s: decoded in time ranges
-    path = _write(tmp_path / "long.wav", x)
+    path = tmp_path / "long.wav"  # 24-bit: FFmpeg's (a 16 kHz PCM16 WAV is read whole: sequential_suffices)
+    encode_audio(np.clip(x, -1, 1), SR, path, format="wav", codec="pcm_s24le")
     before = _segments()
     plain = load_audio_parallel(path, workers=2, pool="process")
     assert plain.segment is None and _segments() == before

@@ -671,6 +671,15 @@ class _WavSource:
 _WAV_BLOCK_S = 2.0  # seconds of a WAV read, converted and resampled at once
 
 
+def plain_pcm_wav(source: Any) -> tuple[int, float] | None:
+    """``(sample rate in Hz, declared seconds)`` when ``source`` (a path or seekable binary file;
+    its first 4 KiB are read, a file's position is kept) is a WAV that :func:`load_audio` reads
+    with numpy rather than FFmpeg (see ``_WavSource``); else None."""
+    head = _head(source, 4096)
+    wav = _WavSource.open(b"", "", head) if head else None
+    return None if wav is None else (wav.rate, wav.declared)
+
+
 class _ContainerSource:
     """Iterates one container's audio stream as float32 [C, n] blocks, tolerating damage.
 

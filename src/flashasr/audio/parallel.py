@@ -89,13 +89,12 @@ from .decode import (
     DecodedAudio,
     _ContainerSource,
     _frame_info,
-    _head,
     _frame_into,
     _kept_channels,
     _label,
     _Pipeline,
-    _WavSource,
     load_audio,
+    plain_pcm_wav,
 )
 from .errors import AudioArgumentError, AudioError, AudioTooLongError
 
@@ -113,19 +112,6 @@ _MAX_WORKERS = 16
 _SEEK_TRIES = 3
 
 log = logging.getLogger(__name__)
-
-
-def sequential_suffices(source: Any, target_rate: int | None = 16000,
-                        min_duration: float = MIN_PARALLEL_S) -> bool:
-    """True when ``source`` (a path or seekable binary file; its first 4 KiB are read, the file's
-    position is kept) decodes as fast in one thread as in ranges: a PCM WAV that
-    :func:`~flashasr.audio.load_audio` reads with numpy (no FFmpeg) and that declares less than
-    ``min_duration`` seconds or is already at ``target_rate`` (nothing to spread: an hour of
-    16 kHz PCM16 reads in tens of milliseconds). The server asks before it spills an upload to disk
-    for :func:`load_audio_parallel`."""
-    head = _head(source, 4096)
-    wav = _WavSource.open(b"", "", head) if head else None
-    return wav is not None and (wav.declared < min_duration or wav.rate == (target_rate or wav.rate))
 
 
 def default_workers() -> int:
@@ -515,7 +501,10 @@ def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_dur
             pool writes into a shared-memory segment that the result maps (no copy). Never pass
             the pool this call itself runs in: a range task that waits for a free worker of its
             own pool can deadlock it.
-        min_duration: seconds below which the sequential path is used.
+        min_duration: seconds below which the sequential path is used. A PCM WAV that
+            :func:`load_audio` reads with numpy (:func:`~flashasr.audio.decode.plain_pcm_wav`) is
+            also sequential when it is already at ``target_rate`` (an hour of 16 kHz PCM16 reads
+            in tens of milliseconds), unless ``keep_segment`` asks for the ranges' segment.
         sample_rate, raw_format, channels: as :func:`load_audio` (those inputs are sequential).
         keep_segment: when the ranges ran in processes (the samples then live in a shared-memory
             segment), keep the segment's name and give it as ``DecodedAudio.segment`` so that
@@ -542,7 +531,8 @@ def load_audio_parallel(source: Any, *, target_rate: int | None = 16000, max_dur
         if pool == "process" and mp_daemonic():  # may not start processes: sequential
             return load_audio(source, target_rate=target_rate, max_duration=max_duration)
     path = os.fspath(source)
-    if sequential_suffices(path, target_rate, max(min_duration, 2 * MIN_RANGE_S)):
+    wav = plain_pcm_wav(path)  # numpy reads it: ranges only pay where it is long and needs resampling
+    if wav is not None and (wav[1] < max(min_duration, 2 * MIN_RANGE_S) or (wav[0] == target_rate and not keep_segment)):
         return load_audio(source, target_rate=target_rate, max_duration=max_duration)
     label = _label(source)
     plan, src = _plan(path, label, target_rate, int(workers), max_duration, min_duration)
@@ -704,4 +694,4 @@ def _unlink(name: str | None) -> None:
         unlink_segment(name)
 
 
-__all__ = ["load_audio_parallel", "default_workers", "default_pool_kind", "sequential_suffices", "MIN_PARALLEL_S"]
+__all__ = ["load_audio_parallel", "default_workers", "default_pool_kind", "MIN_PARALLEL_S"]

@@ -194,7 +194,7 @@ class UploadTranscriber:
         from ..audio import load_audio, load_audio_parallel
 
         workers = self.ctx.cfg.decode_workers
-        path = _upload_path(up.file, up.file_size, rate) if workers != 1 else None
+        path = _upload_path(up.file, up.file_size) if workers != 1 else None
         try:
             if path is not None:
                 wav = load_audio_parallel(path, target_rate=rate, max_duration=self.ctx.cfg.max_audio_s,
@@ -240,16 +240,21 @@ VAD_SLICE_CHUNKS = 4  # a long recording's CPU VAD in jobs of 4 state chunks (65
 PARALLEL_MIN_BYTES = 256 << 10  # smaller uploads hold < 60 s at any usual bit rate: decoded from memory
 
 
-def _upload_path(f, size: int, rate: int = 16000) -> str | None:
+def _upload_path(f, size: int) -> str | None:
     """A path that reopens the spooled upload ``f`` (Linux ``/proc/self/fd/N``: the unlinked temp
     file, each open with its own offset), rolling a large in-memory upload over to its temp file
-    first; None for small uploads, for WAVs that decode as fast from memory
-    (:func:`~flashasr.audio.parallel.sequential_suffices`) or where no such path exists (the decode
-    then reads ``f``)."""
-    from ..audio.parallel import sequential_suffices
+    first; None for small uploads, for short PCM WAVs
+    (:func:`~flashasr.audio.decode.plain_pcm_wav`) or where no such path exists (the decode then
+    reads ``f``)."""
+    from ..audio.decode import plain_pcm_wav
+    from ..audio.parallel import MIN_PARALLEL_S
 
-    if size < PARALLEL_MIN_BYTES or not os.path.isdir("/proc/self/fd") or sequential_suffices(f, rate):
-        return None  # a short or plain-PCM WAV upload decodes from memory at once
+    if size < PARALLEL_MIN_BYTES or not os.path.isdir("/proc/self/fd"):
+        return None
+    wav = plain_pcm_wav(f)
+    if wav is not None and wav[1] < MIN_PARALLEL_S:
+        return None  # a short PCM WAV: read from memory at once (a long one still decodes in ranges:
+        # in multi mode their shared-memory output crosses to the engine without a copy)
     try:
         if hasattr(f, "rollover"):
             f.rollover()  # SpooledTemporaryFile: an in-memory upload goes to its (unlinked) temp file
