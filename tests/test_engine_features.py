@@ -87,6 +87,39 @@ def test_uploader_pads_and_reuses_buffer():
         up.upload([np.ones(9, np.float32)], batch=1, samples=8)
 
 
+def _check_uploader_random(device):
+    """Fresh random batches against a plain per-row loop: exact samples, zero padding, lengths."""
+    rng = np.random.default_rng()
+    up = PinnedUploader(device)
+    for _ in range(12):
+        n = int(rng.integers(0, 9))
+        lens = rng.integers(0, 5000, n).tolist() + ([0] if rng.random() < 0.3 else [])
+        waves = [rng.standard_normal(m).astype(np.float32) for m in lens]
+        if waves and rng.random() < 0.5:  # a read-only view (shared memory, bytes) and a float64 row
+            ro = waves[0].copy()
+            ro.setflags(write=False)
+            waves[0] = ro
+            waves[-1] = waves[-1].astype(np.float64)
+        B = len(waves) + int(rng.integers(0, 3)) or 1
+        N = max(lens, default=0) + int(rng.integers(0, 50))
+        audio, lengths = up.upload(waves, batch=B, samples=N)
+        ref = np.zeros((B, N), np.float32)
+        for i, w in enumerate(waves):
+            ref[i, : len(w)] = w
+        assert audio.shape == (B, N) and audio.dtype == torch.float32 and audio.device.type == device
+        assert lengths.dtype == torch.int64 and lengths.cpu().tolist() == [len(w) for w in waves] + [0] * (B - len(waves))
+        np.testing.assert_array_equal(audio.cpu().numpy(), ref)
+
+
+def test_uploader_random_batches_match_plain_loop():
+    _check_uploader_random("cpu")
+
+
+@pytest.mark.gpu
+def test_uploader_random_batches_match_plain_loop_gpu():
+    _check_uploader_random("cuda")
+
+
 @pytest.mark.gpu
 def test_features_gpu_match_cpu(tiny):
     torch.backends.cuda.matmul.allow_tf32 = False
