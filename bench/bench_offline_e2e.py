@@ -722,7 +722,8 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
                 raise KeyboardInterrupt
         return cb
 
-    def job(name: str, job_inputs, n_files: int, out_dir: Path, bs: int, seconds: float, use_model=None, **kw):
+    def job(name: str, job_inputs, n_files: int, out_dir: Path, bs: int, seconds: float, use_model=None,
+            job_pool=None, **kw):
         gpu_peak_reset(cuda)
         log(f"{name}: {n_files} files, batch {bs}, time box {seconds:.0f} s")
         rep = None
@@ -735,7 +736,7 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
                           on_result=progress_cb(n_files, time.perf_counter() + seconds, state),
                           segmentation=args.segmentation,
                           cpu_pool=args.cpu_pool or default_cpu_pool(args.device),
-                          worker_pool=pool, **kw)
+                          worker_pool=job_pool or pool, **kw)
         hit = bool(tb.fired or state.get("stopped"))
         if rep is None:  # interrupted before the runner started its own bookkeeping
             d["phases"].append({"phase": name, "interrupted": True, "time_box_s": round(seconds, 1)})
@@ -755,6 +756,7 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
             f", bound by {rep.bound_by()}; failed {len(rep.failed)}" + (" (TIME BOX HIT)" if hit else ""))
         for line in rep.table().splitlines():
             log("  | " + line)
+        log(f"  model calls [start s, s, pieces]: {rep.model_calls}; last decode at {rep.last_decode_s:.3f} s")
         return rep
 
     # warm-up: one copy of the corpus per batch size (the GPU decoder captures a graph per new
@@ -810,11 +812,28 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
         if left() < 5:
             log(f"variant {spec}: skipped, out of time")
             continue
+        # pool_workers=N / pool_nice=N: a pool of its own for this run (forked now, outside the timing)
+        var_pool = None
+        if {"pool_workers", "pool_nice"} & set(kw):
+            nice_before = os.environ.get("FLASHASR_DECODE_NICENESS")
+            if "pool_nice" in kw:
+                os.environ["FLASHASR_DECODE_NICENESS"] = str(kw.pop("pool_nice"))
+            from flashasr.jobs import start_decode_pool
+
+            var_pool = start_decode_pool(args.device, kw.pop("pool_workers", workers), args.cpu_pool)
+            if nice_before is None:
+                os.environ.pop("FLASHASR_DECODE_NICENESS", None)
+            else:
+                os.environ["FLASHASR_DECODE_NICENESS"] = nice_before
         try:
             job(f"a: from disk, batch {batch_sizes[0]}, {spec}", [inputs_root], len(inputs),
-                tmp_root / f"out_var_{len(d['phases'])}", batch_sizes[0], min(40.0, 0.25 * left()), **kw)
+                tmp_root / f"out_var_{len(d['phases'])}", batch_sizes[0], min(40.0, 0.25 * left()),
+                job_pool=var_pool, **kw)
         except Exception as e:
             res.error(f"variant {spec}", e)
+        finally:
+            if var_pool is not None:
+                var_pool.close()
 
     # (d) one format alone (e.g. mp3-44k): the stage costs per audio hour of that format through the
     # whole path (issue #12: their sum for 44.1 kHz mp3)

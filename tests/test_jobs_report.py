@@ -152,11 +152,19 @@ def test_busy_fraction_and_batch_record_from_a_slow_model(wavs):
     assert r.n_pieces == 7 and sum(r.batch_pieces) == 7 and len(r.batch_pieces) == r.n_batches
     assert max(r.batch_pieces) == 2 and r.batch_pieces == m.calls
     assert r.model_busy_s >= 0.25 * r.n_batches * 0.95
+    # the timeline of model calls: one [start, seconds, pieces] per batch, in order, inside the job
+    assert [c[2] for c in r.model_calls] == r.batch_pieces
+    starts = [c[0] for c in r.model_calls]
+    assert starts == sorted(starts) and all(c[1] >= 0.25 * 0.95 for c in r.model_calls)
+    assert 0 <= starts[0] and starts[-1] + r.model_calls[-1][1] <= r.wall_s
+    assert all(b[0] >= a[0] + a[1] * 0.99 for a, b in zip(r.model_calls, r.model_calls[1:]))  # one at a time
+    assert 0 < r.last_decode_s <= r.wall_s
     assert 0 < r.model_busy_fraction <= 1 and r.gpu_busy_fraction == r.model_busy_fraction
     assert r.model_busy_fraction > 0.5  # sleeping dominates decoding four short WAVs
     assert r.nvml is None  # not asked for
     d = r.to_dict()
     assert d["gpu_busy_fraction"] == round(r.model_busy_fraction, 3) and d["workers"] == 2
+    assert d["model_calls"] == r.model_calls and d["last_decode_s"] == round(r.last_decode_s, 4)
     assert d["batch_size"] == 2 and d["cpu_s"]["decode"] >= 0 and d["bound_by"] in ("model", "input")
     assert "GPU busy" in r.table() and "bound by" in r.table()
 

@@ -37,7 +37,9 @@ class ModelWorker:
         ``stage_cpu_s``: what the model says its host work went to during the job (its
         ``stage_cpu_s`` counters, e.g. ``features_upload``, ``detokenize``; see
         :class:`~flashasr.models.base.ASRModel`); ``in_flight``: batches submitted and not yet
-        taken back; ``batches_done``: batches finished so far.
+        taken back; ``batches_done``: batches finished so far; ``calls``: per finished batch
+        ``(start, seconds, pieces)``, ``start`` a ``time.perf_counter()`` value (the job's
+        timeline of model calls: where the GPU waited).
     """
 
     def __init__(self, model, *, wake: threading.Event, synchronize_cuda: bool = False):
@@ -49,6 +51,7 @@ class ModelWorker:
         self._stage0 = dict(getattr(model, "stage_cpu_s", None) or {})
         self.in_flight = 0
         self.batches_done = 0
+        self.calls: list[tuple[float, float, int]] = []
         self.error: BaseException | None = None
         self._todo: queue.Queue = queue.Queue()
         self._done: deque = deque()
@@ -107,8 +110,10 @@ class ModelWorker:
                 self.error = e
                 self.wake.set()
                 return
-            self.busy_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.busy_s += dt
             self.cpu_s += time.thread_time() - c0
+            self.calls.append((t0, dt, len(waves)))
             with self._lock:
                 self._done.append((token, outs))
                 self.batches_done += 1

@@ -245,6 +245,7 @@ class _Conductor:
         self._resample_cpu_s = 0.0  # of the workers' decode CPU: soxr
         self._transport_cpu_s = 0.0  # the workers' copies into shared memory
         self.planner_cpu_s = 0.0
+        self.last_decode = 0.0  # time.perf_counter() of the last decoded file's arrival
 
     def run(self) -> None:
         timed_out = False
@@ -294,6 +295,8 @@ class _Conductor:
     def _admit(self, got: list) -> None:
         """Decoded files (and decode failures) in; pieces planned here when the workers did not."""
         states = []
+        if got:
+            self.last_decode = time.perf_counter()
         for i, p in got:
             if isinstance(p, DecodeFailure):
                 self.finisher.fail(i, p.code, p.message)
@@ -509,6 +512,10 @@ def _account(report: JobReport, finisher: Finisher, batcher: Batcher, feeder: De
     report.cpu_pool = feeder.cpu_pool  # threads, if too many worker deaths pushed the job onto them
     report.model_busy_s = model_worker.busy_s if model_worker is not None else 0.0
     report.batch_pieces = list(batcher.batch_pieces)
+    if model_worker is not None:
+        report.model_calls = [[round(t0 - t_job, 4), round(dt, 4), n] for t0, dt, n in model_worker.calls]
+    if conductor is not None and conductor.last_decode:
+        report.last_decode_s = conductor.last_decode - t_job
     report.n_batches = len(batcher.batch_pieces)
     report.n_pieces = sum(batcher.batch_pieces)
     total_cpu = time.process_time() - cpu_job
