@@ -26,6 +26,8 @@ CUDA), for each file:
 Timings are the best and median of ``--repeats`` after one untimed warm-up of each door. Prints a
 table and writes ``bench/results/long_file_<gpu|cpu>.json`` (or ``--out``).
 Usage (H200): ``python bench/bench_long_file.py --cache-dir /tmp/long --server --cli``;
+``--doors-only`` measures the server and the CLI alone (no model in the bench's process: on an
+80 GB card two copies with their graphs and workspaces do not fit);
 smoke (CPU, small): ``python bench/bench_long_file.py --seconds 120 --model ../shared/fixtures/parakeet/tiny-tdt/model.nemo --device cpu``.
 """
 
@@ -205,6 +207,8 @@ def main() -> None:
     ap.add_argument("--server", action="store_true")
     ap.add_argument("--cli", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--doors-only", action="store_true",
+                    help="only the server and CLI doors (no model in this process: on a GPU too small for two copies)")
     a = ap.parse_args()
 
     cache = Path(a.cache_dir or tempfile.mkdtemp(prefix="longfiles"))
@@ -217,14 +221,16 @@ def main() -> None:
             print(f"encoding {p.name} ...", flush=True)
             encode_long(p, name, a.seconds)
         files.append(p)
-    t0 = time.perf_counter()
-    model = flashasr.load_model(a.model, device=a.device)
-    load_s = time.perf_counter() - t0
-    opts = TranscribeOptions()
-    flashasr.transcribe(str(files[0]), model=model)  # engine warm-up (graphs, profiles)
     rows = {}
     out = Path(a.out) if a.out else REPO / "bench" / "results" / f"long_file_{'gpu' if a.device.startswith('cuda') else 'cpu'}.json"
-    for p in files:
+    load_s, model = 0.0, None
+    if not a.doors_only:
+        t0 = time.perf_counter()
+        model = flashasr.load_model(a.model, device=a.device)
+        load_s = time.perf_counter() - t0
+        flashasr.transcribe(str(files[0]), model=model)  # engine warm-up (graphs, profiles)
+    opts = TranscribeOptions()
+    for p in files if model is not None else ():
         print(f"{p.name}: stages ...", flush=True)
         audio_s = load_audio_parallel(p).duration
         rows[p.name] = {"audio_s": round(audio_s, 2), "bytes": p.stat().st_size,
@@ -252,7 +258,17 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
 
     save()
-    del model
+    if model is not None:
+        del model
+        import gc
+
+        gc.collect()
+        if a.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()  # the server loads its own copy
+    for p in files:
+        rows.setdefault(p.name, {"audio_s": round(load_audio_parallel(p).duration, 2), "bytes": p.stat().st_size})
     if a.server:
         print("server ...", flush=True)
         result["server"] = server(files, a.model, a.device, a.repeats, out.parent)
@@ -277,9 +293,9 @@ def _table(result: dict) -> None:
     print(f"{'file':28} {'audio s':>8} {'door / stage':34} {'best s':>8} {'median s':>9} {'speed factor':>13}")
     for name, r in result["results"].items():
         a = r["audio_s"]
-        lines = [(f"stage {k}", v) for k, v in r["stages"].items() if isinstance(v, dict)]
-        lines += [(f"api {k}", v) for k, v in r["api"].items() if isinstance(v, dict)]
-        lines += [("job in process", r["job_in_process"])]
+        lines = [(f"stage {k}", v) for k, v in r.get("stages", {}).items() if isinstance(v, dict)]
+        lines += [(f"api {k}", v) for k, v in r.get("api", {}).items() if isinstance(v, dict)]
+        lines += [("job in process", r["job_in_process"])] if "job_in_process" in r else []
         srv = result.get("server", {}).get(name)
         if srv:
             lines.append(("server POST", srv))
