@@ -85,6 +85,10 @@ def test_uploader_pads_and_reuses_buffer():
 
     with pytest.raises(AudioError):
         up.upload([np.ones(9, np.float32)], batch=1, samples=8)
+    stereo = np.stack([np.full(3, 1.0), np.full(3, 2.0)], 1).astype(np.float32)  # [N, 2]: never copied as bytes
+    with pytest.raises(AudioError, match=r"waveform 0: expected mono samples of shape \[N\], got shape \(3, 2\)") as e:
+        up.upload([stereo, np.full(1, 9.0, np.float32)], samples=8)
+    assert e.value.code == "invalid_audio"
 
 
 def _check_uploader_random(device):
@@ -115,9 +119,31 @@ def test_uploader_random_batches_match_plain_loop():
     _check_uploader_random("cpu")
 
 
+def test_jagged_padding_op_the_uploader_uses_on_cuda():
+    """The private ATen op PinnedUploader pads with on CUDA: its signature and meaning, on CPU."""
+    vals = torch.arange(1, 8, dtype=torch.float32).unsqueeze(-1)  # rows [1, 2, 3], [], [4 .. 7]
+    off = torch.tensor([0, 3, 3, 7, 7])  # and one empty padding row
+    out = torch.ops.aten._jagged_to_padded_dense_forward(vals, [off], [5], 0.0)
+    assert out.shape == (4, 5, 1)
+    assert out.squeeze(-1).tolist() == [[1, 2, 3, 0, 0], [0] * 5, [4, 5, 6, 7, 0], [0] * 5]
+
+
 @pytest.mark.gpu
 def test_uploader_random_batches_match_plain_loop_gpu():
     _check_uploader_random("cuda")
+
+
+@pytest.mark.gpu
+def test_uploader_reuses_pinned_buffer_only_after_its_copy_ran():
+    """A second upload while the first copy still waits behind GPU work must not overwrite it."""
+    up = PinnedUploader("cuda")
+    w1 = [np.full(50_000, 1.0, np.float32), np.full(30_000, 2.0, np.float32)]
+    w2 = [np.full(50_000, 7.0, np.float32), np.full(30_000, 8.0, np.float32)]
+    torch.cuda._sleep(500_000_000)  # keeps the stream busy: the first copy is queued behind it
+    a, la = up.upload(w1)
+    b, lb = up.upload(w2)
+    assert a[0, :50_000].eq(1).all() and a[1, :30_000].eq(2).all() and a[1, 30_000:].eq(0).all()
+    assert b[0].eq(7).all() and b[1, :30_000].eq(8).all() and la.tolist() == lb.tolist() == [50_000, 30_000]
 
 
 @pytest.mark.gpu

@@ -145,7 +145,8 @@ class PinnedUploader:
     ``upload(waveforms, batch=None, samples=None)`` returns ``(audio [B', N'] float32 on device,
     lengths [B'] int64 on device)`` with ``B' = batch or len(waveforms)`` and
     ``N' = samples or max length`` (rows/samples beyond the inputs are zero); raises
-    :class:`~flashasr.audio.AudioError` (``batch_too_small``) when the inputs do not fit.
+    :class:`~flashasr.errors.AudioError`: ``invalid_audio`` for a waveform that is not 1-D,
+    ``batch_too_small`` when the inputs do not fit.
 
     On CUDA the samples travel unpadded: joined end to end in a reusable pinned host buffer
     (:func:`_copy_rows`: no GIL release per row), one asynchronous copy (``non_blocking=True``) to
@@ -153,8 +154,9 @@ class PinnedUploader:
     padded rows. The per-row numpy loop this replaces released and re-took the GIL twice per row:
     with other threads running Python (the offline job's writer and result threads) each re-take
     waits up to a GIL switch interval (H100 machine, 512 rows of 5-15 s, one other Python thread:
-    669 ms against 87 ms alone). The host buffer is reused only after the previous copy finished
-    (an event guards it).
+    638 ms against 69 ms alone, now 92 ms; ``bench/results/uploader_h100.json``). The host buffers
+    are reused only after the previous copies finished (an event on ``device``'s current stream
+    guards them). Batches of ``B * N >= 2**30`` samples are padded on the host instead.
     """
 
     def __init__(self, device: str | torch.device = "cuda"):
@@ -166,16 +168,23 @@ class PinnedUploader:
 
     def upload(self, waveforms: Sequence[np.ndarray], batch: int | None = None,
                samples: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(waveforms)
+        arrays = [np.ascontiguousarray(w, dtype=np.float32) for w in waveforms]
+        for i, a in enumerate(arrays):
+            if a.ndim != 1:
+                raise AudioError(f"waveform {i}: expected mono samples of shape [N], got shape {a.shape}",
+                                 code="invalid_audio")
+        n = len(arrays)
         B = batch or n
-        lens = [len(w) for w in waveforms]
+        lens = [a.size for a in arrays]
         N = samples or max(lens, default=0)
         if n > B or any(m > N for m in lens):
             raise AudioError(f"{n} waveforms (longest {max(lens)} samples) do not fit "
                              f"a [{B}, {N}] batch", code="batch_too_small")
-        arrays = [np.ascontiguousarray(w, dtype=np.float32) for w in waveforms]
         if self.device.type != "cuda":
             return self._rows_on_host(arrays, lens, B, N)
+        if B * N >= _JAGGED_LIMIT:  # the padding kernel indexes with 32-bit ints: pad on the host
+            audio, lengths = self._rows_on_host(arrays, lens, B, N)
+            return audio.to(self.device), lengths.to(self.device)
         if self._event is not None:
             self._event.synchronize()
         total = sum(lens)
@@ -193,7 +202,7 @@ class PinnedUploader:
         d_flat = flat.to(self.device, non_blocking=True)
         d_off = self._offsets[: B + 1].to(self.device, non_blocking=True)
         self._event = torch.cuda.Event()
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(self.device))  # where the copies were queued
         audio = torch.ops.aten._jagged_to_padded_dense_forward(d_flat.unsqueeze(-1), [d_off], [N], 0.0)
         return audio.view(B, N), d_off[1:] - d_off[:-1]
 
@@ -205,14 +214,20 @@ class PinnedUploader:
         return torch.from_numpy(audio), torch.tensor(lens + [0] * (B - len(lens)), dtype=torch.long)
 
 
+#: ``B * N`` from which :class:`PinnedUploader` pads on the host: the CUDA kernel of
+#: ``_jagged_to_padded_dense_forward`` indexes its output with 32-bit ints (2**30: a margin below
+#: its loop's overflow). The offline engine's largest batch is ~31 M samples.
+_JAGGED_LIMIT = 1 << 30
+
+
 def _copy_rows(dst: np.ndarray, arrays: list[np.ndarray], starts: list[int]) -> None:
     """Copy each float32 ``arrays[i]`` into the 1-D float32 ``dst`` at element ``starts[i]``.
 
     Through memoryview slices: a plain ``memcpy`` that keeps the GIL (numpy releases and re-takes
     it around every copy of more than a few hundred elements, which costs up to a GIL switch
     interval each while other threads run Python) and starts no intra-op threads (``torch.cat``
-    into the same buffer, on the H100 machine with one other thread running Python: 512 rows of
-    5-15 s in 2.0 s, median of 7, against 31 ms with no other thread).
+    into the same buffer was tried first: its OpenMP threads on cores the decode workers keep busy
+    made it far slower than this under load).
     """
     view = memoryview(dst).cast("B")
     for a, s in zip(arrays, starts):
