@@ -399,7 +399,7 @@ def test_long_file_vad_pieces_have_global_times(tmp_path, capsys):
                "--batch-size", "2"])
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert "in 2 pieces, 1 batches" in err  # the silence is left out, both pieces in one model call
+    assert "in 2 pieces, 1 batch" in err  # the silence is left out, both pieces in one model call
     d = json.loads((tmp_path / "o/long.verbose.json").read_text())
     assert _words(d["text"]) == "a golden fortune and a happy life please call stella"
     assert d["duration"] == pytest.approx(len(x) / 16000, abs=1e-3)

@@ -169,6 +169,33 @@ def test_busy_fraction_and_batch_record_from_a_slow_model(wavs):
     assert "GPU busy" in r.table() and "bound by" in r.table()
 
 
+def test_interrupt_from_on_result_counts_only_the_model_calls_that_ran(wavs):
+    """A KeyboardInterrupt raised in on_result (the writer thread) interrupts the job like Ctrl-C;
+    a batch queued and dropped is in neither ``batch_pieces`` nor ``model_calls``."""
+    m = SleepModel(delay=0.2)
+
+    def stop(res):
+        raise KeyboardInterrupt
+
+    r = run_job([wavs], m, None, "text", batch_size=1, split_fn=fixed_split, max_segment_s=5, workers=2,
+                batch_wait_s=0.01, on_result=stop, progress=False)
+    assert r.interrupted and r.exit_code != 0
+    assert r.batch_pieces == m.calls == [c[2] for c in r.model_calls] and r.n_batches == len(m.calls) < 7
+    assert r.n_pieces == sum(m.calls) and "interrupted" in r.table()
+
+
+def test_last_decode_counts_decoded_files_not_failures(tmp_path, wavs):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "notes.wav").write_bytes(b"this is not audio at all")
+    r = run_job([bad], SleepModel(), None, "text", workers=1, progress=False)
+    assert len(r.failed) == 1 and r.last_decode_s == 0.0 and r.model_calls == [] and r.batch_pieces == []
+    r = run_job([bad, wavs / "c0.wav"], SleepModel(), None, "text", workers=1, progress=False,
+                split_fn=fixed_split, max_segment_s=5)
+    assert len(r.failed) == 1 and len(r.ok) == 1 and 0 < r.last_decode_s <= r.wall_s
+    assert "in 1 piece, 1 batch" in r.table() and "1 decode thread " in r.table()
+
+
 def test_cpu_device_has_no_gpu_fraction_and_stage_cpu_is_counted(wavs):
     burn = 0.15
 

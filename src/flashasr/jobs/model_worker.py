@@ -37,8 +37,8 @@ class ModelWorker:
         ``stage_cpu_s``: what the model says its host work went to during the job (its
         ``stage_cpu_s`` counters, e.g. ``features_upload``, ``detokenize``; see
         :class:`~flashasr.models.base.ASRModel`); ``in_flight``: batches submitted and not yet
-        taken back; ``batches_done``: batches finished so far; ``calls``: per finished batch
-        ``(start, seconds, pieces)``, ``start`` a ``time.perf_counter()`` value (the job's
+        taken back; ``batches_done``: batches finished so far; ``calls``: per batch the model ran
+        (finished, or failed and stopped the thread) ``(start, seconds, pieces)``, ``start`` a ``time.perf_counter()`` value (the job's
         timeline of model calls: where the GPU waited).
     """
 
@@ -107,6 +107,9 @@ class ModelWorker:
                 outs = transcribe_pieces(self.model, waves, options, getattr(waves, "speech", None))
                 self._synchronize()
             except BaseException as e:  # noqa: BLE001 - not a piece's failure: the job must stop
+                dt = time.perf_counter() - t0
+                self.busy_s += dt  # the model ran: its time and pieces count like a finished call's
+                self.calls.append((t0, dt, len(waves)))
                 self.error = e
                 self.wake.set()
                 return

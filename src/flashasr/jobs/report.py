@@ -65,7 +65,8 @@ class JobReport:
       ``batch_pieces``: pieces per model call, in call order; ``model_calls``: per model call
       ``[start, seconds, pieces]``, ``start`` in seconds from the job's start (where the model
       waited: before the first call, between calls, after the last); ``last_decode_s``: seconds
-      from the job's start to the arrival of its last decoded file.
+      from the job's start to the arrival of its last decoded file (decode failures not counted).
+      Both stay empty / 0 in the Ray job (``run_ray_job``: the model calls run in actors).
     * ``stage_cpu_s``: CPU seconds per stage of the whole path, every process (the
       issue-#12 accounting): ``decode`` (container decode + downmix, workers), ``resample``
       (soxr, workers), ``vad`` (the Silero VAD: workers or the planner thread), ``transport``
@@ -225,8 +226,8 @@ class JobReport:
         lines = [
             f"files      ok {len(self.ok)}   skipped (already done) {len(self.skipped)}   failed {len(self.failed)}"
             + ("   (interrupted)" if self.interrupted else ""),
-            f"audio      {self.audio_s:.1f} s ({self.audio_s / 3600:.3f} h) in {self.n_pieces} pieces, "
-            f"{self.n_batches} batches",
+            f"audio      {self.audio_s:.1f} s ({self.audio_s / 3600:.3f} h) in {_count(self.n_pieces, 'piece')}, "
+            f"{_count(self.n_batches, 'batch')}",
             f"wall       {self.wall_s:.2f} s   speed factor {self.speed_factor:.1f}x real time",
             f"CPU s per audio hour   decode {c['decode']:.1f}   vad {c['vad']:.1f}   model+other {c['model']:.1f}",
         ]
@@ -236,7 +237,8 @@ class JobReport:
                                                      if sc[k] >= 0.005 or k in ("decode", "model"))
                          + f"  (sum {sc['sum']:.2f})")
         if self.workers and self.wall_s > 0:
-            lines.append(f"stages     {self.workers} decode {_POOL_NAMES.get(self.cpu_pool, 'threads')} {100 * self.cpu_pool_busy_fraction:.0f} % busy "
+            pool = _POOL_NAMES.get(self.cpu_pool, ("thread", "threads"))[self.workers != 1]
+            lines.append(f"stages     {self.workers} decode {pool} {100 * self.cpu_pool_busy_fraction:.0f} % busy "
                          f"({100 * self.cpu_stage_utilisation:.0f} % on CPU), "
                          f"model calls {100 * self.model_busy_fraction:.0f} % of wall, "
                          f"outputs {100 * self.finish_s / self.wall_s:.0f} %; bound by {self.bound_by()}")
@@ -253,6 +255,12 @@ class JobReport:
 
 
 #: How the final table names the decode workers of each ``cpu_pool``.
-_POOL_NAMES = {"process": "processes", "thread": "threads", "ray": "Ray task slots"}
+_POOL_NAMES = {"process": ("process", "processes"), "thread": ("thread", "threads"),
+               "ray": ("Ray task slot", "Ray task slots")}
+
+
+def _count(n: int, word: str) -> str:
+    """``1 piece``, ``2 pieces``, ``1 batch``, ``3 batches``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith(('s', 'ch')) else 's'}"
 
 __all__ = ["FileResult", "JobReport"]

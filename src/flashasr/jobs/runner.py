@@ -245,7 +245,7 @@ class _Conductor:
         self._resample_cpu_s = 0.0  # of the workers' decode CPU: soxr
         self._transport_cpu_s = 0.0  # the workers' copies into shared memory
         self.planner_cpu_s = 0.0
-        self.last_decode = 0.0  # time.perf_counter() of the last decoded file's arrival
+        self.last_decode = 0.0  # time.perf_counter() of the last decoded file's arrival (not a failure's)
 
     def run(self) -> None:
         timed_out = False
@@ -295,7 +295,7 @@ class _Conductor:
     def _admit(self, got: list) -> None:
         """Decoded files (and decode failures) in; pieces planned here when the workers did not."""
         states = []
-        if got:
+        if any(not isinstance(p, DecodeFailure) for _i, p in got):
             self.last_decode = time.perf_counter()
         for i, p in got:
             if isinstance(p, DecodeFailure):
@@ -379,7 +379,10 @@ def run_job(
         resume: skip inputs whose complete output an earlier run recorded in the summary (same
             input size and mtime, format, model and options).
         progress: tqdm bar on stderr; None shows it only when stderr is a terminal.
-        on_result: called in the main thread with each :class:`FileResult` as it finishes.
+        on_result: called with each :class:`FileResult` once its output and journal line are
+            written, in the job's writer thread (``flashasr-writer``), in hand-over order. An
+            exception it raises stops the job and is re-raised here; a KeyboardInterrupt stops it
+            as Ctrl-C does (``interrupted=True``).
         keep_transcripts: keep ``FileResult.transcript`` in the report (False frees memory).
         max_buffered_audio_s: decoded audio (seconds) held before new decodes wait; None:
             :func:`default_max_buffered_s` (it must hold a batch being formed beside the one running).
@@ -466,6 +469,8 @@ def run_job(
         feeder.shutdown()
         try:
             finisher.close()  # every finished file handed over is written
+        except KeyboardInterrupt:  # raised in on_result (the writer thread) after the loop had ended
+            report.interrupted = True
         finally:
             _account(report, finisher, batcher, feeder, model_worker, conductor, t_job, cpu_job)
             if sampler is not None:
@@ -512,12 +517,13 @@ def _account(report: JobReport, finisher: Finisher, batcher: Batcher, feeder: De
     report.cpu_pool = feeder.cpu_pool  # threads, if too many worker deaths pushed the job onto them
     report.model_busy_s = model_worker.busy_s if model_worker is not None else 0.0
     report.batch_pieces = list(batcher.batch_pieces)
-    if model_worker is not None:
+    if model_worker is not None:  # the batches the model ran (not one queued and dropped at an interrupt)
         report.model_calls = [[round(t0 - t_job, 4), round(dt, 4), n] for t0, dt, n in model_worker.calls]
+        report.batch_pieces = [n for _t0, _dt, n in model_worker.calls]
     if conductor is not None and conductor.last_decode:
         report.last_decode_s = conductor.last_decode - t_job
-    report.n_batches = len(batcher.batch_pieces)
-    report.n_pieces = sum(batcher.batch_pieces)
+    report.n_batches = len(report.batch_pieces)
+    report.n_pieces = sum(report.batch_pieces)
     total_cpu = time.process_time() - cpu_job
     # process pool: the main process's CPU time holds no decode/VAD
     in_process = 0.0 if report.cpu_pool == "process" else report.decode_cpu_s + report.vad_cpu_s
