@@ -708,7 +708,7 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
 
     def progress_cb(total: int, soft_deadline: float, state: dict):
         """Progress lines; past ``soft_deadline`` it stops the job cleanly: a KeyboardInterrupt
-        raised here (main thread, between model calls) ends run_job as Ctrl-C would."""
+        raised here (in the job's writer thread, which calls on_result) ends run_job as Ctrl-C would."""
         state.update(n=0, t=time.perf_counter(), stopped=False)
 
         def cb(r):
@@ -820,11 +820,16 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
                 os.environ["FLASHASR_DECODE_NICENESS"] = str(kw.pop("pool_nice"))
             from flashasr.jobs import start_decode_pool
 
-            var_pool = start_decode_pool(args.device, kw.pop("pool_workers", workers), args.cpu_pool)
-            if nice_before is None:
-                os.environ.pop("FLASHASR_DECODE_NICENESS", None)
-            else:
-                os.environ["FLASHASR_DECODE_NICENESS"] = nice_before
+            try:
+                var_pool = start_decode_pool(args.device, kw.pop("pool_workers", workers), args.cpu_pool)
+            except Exception as e:
+                res.error(f"variant {spec}: pool", e)
+                continue
+            finally:
+                if nice_before is None:
+                    os.environ.pop("FLASHASR_DECODE_NICENESS", None)
+                else:
+                    os.environ["FLASHASR_DECODE_NICENESS"] = nice_before
         try:
             job(f"a: from disk, batch {batch_sizes[0]}, {spec}", [inputs_root], len(inputs),
                 tmp_root / f"out_var_{len(d['phases'])}", batch_sizes[0], min(40.0, 0.25 * left()),

@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--switch-interval-s", type=float, default=0.0005)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.rows < 1 or a.repeats < 1:
+        ap.error("--rows and --repeats must be at least 1")
     sys.setswitchinterval(a.switch_interval_s)
     rng = np.random.default_rng(0)
     waves = [rng.standard_normal(int(rng.integers(80_000, 240_000))).astype(np.float32) for _ in range(a.rows)]
