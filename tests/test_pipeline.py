@@ -292,3 +292,24 @@ def test_engine_choice_is_one_place(monkeypatch):
     from flashasr.models.whisper.asr import WhisperASR
 
     assert type(engines.load_model("tiny.en", engine="plain")) is WhisperASR
+
+
+def test_a_cuda_model_device_becomes_the_current_device_and_one_process_uses_one_gpu(monkeypatch):
+    """cuda:N makes N current (the engines' streams, events and graphs use the current device); a
+    second GPU in the same process is refused with invalid_device; cpu changes nothing."""
+    import torch
+
+    current, calls = [0], []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: (calls.append(i), current.__setitem__(0, i)))
+    monkeypatch.setattr(engines, "_CUDA_INDEX_IN_USE", None)
+    engines.use_cuda_device("cpu")
+    assert calls == [] and engines._CUDA_INDEX_IN_USE is None
+    engines.use_cuda_device("cuda:1")
+    assert calls == [1] and current[0] == 1
+    engines.use_cuda_device("cuda")  # the current device: the same GPU
+    engines.use_cuda_device("cuda:1")
+    assert calls == [1]
+    with pytest.raises(FlashASRError, match=r"already runs a model on cuda:1; one process uses one GPU") as e:
+        engines.use_cuda_device("cuda:0")
+    assert e.value.code == "invalid_device" and current[0] == 1

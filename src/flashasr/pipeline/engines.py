@@ -91,17 +91,51 @@ def check_device(device: str) -> None:
         raise ModelLoadError(f"device {d!r} is not supported; use cpu, cuda or cuda:N", code="invalid_device")
 
 
+_CUDA_INDEX_IN_USE: int | None = None  # the GPU this process's models run on (see use_cuda_device)
+
+
+def use_cuda_device(device: str) -> None:
+    """Make a CUDA model device (``cuda``, ``cuda:N``) the process's current CUDA device.
+
+    The engines queue their copies, events, CUDA-graph captures and synchronisations on the current
+    device's streams, as PyTorch does where no device is named; a model on ``cuda:1`` while the
+    current device is 0 would have its work waited for on the wrong GPU. One process runs its
+    models on one GPU (the server's engine process, a Ray actor, the CLI): a second GPU in the same
+    process is refused. Nothing happens for ``cpu``.
+
+    Raises:
+        ModelLoadError (``invalid_device``): a model on another GPU was loaded in this process.
+    """
+    global _CUDA_INDEX_IN_USE
+    import torch
+
+    dev = torch.device(str(device))
+    if dev.type != "cuda":
+        return
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if _CUDA_INDEX_IN_USE is not None and index != _CUDA_INDEX_IN_USE:
+        from ..errors import ModelLoadError
+
+        raise ModelLoadError(f"device {device!r}: this process already runs a model on cuda:{_CUDA_INDEX_IN_USE}; "
+                             "one process uses one GPU (run one process per GPU, e.g. one `flashasr serve` "
+                             "per GPU, or Ray)", code="invalid_device")
+    if index != torch.cuda.current_device():
+        torch.cuda.set_device(index)
+    _CUDA_INDEX_IN_USE = index
+
+
 def load_model(spec=None, *, device: str = "cpu", dtype: str | None = None, engine: str = "auto"):
     """Load a model (:func:`flashasr.models.registry.load_model` specs, plus ``random:NAME`` for
     benchmarks, :mod:`flashasr.random_models`) and put it behind its engine (:func:`accelerate`).
 
     Raises:
         ModelLoadError / UnsupportedModelError: as the registry; ``invalid_device`` for a device torch
-            cannot use here (``cuda`` without a GPU or CUDA build, ``gpu``, ``cuda:7`` of 1 GPU);
-            FlashASRError for a bad ``engine``.
+            cannot use here (``cuda`` without a GPU or CUDA build, ``gpu``, ``cuda:7`` of 1 GPU) or
+            a second GPU in this process (:func:`use_cuda_device`); FlashASRError for a bad ``engine``.
     """
     _check_engine(engine)
     check_device(device)
+    use_cuda_device(device)
     s = None if spec is None else str(spec)
     if s is not None and s.startswith("random:"):
         from ..random_models import load_random_model
@@ -120,4 +154,4 @@ def cached_model(spec: str | None = None, device: str = "cpu", dtype: str | None
     return load_model(spec, device=device, dtype=dtype, engine=engine)
 
 
-__all__ = ["ENGINES", "accelerate", "gpu_engine_enabled", "load_model", "cached_model"]
+__all__ = ["ENGINES", "accelerate", "gpu_engine_enabled", "load_model", "cached_model", "use_cuda_device"]
