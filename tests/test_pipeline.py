@@ -313,3 +313,18 @@ def test_a_cuda_model_device_becomes_the_current_device_and_one_process_uses_one
     with pytest.raises(FlashASRError, match=r"already runs a model on cuda:1; one process uses one GPU") as e:
         engines.use_cuda_device("cuda:0")
     assert e.value.code == "invalid_device" and current[0] == 1
+
+
+def test_a_failed_load_leaves_no_gpu_claimed(monkeypatch, tmp_path):
+    import torch
+
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: current.__setitem__(0, i))
+    monkeypatch.setattr(engines, "check_device", lambda d: None)  # no GPU here: pretend cuda:2 exists
+    monkeypatch.setattr(engines, "_CUDA_INDEX_IN_USE", None)
+    with pytest.raises(FlashASRError):
+        engines.load_model(str(tmp_path / "no-such-model.nemo"), device="cuda:2")
+    assert engines._CUDA_INDEX_IN_USE is None  # a later model may still go to another GPU
+    engines.use_cuda_device("cuda:0")
+    assert current[0] == 0 and engines._CUDA_INDEX_IN_USE == 0

@@ -208,7 +208,8 @@ class PinnedUploader:
 
     @staticmethod
     def _rows_on_host(arrays: list[np.ndarray], lens: list[int], B: int, N: int):
-        """CPU device: the rows of a fresh zero ``[B, N]`` array, filled by :func:`_copy_rows`."""
+        """On the host (the CPU device; CUDA batches over the kernel's limit): the rows of a fresh
+        zero ``[B, N]`` array, filled by :func:`_copy_rows`, and the lengths."""
         audio = np.zeros((B, N), np.float32)
         _copy_rows(audio.reshape(-1), arrays, [i * N for i in range(len(arrays))])
         return torch.from_numpy(audio), torch.tensor(lens + [0] * (B - len(lens)), dtype=torch.long)

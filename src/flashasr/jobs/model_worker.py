@@ -38,8 +38,8 @@ class ModelWorker:
         ``stage_cpu_s`` counters, e.g. ``features_upload``, ``detokenize``; see
         :class:`~flashasr.models.base.ASRModel`); ``in_flight``: batches submitted and not yet
         taken back; ``batches_done``: batches finished so far; ``calls``: per batch the model ran
-        (finished, or failed and stopped the thread) ``(start, seconds, pieces)``, ``start`` a ``time.perf_counter()`` value (the job's
-        timeline of model calls: where the GPU waited).
+        (finished, or failed and stopped the thread) ``(start, seconds, pieces)``, ``start`` a
+        ``time.perf_counter()`` value (the job's timeline of model calls: where the GPU waited).
     """
 
     def __init__(self, model, *, wake: threading.Event, synchronize_cuda: bool = False):
@@ -103,20 +103,20 @@ class ModelWorker:
                 return
             token, waves, options = job
             t0, c0 = time.perf_counter(), time.thread_time()
+            error = None
             try:
                 outs = transcribe_pieces(self.model, waves, options, getattr(waves, "speech", None))
                 self._synchronize()
             except BaseException as e:  # noqa: BLE001 - not a piece's failure: the job must stop
-                dt = time.perf_counter() - t0
-                self.busy_s += dt  # the model ran: its time and pieces count like a finished call's
-                self.calls.append((t0, dt, len(waves)))
-                self.error = e
-                self.wake.set()
-                return
-            dt = time.perf_counter() - t0
+                error = e
+            dt = time.perf_counter() - t0  # a failed call ran too: its time and pieces count
             self.busy_s += dt
             self.cpu_s += time.thread_time() - c0
             self.calls.append((t0, dt, len(waves)))
+            if error is not None:
+                self.error = error
+                self.wake.set()
+                return
             with self._lock:
                 self._done.append((token, outs))
                 self.batches_done += 1

@@ -133,18 +133,24 @@ def load_model(spec=None, *, device: str = "cpu", dtype: str | None = None, engi
             cannot use here (``cuda`` without a GPU or CUDA build, ``gpu``, ``cuda:7`` of 1 GPU) or
             a second GPU in this process (:func:`use_cuda_device`); FlashASRError for a bad ``engine``.
     """
+    global _CUDA_INDEX_IN_USE
     _check_engine(engine)
     check_device(device)
+    claimed = _CUDA_INDEX_IN_USE
     use_cuda_device(device)
     s = None if spec is None else str(spec)
-    if s is not None and s.startswith("random:"):
-        from ..random_models import load_random_model
+    try:
+        if s is not None and s.startswith("random:"):
+            from ..random_models import load_random_model
 
-        return load_random_model(s[len("random:"):], device=device, dtype=dtype,
-                                 accelerate=lambda m: accelerate(m, engine))
-    from ..models.registry import load_model as load_weights
+            return load_random_model(s[len("random:"):], device=device, dtype=dtype,
+                                     accelerate=lambda m: accelerate(m, engine))
+        from ..models.registry import load_model as load_weights
 
-    return accelerate(load_weights(s, device=device, dtype=dtype), engine)
+        return accelerate(load_weights(s, device=device, dtype=dtype), engine)
+    except BaseException:
+        _CUDA_INDEX_IN_USE = claimed  # no model of this load runs on that GPU
+        raise
 
 
 @functools.lru_cache(maxsize=4)
