@@ -89,6 +89,11 @@ def test_uploader_pads_and_reuses_buffer():
     with pytest.raises(AudioError, match=r"waveform 0: expected mono samples of shape \[N\], got shape \(3, 2\)") as e:
         up.upload([stereo, np.full(1, 9.0, np.float32)], samples=8)
     assert e.value.code == "invalid_audio"
+    for scalar in (np.float32(0.5), np.array(0.5)):  # 0-d: not a waveform either
+        with pytest.raises(AudioError, match=r"waveform 0: expected mono samples of shape \[N\], got shape \(\)"):
+            up.upload([scalar])
+    with pytest.raises(AudioError, match=r"0 waveforms \(longest 0 samples\) do not fit a \[-1, 0\] batch"):
+        up.upload([], batch=-1)
 
 
 def _check_uploader_random(device):

@@ -303,6 +303,11 @@ def test_a_cuda_model_device_becomes_the_current_device_and_one_process_uses_one
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: (calls.append(i), current.__setitem__(0, i)))
     monkeypatch.setattr(engines, "_CUDA_INDEX_IN_USE", None)
+    for bad in ("", "CPU", "gpu"):  # torch's own errors become invalid_device
+        with pytest.raises(FlashASRError, match="not a torch device") as e:
+            engines.use_cuda_device(bad)
+        assert e.value.code == "invalid_device"
+    monkeypatch.setattr(engines, "check_device", lambda d: None)  # no GPU here: pretend cuda:0-1 exist
     engines.use_cuda_device("cpu")
     assert calls == [] and engines._CUDA_INDEX_IN_USE is None
     engines.use_cuda_device("cuda:1")

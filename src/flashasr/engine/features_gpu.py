@@ -168,17 +168,19 @@ class PinnedUploader:
 
     def upload(self, waveforms: Sequence[np.ndarray], batch: int | None = None,
                samples: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        arrays = [np.ascontiguousarray(w, dtype=np.float32) for w in waveforms]
-        for i, a in enumerate(arrays):
-            if a.ndim != 1:
+        arrays = []
+        for i, w in enumerate(waveforms):
+            a = np.asarray(w)
+            if a.ndim != 1:  # checked before the copy below, which makes a 0-d array 1-D
                 raise AudioError(f"waveform {i}: expected mono samples of shape [N], got shape {a.shape}",
                                  code="invalid_audio")
+            arrays.append(np.ascontiguousarray(a, dtype=np.float32))
         n = len(arrays)
         B = batch or n
         lens = [a.size for a in arrays]
         N = samples or max(lens, default=0)
         if n > B or any(m > N for m in lens):
-            raise AudioError(f"{n} waveforms (longest {max(lens)} samples) do not fit "
+            raise AudioError(f"{n} waveforms (longest {max(lens, default=0)} samples) do not fit "
                              f"a [{B}, {N}] batch", code="batch_too_small")
         if self.device.type != "cuda":
             return self._rows_on_host(arrays, lens, B, N)

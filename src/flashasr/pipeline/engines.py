@@ -104,11 +104,13 @@ def use_cuda_device(device: str) -> None:
     process is refused. Nothing happens for ``cpu``.
 
     Raises:
-        ModelLoadError (``invalid_device``): a model on another GPU was loaded in this process.
+        ModelLoadError (``invalid_device``): a device torch cannot use here (:func:`check_device`),
+            or a model on another GPU was loaded in this process.
     """
     global _CUDA_INDEX_IN_USE
     import torch
 
+    check_device(device)
     dev = torch.device(str(device))
     if dev.type != "cuda":
         return
@@ -135,9 +137,8 @@ def load_model(spec=None, *, device: str = "cpu", dtype: str | None = None, engi
     """
     global _CUDA_INDEX_IN_USE
     _check_engine(engine)
-    check_device(device)
     claimed = _CUDA_INDEX_IN_USE
-    use_cuda_device(device)
+    use_cuda_device(device)  # checks the device first
     s = None if spec is None else str(spec)
     try:
         if s is not None and s.startswith("random:"):
