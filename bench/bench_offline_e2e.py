@@ -808,16 +808,22 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
         kw = {}
         for kv in spec.split(","):
             k, _, v = kv.partition("=")
-            kw[k.strip()] = float(v) if "." in v else int(v)
+            try:
+                kw[k.strip()] = float(v) if "." in v else int(v)
+            except ValueError:  # a word: vad_device=cpu
+                kw[k.strip()] = v.strip()
         if left() < 5:
             log(f"variant {spec}: skipped, out of time")
             continue
-        # pool_workers=N / pool_nice=N: a pool of its own for this run (forked now, outside the timing)
+        # pool_workers=N / pool_nice=N / pool_reserve=N (cores kept free of decoders): a pool of its own
+        # for this run (forked now, outside the timing)
         var_pool = None
-        if {"pool_workers", "pool_nice"} & set(kw):
-            nice_before = os.environ.get("FLASHASR_DECODE_NICENESS")
-            if "pool_nice" in kw:
-                os.environ["FLASHASR_DECODE_NICENESS"] = str(kw.pop("pool_nice"))
+        env_of = {"pool_nice": "FLASHASR_DECODE_NICENESS", "pool_reserve": "FLASHASR_DECODE_RESERVED_CPUS"}
+        if {"pool_workers", *env_of} & set(kw):
+            env_before = {v: os.environ.get(v) for v in env_of.values()}
+            for k, v in env_of.items():
+                if k in kw:
+                    os.environ[v] = str(kw.pop(k))
             from flashasr.jobs import start_decode_pool
 
             try:
@@ -826,10 +832,11 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
                 res.error(f"variant {spec}: pool", e)
                 continue
             finally:
-                if nice_before is None:
-                    os.environ.pop("FLASHASR_DECODE_NICENESS", None)
-                else:
-                    os.environ["FLASHASR_DECODE_NICENESS"] = nice_before
+                for v, before in env_before.items():
+                    if before is None:
+                        os.environ.pop(v, None)
+                    else:
+                        os.environ[v] = before
         try:
             job(f"a: from disk, batch {batch_sizes[0]}, {spec}", [inputs_root], len(inputs),
                 tmp_root / f"out_var_{len(d['phases'])}", batch_sizes[0], min(40.0, 0.25 * left()),
@@ -1068,7 +1075,8 @@ def analysis(d: dict, a_rows: dict, workers: int) -> dict:
     b3 = next((p for p in d.get("phases", []) if p["phase"].startswith("b3")), None)
     if b3 and b3.get("speed_factor"):
         out["engine_own_packing_speed_factor"] = b3["speed_factor"]
-    out["rule"] = ("bound_by: model if model calls >= 80 % of wall; cpu_stage if decode+VAD wall or CPU s "
+    out["rule"] = ("bound_by: too_small if fewer than 2 files were transcribed or 2 model calls made; "
+                   "model if model calls >= 80 % of wall; cpu_stage if decode+VAD wall or CPU s "
                    ">= 80 % of workers x wall; writer if output writing (its own thread) >= 80 %; else input "
                    "(nothing saturated); cpu_stage_ceiling = workers x 3600 / (decode + VAD CPU s per audio h)")
     return out

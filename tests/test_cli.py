@@ -369,6 +369,60 @@ def test_bad_output_dir_is_a_usage_error(tmp_path, capsys, monkeypatch):
         assert "[output_dir_invalid]" in err and str(out) in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("device", ["cpu:1", "cpu:0", "CPU", "cuda:01", "cuda:x", "meta"])
+def test_a_malformed_device_is_refused_before_anything_is_created(tmp_path, capsys, monkeypatch, device):
+    """--device goes through check_device (the rule of every door: cpu, cuda, cuda:N) before the
+    output folder exists or the model loads: one invalid_device line, exit 2, nothing on disk;
+    with --ray too (there only its form: the GPUs are the cluster's)."""
+    from flashasr import pipeline
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not be loaded for a bad --device")
+
+    monkeypatch.setattr(pipeline, "cached_model", no_load)
+    out = tmp_path / "new" / "out"
+    for ray in ([], ["--ray=local"]):
+        assert main(["transcribe", str(GOLDEN), "--device", device, "-o", str(out), *ray]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: [invalid_device] ") and repr(device) in err and "Traceback" not in err
+        assert not (tmp_path / "new").exists()
+
+
+def test_a_refused_command_leaves_no_output_folder(tmp_path, capsys):
+    """A model that cannot load or options it refuses: exit 2 and the --output-dir is not created
+    (it is made only once every argument and the model were accepted)."""
+    out = tmp_path / "new" / "out"
+    for args in (["--model", str(tmp_path / "nomodel")], ["--language", "de"], ["--task", "translate"]):
+        assert main(["transcribe", str(GOLDEN), "-o", str(out), *args]) == 2
+        assert capsys.readouterr().err.startswith("error: [") and not (tmp_path / "new").exists(), args
+    assert main(["transcribe", str(GOLDEN), "-o", str(out), "--quiet"]) == 0 and (out / f"{GOLDEN.stem}.txt").exists()
+
+
+def test_a_rerun_with_every_input_done_says_so_in_one_line(tmp_path, capsys):
+    """All inputs already complete in summary.jsonl: one line instead of a table of zeros."""
+    out = tmp_path / "o"
+    assert main(["transcribe", str(GOLDEN), str(STELLA), "-o", str(out)]) == 0
+    assert "files      ok 2" in capsys.readouterr().err
+    assert main(["transcribe", str(GOLDEN), str(STELLA), "-o", str(out)]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"all 2 inputs already done in {out / 'summary.jsonl'}; nothing to transcribe (use --no-resume to redo them)"]
+    assert main(["transcribe", str(GOLDEN), "-o", str(out)]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"the input is already done in {out / 'summary.jsonl'}; nothing to transcribe (use --no-resume to redo it)"]
+    assert main(["transcribe", str(GOLDEN), "-o", str(out), "--no-resume"]) == 0
+    assert "files      ok 1" in capsys.readouterr().err
+
+
+def test_every_door_writes_its_error_lines_through_one_helper():
+    """``error: [code] message``, lowercase, from flashasr.errors.print_error only (transcribe and
+    eval once differed: ``Error:`` against ``error:``)."""
+    root = Path(__import__("flashasr").__file__).parent
+    by_hand = [f"{p.relative_to(root)}:{n}" for p in sorted(root.rglob("*.py")) if p.name != "errors.py"
+               for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+               if re.search(r"""["'](?i:error): \[""", line)]
+    assert by_hand == []
+
+
 def test_serve_is_dispatched_and_missing_extra_is_explained(monkeypatch, capsys):
     import flashasr.serve.app as app
 

@@ -102,3 +102,17 @@ def test_eval_cli_end_to_end_with_peer(tmp_path, capsys):
         assert ns["clips"] == 1 and ns["hallucinated_words"] == rows["hard-silence-1s"][system]["hypothesis_words"]
     assert d["summary"]["conditions"]["peer_settings"]["beam_size"] == 1
     assert "faster-whisper (float32): WER" in text and "ours (whisper-tiny.en): WER" in text
+
+
+@pytest.mark.parametrize("args, code", [(["--batch-size", "0"], "invalid_request"),
+                                        (["--device", "cpu:1"], "invalid_device"),
+                                        (["--limit", "-1"], "invalid_request"),
+                                        (["--limit", "0"], "invalid_request")])
+def test_eval_refuses_bad_arguments_as_transcribe_does(capsys, args, code):
+    """A job argument the runner refuses or a malformed device: `flashasr eval` says
+    ``error: [code] ...`` (as `flashasr transcribe`), exit 2, no traceback (``...Error:``)."""
+    from flashasr.cli import main
+
+    rc = main(["eval", "--manifest", str(AUDIO / "manifest.jsonl"), "--ids", "en-vctk-p225-001", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: [{code}] ") and "Error:" not in err, err

@@ -226,6 +226,48 @@ def test_resume_skips_done_and_redoes_changed(synth_dir, tmp_path):
     assert len(lines) == 8  # compacted: one line per input
 
 
+@pytest.mark.parametrize("stop", [ValueError, KeyboardInterrupt])
+def test_on_result_raising_mid_group_leaves_no_output_without_its_journal_line(tmp_path, stop):
+    """on_result raises (an error, a Ctrl-C) on the first of six outputs the writer wrote as one group:
+    the other five, complete on disk, still get their journal lines and results; ``audio_s`` counts
+    exactly the recorded ok results (not every merged file); a re-run redoes only what is unrecorded."""
+    import time
+
+    d, out = tmp_path / "in", tmp_path / "o"
+    for k in range(7):
+        _write_wav(d / f"c{k}.wav", 0.1 * np.random.default_rng(k).standard_normal(SR + 800 * k))
+    kw = dict(batch_size=6, split_fn=fixed_split, max_segment_s=30, workers=2, batch_wait_s=10, progress=False)
+    run_job([d / "c6.wav"], HashModel(), out, "text", **kw)  # done before: skipped, emitted first
+    m, calls = HashModel(), []
+
+    def on_result(res):
+        calls.append(res.item.key)
+        if res.status == "skipped":  # hold the writer: the six files' model call, then their hand-over
+            while not m.batches:
+                time.sleep(0.01)
+            time.sleep(0.5)
+        else:
+            raise stop("stop")
+
+    if stop is ValueError:
+        with pytest.raises(ValueError):
+            run_job([d], m, out, "text", on_result=on_result, **kw)
+        r = None
+    else:
+        r = run_job([d], m, out, "text", on_result=on_result, **kw)
+        assert r.interrupted
+    assert m.batches == [6] and len(calls) == 2 and calls[0] == "c6"  # none after the one that raised
+    journal = {Path(j["path"]).stem: j for j in map(json.loads, (out / "summary.jsonl").read_text().splitlines())}
+    written = sorted(p.stem for p in out.glob("*.txt"))
+    assert written == [f"c{k}" for k in range(7)]
+    assert all(journal[k]["status"] == "ok" and journal[k]["output"] == f"{k}.txt" for k in written)
+    if r is not None:
+        assert sorted(x.item.key for x in r.ok) == written[:6] and len(r.skipped) == 1
+        assert r.audio_s == pytest.approx(sum(x.duration for x in r.ok))
+    again = run_job([d], HashModel(), out, "text", **kw)
+    assert sorted(x.item.key for x in again.skipped) == written and again.audio_s == 0.0
+
+
 def test_bad_inputs_are_reported_and_others_finish(tmp_path):
     d = tmp_path / "in"
     _write_wav(d / "good.wav", 0.1 * np.sin(np.arange(SR) * 0.05).astype(np.float32))
@@ -672,3 +714,28 @@ def test_vad_in_the_main_process_gives_the_workers_pieces(tmp_path, monkeypatch)
     zeros = next(r for r in r_main.ok if r.item.path.name == "zeros.wav")
     assert zeros.transcript.text == "" and zeros.n_pieces == 0  # no speech: no piece, no model call
     assert [r.error_code for r in r_main.failed] == ["empty_audio"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this platform")
+def test_decode_workers_can_keep_the_first_cores_free():
+    """FLASHASR_DECODE_RESERVED_CPUS=n: a decode worker leaves the n lowest cores of its affinity set
+    to the main process; with too few cores to leave one it stays as it is."""
+    import multiprocessing as mp
+
+    from flashasr.jobs.feeder import keep_cores_free
+
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def child(n, q):
+        keep_cores_free(n)
+        q.put(sorted(os.sched_getaffinity(0)))
+
+    ctx = mp.get_context("fork")
+    for n, want in ((0, cpus), (1, cpus[1:] if len(cpus) > 1 else cpus), (len(cpus), cpus)):
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(n, q))
+        p.start()
+        got = q.get(timeout=30)
+        p.join(30)
+        assert got == want, (n, got, want)
+    assert sorted(os.sched_getaffinity(0)) == cpus  # this process untouched

@@ -240,6 +240,28 @@ def test_bound_by_rules():
     assert JobReport().bound_by() == "input" and JobReport().model_busy_fraction == 0.0
 
 
+def test_bound_by_is_too_small_to_say_for_one_file_or_one_model_call(wavs):
+    """One short clip at 79 % model time is not "bound by input": a run of fewer than two
+    transcribed files or two model calls ran its stages one after the other (skipped inputs do no
+    work); real jobs keep the 80 % rules."""
+    from flashasr.jobs import FileResult, InputItem
+
+    def rep(n_ok, n_batches=4, n_skipped=0, **kw):
+        res = [FileResult(item=InputItem(path=Path(f"/x{k}.wav"), key=f"x{k}", display=f"x{k}.wav"),
+                          status="ok" if k < n_ok else "skipped") for k in range(n_ok + n_skipped)]
+        return JobReport(results=res, wall_s=10.0, workers=1, n_batches=n_batches, **kw)
+
+    assert rep(1, 1, model_busy_s=7.9).bound_by() == "too_small"
+    assert rep(1, 3, model_busy_s=9.0).bound_by() == "too_small"  # one long file: many calls, still one file
+    assert rep(1, 4, n_skipped=5, model_busy_s=7.9).bound_by() == "too_small"
+    assert rep(5, 1, model_busy_s=7.9).bound_by() == "too_small"  # five clips, one model call
+    assert rep(4, model_busy_s=7.9).bound_by() == "input" and rep(4, model_busy_s=8.0).bound_by() == "model"
+    one = run_job([wavs / "c0.wav"], SleepModel(delay=0.05), None, "text", workers=1, progress=False,
+                  split_fn=fixed_split, max_segment_s=5)
+    assert one.bound_by() == "too_small" and one.to_dict()["bound_by"] == "too_small"
+    assert "bound by: too small to say (1 file, 1 model call)" in one.table()
+
+
 def test_run_job_samples_nvml_on_cuda(wavs, monkeypatch):
     nv = FakeNvml([80, 90])
     monkeypatch.setattr(runner, "_cuda_available", lambda: True)

@@ -320,6 +320,18 @@ def test_a_cuda_model_device_becomes_the_current_device_and_one_process_uses_one
     assert e.value.code == "invalid_device" and current[0] == 1
 
 
+def test_check_device_is_the_one_device_rule():
+    """cpu (the CPU takes no index), cuda, cuda:N; anything else is invalid_device, also with
+    ``here=False`` (the form only: a Ray cluster's GPUs are checked there)."""
+    for bad in ("cpu:1", "cpu:0", "CPU", "cuda:01", "cuda:", "meta", "mps", "gpu"):
+        for here in (True, False):
+            with pytest.raises(FlashASRError) as e:
+                engines.check_device(bad, here=here)
+            assert e.value.code == "invalid_device", bad
+    engines.check_device("cpu")
+    engines.check_device("cuda:3", here=False)
+
+
 def test_a_failed_load_leaves_no_gpu_claimed(monkeypatch, tmp_path):
     import torch
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .errors import FlashASRError
+from .errors import FlashASRError, print_error
 from .formats import FORMATS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -148,13 +148,51 @@ def _warn_about_options(args: argparse.Namespace, options, caps) -> None:
              f"pieces are at most {options.max_segment_s:g} s")
 
 
+def _device_usable(device: str, *, here: bool) -> bool:
+    """``--device`` checked by :func:`flashasr.pipeline.engines.check_device` (the rule of every door:
+    ``cpu``, ``cuda`` or ``cuda:N``; with ``here`` also whether this machine can use it -- a Ray job's
+    GPUs are the cluster's, checked there): False after an ``error: [invalid_device]`` line."""
+    from .pipeline.engines import check_device
+
+    try:
+        check_device(device, here=here)
+    except FlashASRError as e:
+        print_error(e.code, str(e))
+        return False
+    return True
+
+
+def _output_dir_ready(output_dir: str | None, *, create: bool) -> bool:
+    """Whether ``--output-dir`` can take the outputs (True without one). ``create=False`` checks
+    without creating anything (the folder, or the nearest existing folder above it, is a writable
+    folder), so that a command refused later leaves nothing on disk; ``create=True`` makes it, once
+    every argument and the model were accepted. False after an ``error: [output_dir_invalid]`` line."""
+    if output_dir is None:
+        return True
+    out = Path(output_dir)
+    try:
+        if create:
+            out.mkdir(parents=True, exist_ok=True)
+        near = out
+        while not near.exists() and near.parent != near:
+            near = near.parent
+        if not near.is_dir():
+            raise NotADirectoryError(f"{near} exists and is not a directory")
+        if not os.access(near, os.W_OK | os.X_OK):
+            raise PermissionError(f"{near} is not writable")
+    except OSError as e:
+        print_error("output_dir_invalid", f"cannot write outputs to --output-dir {output_dir}: {e.strerror or e}")
+        return False
+    return True
+
+
 def cmd_transcribe(args: argparse.Namespace) -> int:
     """``flashasr transcribe``: see :func:`build_parser` for the options."""
     from .jobs import InputError, expand_inputs, start_decode_pool
     from .options import TranscribeOptions
 
     if args.word_timestamps and args.format != "verbose_json":  # as the server's 400 for timestamp_granularities
-        _err(f"error: [invalid_option] --word-timestamps needs -f verbose_json (-f {args.format} has no words)")
+        print_error("invalid_option", f"--word-timestamps needs -f verbose_json (-f {args.format} has no words)")
         return EXIT_USAGE
 
     try:  # the one options object of this door, checked for syntax now and against the model below
@@ -162,31 +200,22 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                                     segmentation=args.segmentation, max_segment_s=args.max_segment_s,
                                     prompt=args.prompt, temperature=args.temperature)
     except FlashASRError as e:
-        _err(f"error: [{e.code}] {e}")
+        print_error(e.code, str(e))
         return EXIT_USAGE
     missing: list = []
     try:
         items = expand_inputs(args.inputs, missing=missing)
     except InputError as e:  # e.g. an unreadable manifest
-        _err(f"error: [{e.code}] {e}")
+        print_error(e.code, str(e))
         return EXIT_USAGE
     for e in missing:  # one line per missing input; the others still run
         _err(f"failed: [{e.code}] {e}")
     if not items:
-        _err("error: [no_inputs] no audio files found in the given inputs")
+        print_error("no_inputs", "no audio files found in the given inputs")
         return EXIT_USAGE
-    if args.output_dir is not None:  # check before the (slow) model load
-        out = Path(args.output_dir)
-        try:
-            if out.exists() and not out.is_dir():
-                raise NotADirectoryError(f"{out} exists and is not a directory")
-            out.mkdir(parents=True, exist_ok=True)
-            if not os.access(out, os.W_OK | os.X_OK):
-                raise PermissionError(f"{out} is not writable")
-        except OSError as e:
-            _err(f"error: [output_dir_invalid] cannot write outputs to --output-dir {args.output_dir}: "
-                 f"{e.strerror or e}")
-            return EXIT_USAGE
+    # checked before the (slow) model load, and nothing is created on disk until every argument is accepted
+    if not _device_usable(args.device, here=args.ray is None) or not _output_dir_ready(args.output_dir, create=False):
+        return EXIT_USAGE
     if args.ray is not None:
         return _transcribe_ray(args, items, missing, options)
     # decode workers forked while this process is small (forking them from one holding a CUDA context
@@ -207,19 +236,21 @@ def _transcribe(args: argparse.Namespace, items: list, missing: list, options, p
     try:
         model = cached_model(args.model, args.device, None, args.engine)  # in-process callers reuse a loaded model
     except FlashASRError as e:
-        _err(f"error: [{e.code}] cannot load model {args.model or 'tiny.en'}: {e}")
+        print_error(e.code, f"cannot load model {args.model or 'tiny.en'}: {e}")
         return EXIT_USAGE
     except Exception as e:  # e.g. a CUDA device asked for on a machine without one
-        _err(f"error: [model_load_error] cannot load model {args.model or 'tiny.en'} on {args.device}: "
-             f"{type(e).__name__}: {e}")
+        print_error("model_load_error", f"cannot load model {args.model or 'tiny.en'} on {args.device}: "
+                    f"{type(e).__name__}: {e}")
         return EXIT_USAGE
 
     try:
         options = options.resolve(model.capabilities)
     except FlashASRError as e:  # a language or task this model cannot do
-        _err(f"error: [{e.code}] {e}")
+        print_error(e.code, str(e))
         return EXIT_USAGE
     _warn_about_options(args, options, model.capabilities)
+    if not _output_dir_ready(args.output_dir, create=True):
+        return EXIT_USAGE
     printer = None
     if args.output_dir is None:
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
@@ -230,7 +261,7 @@ def _transcribe(args: argparse.Namespace, items: list, missing: list, options, p
                          workers=args.workers, cpu_pool=args.cpu_pool, resume=args.resume, progress=args.progress,
                          on_result=printer, keep_transcripts=False, worker_pool=pool)
     except FlashASRError as e:
-        _err(f"error: [{e.code}] {e}")
+        print_error(e.code, str(e))
         return EXIT_USAGE
     except BrokenPipeError:  # `| head` closed stdout: stop quietly, as command-line tools do
         _quiet_stdout()
@@ -248,23 +279,25 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
     try:
         connect(address)
     except FlashASRError as e:  # a malformed address, Ray missing, a cluster that cannot be joined
-        _err(f"error: [{e.code}] {e}")
+        print_error(e.code, str(e))
         return EXIT_USAGE
     try:
         caps = probe_capabilities(args.model, device=args.device, engine=args.engine)
     except FlashASRError as e:
-        _err(f"error: [{e.code}] cannot load model {args.model or 'tiny.en'}: {e}")
+        print_error(e.code, f"cannot load model {args.model or 'tiny.en'}: {e}")
         return EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - e.g. a CUDA device asked for on a cluster without one
-        _err(f"error: [model_load_error] cannot load model {args.model or 'tiny.en'} on {args.device}: "
-             f"{type(e).__name__}: {e}")
+        print_error("model_load_error", f"cannot load model {args.model or 'tiny.en'} on {args.device}: "
+                    f"{type(e).__name__}: {e}")
         return EXIT_USAGE
     try:
         options = options.resolve(caps)
     except FlashASRError as e:
-        _err(f"error: [{e.code}] {e}")
+        print_error(e.code, str(e))
         return EXIT_USAGE
     _warn_about_options(args, options, caps)
+    if not _output_dir_ready(args.output_dir, create=True):
+        return EXIT_USAGE
     printer = None
     if args.output_dir is None:
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
@@ -277,7 +310,7 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
                              decode_tasks=args.workers, resume=args.resume, progress=args.progress,
                              on_result=printer, keep_transcripts=False)
     except FlashASRError as e:
-        _err(f"error: [{e.code}] {e}")
+        print_error(e.code, str(e))
         return EXIT_USAGE
     except BrokenPipeError:
         _quiet_stdout()
@@ -300,12 +333,26 @@ def _report(args: argparse.Namespace, items: list, missing: list, report) -> int
         _err(f"interrupted: {len(report.ok) + len(report.skipped)} of {len(items)} inputs finished; "
              "re-run the same command to resume" if args.output_dir else "interrupted")
     if not args.quiet and (args.summary or (args.summary is None and (len(items) > 1 or args.output_dir))):
-        _err(report.table())
+        nothing_done = _nothing_done_line(report, args.output_dir)
+        _err(nothing_done or report.table())
         if missing:  # inputs that never reached the job (not found, unreadable folder): also failures
             _err(f"inputs     {len(missing)} not found or unreadable (the 'failed:' lines above); exit code 1")
-        if args.output_dir:
+        if args.output_dir and not nothing_done:
             _err(f"outputs    {os.path.abspath(args.output_dir)} (summary.jsonl)")
     return EXIT_FAILED if missing and report.exit_code == EXIT_OK else report.exit_code
+
+
+def _nothing_done_line(report, output_dir: str | None) -> str | None:
+    """The one line that replaces the table of a re-run whose every input was already done (all
+    skipped by ``--resume``: a table of zeros says nothing), else None."""
+    n = len(report.results)
+    if not n or len(report.skipped) < n or report.interrupted or output_dir is None:
+        return None
+    from .jobs.outputs import SUMMARY_NAME
+
+    where = os.path.join(output_dir, SUMMARY_NAME)
+    return (f"all {n} inputs already done in {where}; nothing to transcribe (use --no-resume to redo them)"
+            if n > 1 else f"the input is already done in {where}; nothing to transcribe (use --no-resume to redo it)")
 
 
 class StdoutPrinter:
@@ -400,8 +447,8 @@ def cmd_serve(argv: list[str]) -> int:
         from .serve.app import main as serve_main
     except ImportError as e:
         missing = getattr(e, "name", None) or str(e)
-        _err(f"error: [serve_unavailable] 'flashasr serve' needs the serve extra "
-             f"(pip install 'flashasr[serve]'); import failed: {missing}")
+        print_error("serve_unavailable", f"'flashasr serve' needs the serve extra "
+                    f"(pip install 'flashasr[serve]'); import failed: {missing}")
         return EXIT_USAGE
     return int(serve_main(argv) or 0)
 

@@ -84,3 +84,12 @@ class ModelLoadError(FlashASRError):
 
 class UnsupportedModelError(ModelLoadError):
     code = "unsupported_model"
+
+
+def print_error(code: str, message: str) -> None:
+    """Say why a command-line door stops, the one way all of them do (``flashasr transcribe``,
+    ``flashasr eval``, ...): one ``error: [code] message`` line on stderr, lowercase ``error:`` as
+    argparse's own usage errors; ``code`` is the error's stable code (:attr:`FlashASRError.code`)."""
+    import sys
+
+    print(f"error: [{code}] {message}", file=sys.stderr, flush=True)

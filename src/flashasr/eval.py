@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import FlashASRError, ModelLoadError
+from .errors import FlashASRError, InvalidRequestError, ModelLoadError, print_error
 
 # --------------------------------------------------------------------------- scoring
 
@@ -200,8 +200,13 @@ def select_clips(clips: list[dict], *, categories: list[str] | None = None, lang
     """Clips to score: with a reference (not null), in ``categories``, of ``language``.
 
     No-speech clips (reference ``""``, language null) of the selected categories stay in
-    (unless ``include_no_speech`` is False) whatever ``language`` says.
+    (unless ``include_no_speech`` is False) whatever ``language`` says; ``limit``: the first N.
+
+    Raises:
+        InvalidRequestError (``invalid_request``): ``limit`` below 1.
     """
+    if limit is not None and int(limit) < 1:
+        raise InvalidRequestError(f"limit must be >= 1 (or left out for every clip), got {limit}", param="limit")
     out = []
     for c in clips:
         ref = c.get("reference")
@@ -545,15 +550,15 @@ def run_eval_cli(args: argparse.Namespace) -> int:
 
     missing = [m for m in ("jiwer", "whisper_normalizer") if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"error: [missing_dependency] 'flashasr eval' needs the eval extra (pip install 'flashasr[eval]'); "
-              f"not installed: {', '.join(missing)}", file=sys.stderr)
+        print_error("missing_dependency", f"'flashasr eval' needs the eval extra (pip install 'flashasr[eval]'); "
+                    f"not installed: {', '.join(missing)}")
         return 2
     from .options import normalize_language
 
     try:  # the one language rule of every door
         args.language = normalize_language(args.language)
     except FlashASRError as e:
-        print(f"error: [{e.code}] {e}", file=sys.stderr)
+        print_error(e.code, str(e))
         return 2
     cats = None
     if args.category:
@@ -561,13 +566,17 @@ def run_eval_cli(args: argparse.Namespace) -> int:
     try:
         all_clips = load_manifest(args.manifest)
     except FlashASRError as e:
-        print(f"error: [{e.code}] {e}", file=sys.stderr)
+        print_error(e.code, str(e))
         return 2
     ids = [s.strip() for s in args.ids.split(",")] if args.ids else None
-    clips = select_clips(all_clips, categories=cats, language=args.language, ids=ids,
-                         include_no_speech=args.no_speech, limit=args.limit)
+    try:
+        clips = select_clips(all_clips, categories=cats, language=args.language, ids=ids,
+                             include_no_speech=args.no_speech, limit=args.limit)
+    except FlashASRError as e:
+        print_error(e.code, str(e))
+        return 2
     if not clips:
-        print("error: [no_inputs] no clip of the manifest matches the selection", file=sys.stderr)
+        print_error("no_inputs", "no clip of the manifest matches the selection")
         return 2
     try:
         import torch
@@ -582,13 +591,18 @@ def run_eval_cli(args: argparse.Namespace) -> int:
             peer = FasterWhisperPeer(args.model, compute_type=args.peer_compute_type, threads=args.threads,
                                      device=args.device)
     except FlashASRError as e:
-        print(f"error: [{e.code}] {e}", file=sys.stderr)
+        print_error(e.code, str(e))
         return 2
     except Exception as e:  # e.g. CUDA asked for on a machine without one
-        print(f"error: [model_load_error] {type(e).__name__}: {e}", file=sys.stderr)
+        print_error("model_load_error", f"cannot load model {args.model or 'tiny.en'} on {args.device}: "
+                    f"{type(e).__name__}: {e}")
         return 2
-    res = evaluate(clips, model, peer=peer, language=args.language, batch_size=args.batch_size,
-                   segmentation=args.segmentation, all_clips=all_clips, progress=args.progress)
+    try:  # the job's own checks (a batch size below 1, ...) are usage errors too, not tracebacks
+        res = evaluate(clips, model, peer=peer, language=args.language, batch_size=args.batch_size,
+                       segmentation=args.segmentation, all_clips=all_clips, progress=args.progress)
+    except FlashASRError as e:
+        print_error(e.code, str(e))
+        return 2
     res.summary["conditions"] = {
         "manifest": str(args.manifest), "model": args.model or "tiny.en", "device": args.device,
         "categories": cats, "language": args.language, "segmentation": args.segmentation,

@@ -155,10 +155,22 @@ def prepare_file(path: str, options: TranscribeOptions, caps: ModelCapabilities,
 WORKER_NICENESS = 5
 
 
+def keep_cores_free(n: int) -> None:
+    """Keep this process off the ``n`` lowest-numbered cores of its CPU affinity set (Linux
+    ``sched_setaffinity``), so that they stay free for the main process: the model thread that
+    feeds the GPU and the job's other threads. ``n`` <= 0, or too few cores to leave one: as it is.
+    The decode workers call it with ``FLASHASR_DECODE_RESERVED_CPUS`` (default 0)."""
+    if n <= 0 or not hasattr(os, "sched_getaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > n:
+        os.sched_setaffinity(0, cpus[n:])
+
+
 def worker_init() -> None:
     """Decode worker process: one thread per library (the pool is the parallelism), a lower
-    scheduling priority than the main process (:data:`WORKER_NICENESS`); Ctrl-C is the parent's to
-    handle."""
+    scheduling priority than the main process (:data:`WORKER_NICENESS`), optionally off the first
+    cores (:func:`keep_cores_free`); Ctrl-C is the parent's to handle."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -168,6 +180,10 @@ def worker_init() -> None:
     try:
         os.nice(int(os.environ.get("FLASHASR_DECODE_NICENESS", WORKER_NICENESS)))
     except (OSError, ValueError, AttributeError):  # not permitted / not a number / no os.nice: as it is
+        pass
+    try:
+        keep_cores_free(int(os.environ.get("FLASHASR_DECODE_RESERVED_CPUS", 0)))
+    except (OSError, ValueError):  # not permitted / not a number: as it is
         pass
 
 

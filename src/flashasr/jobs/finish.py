@@ -10,7 +10,11 @@ For a file whose last piece is done (:class:`~flashasr.jobs.batcher.FileState`):
 
 :class:`Finisher` also emits the results decided without a model call (skipped by resume, failed
 decodes, options the model refuses for one file) and holds the job's results in input order.
-Its wall time is ``JobReport.finish_s``; the audio it finished, ``JobReport.audio_s``.
+Its wall time is ``JobReport.finish_s``; the audio of the files it finished ``ok``, counted as each
+result is recorded (after its journal line), ``JobReport.audio_s``: the report's totals and results
+always agree with the journal. When ``on_result`` raises (an error, a Ctrl-C), the job stops after the
+writer's current group: the outputs that group already wrote still get their journal lines and
+results (no more ``on_result`` calls), so a re-run skips exactly what is complete on disk.
 
 A damaged input is reported, not hidden: the decode's warnings (``FileState.warnings``) go into the
 transcript (``verbose_json`` ``warnings``), the journal line (``warnings``) and the result (the CLI
@@ -95,6 +99,7 @@ class Finisher:
         self.merge_render_cpu_s = 0.0  # merging the pieces and rendering the outputs
         self.write_cpu_s = 0.0  # writing the outputs (all writing threads) and the journal lines
         self._error: BaseException | None = None
+        self._callback_failed = False  # on_result raised: no more calls to it, the job is stopping
 
     # ------------------------------------------------------------------ the writer thread
     def start_writer(self) -> None:
@@ -154,12 +159,22 @@ class Finisher:
             self.write_cpu_s += cpu_s
         self.report.finish_s += time.perf_counter() - t0
         c0 = time.thread_time()
+        stop = None
         for k, (fn, args) in enumerate(steps):
-            if fn is not None:
-                fn(*args)
-            else:
-                self._complete(*args, done.get(k))
+            try:
+                if fn is not None:
+                    fn(*args)
+                else:
+                    self._complete(*args, done.get(k))
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                if stop is not None or not self._callback_failed:
+                    raise  # e.g. an unwritable journal: the results after it stay unrecorded (a re-run redoes them)
+                # on_result failed (an error, a Ctrl-C): the job stops, but this group's outputs are already
+                # complete on disk; their journal lines go first, so that the report and the journal agree
+                stop = e
         self.write_cpu_s += time.thread_time() - c0
+        if stop is not None:
+            raise stop
 
     def open_progress(self, progress: bool | None) -> None:
         self.bar = progress_bar(len(self.items), progress)
@@ -189,8 +204,14 @@ class Finisher:
         self.results[i] = res
         if self.summary is not None and res.status in ("ok", "failed"):
             self.summary.append(self._record(res, output_bytes), sync=self._queue is None)
-        if self.on_result is not None:
-            self.on_result(res)
+        if res.status == "ok" and res.duration is not None:  # counted once recorded (journal line written)
+            self.report.audio_s += res.duration
+        if self.on_result is not None and not self._callback_failed:
+            try:
+                self.on_result(res)
+            except BaseException:
+                self._callback_failed = True
+                raise
         if not self.keep_transcripts:
             res.transcript = None
         if self.bar is not None:
@@ -252,7 +273,6 @@ class Finisher:
         damage = st.warnings if st.warnings is not None else header_check(st.item.path, dur)
         res.transcript = merge_pieces(parts, dur, options=st.options, caps=self.caps, warnings=damage)
         res.warnings = list(res.transcript.warnings)
-        self.report.audio_s += dur
         if self.out_dir is None:
             return st, res, None, None
         text = render(res.transcript, self.fmt, words=True if st.options.word_timestamps else None)

@@ -137,6 +137,9 @@ class JobReport:
 
     STAGES = ("decode", "resample", "vad", "transport", "features_upload", "model", "detokenize", "merge_render",
               "write", "other")
+    #: Fewer inputs transcribed in a run, or fewer model calls, and :meth:`bound_by` says ``too_small``.
+    MIN_FILES_TO_SAY = 2
+    MIN_CALLS_TO_SAY = 2
 
     def stage_cpu_per_audio_hour(self) -> dict[str, float]:
         """:attr:`stage_cpu_s` per hour of audio, every stage of :attr:`STAGES`, plus ``sum``."""
@@ -182,10 +185,27 @@ class JobReport:
         return min(1.0, self.finish_s / self.wall_s) if self.wall_s > 0 else 0.0
 
     def bound_by(self) -> str:
-        """Which stage bounds throughput, from the fractions above: ``model`` (model calls -- the
-        model thread -- >= 80 % of wall time), ``cpu_stage`` (the worker pool >= 80 % occupied or its
-        CPU >= 80 % used), ``writer`` (output work -- the writer thread -- >= 80 %), else ``input``
-        (nothing saturated: too little work in flight, I/O, the conductor, or start-up and tail)."""
+        """Which stage bounds throughput, from the fractions above.
+
+        The rule, first match wins:
+
+        1. ``too_small`` -- the report lists its results and this run transcribed fewer than
+           :attr:`MIN_FILES_TO_SAY` inputs (ok or failed; skipped ones did no work) or made fewer
+           than :attr:`MIN_CALLS_TO_SAY` model calls: its stages ran one after the other (one file is
+           decoded whole before its first model call, written after its last), never side by side,
+           so no stage bounded a pipeline and the shares say only where the time went (the table
+           shows them). A single short clip at 79 % model time is not "bound by input".
+        2. ``model`` -- model calls (the model thread) >= 80 % of wall time.
+        3. ``cpu_stage`` -- the worker pool >= 80 % occupied or its CPU >= 80 % used.
+        4. ``writer`` -- output work (the writer thread) >= 80 %.
+        5. ``input`` -- nothing saturated: too little work in flight, I/O, the conductor, or start-up
+           and tail.
+
+        A report without results (figures set by hand) skips rule 1.
+        """
+        if self.results and (len(self.ok) + len(self.failed) < self.MIN_FILES_TO_SAY
+                             or self.n_batches < self.MIN_CALLS_TO_SAY):
+            return "too_small"
         if self.model_busy_fraction >= 0.8:
             return "model"
         if max(self.cpu_stage_utilisation, self.cpu_pool_busy_fraction) >= 0.8:
@@ -241,7 +261,7 @@ class JobReport:
             lines.append(f"stages     {self.workers} decode {pool} {100 * self.cpu_pool_busy_fraction:.0f} % busy "
                          f"({100 * self.cpu_stage_utilisation:.0f} % on CPU), "
                          f"model calls {100 * self.model_busy_fraction:.0f} % of wall, "
-                         f"outputs {100 * self.finish_s / self.wall_s:.0f} %; bound by {self.bound_by()}")
+                         f"outputs {100 * self.finish_s / self.wall_s:.0f} %; {self._bound_text()}")
         if self.device.startswith("cuda") and self.wall_s > 0:
             line = f"GPU busy   {100 * self.model_busy_fraction:.1f} % of wall time (model calls)"
             if self.nvml is not None:
@@ -252,6 +272,14 @@ class JobReport:
                     line += f"; NVML: {self.nvml.get('reason', 'unavailable')}"
             lines.append(line)
         return "\n".join(lines)
+
+    def _bound_text(self) -> str:
+        """:meth:`bound_by` as the table says it."""
+        b = self.bound_by()
+        if b != "too_small":
+            return f"bound by {b}"
+        files = len(self.ok) + len(self.failed)
+        return f"bound by: too small to say ({_count(files, 'file')}, {_count(self.n_batches, 'model call')})"
 
 
 #: How the final table names the decode workers of each ``cpu_pool``.

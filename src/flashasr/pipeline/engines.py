@@ -68,8 +68,15 @@ def accelerate(model, engine: str = "auto", **engine_kw):
     return model
 
 
-def check_device(device: str) -> None:
-    """A device torch can use, or ModelLoadError (``invalid_device``) saying why not."""
+def check_device(device: str, *, here: bool = True) -> None:
+    """A device torch can use, or ModelLoadError (``invalid_device``) saying why not.
+
+    The one device rule of every door: ``cpu`` (no index: the CPU is one device, ``cpu:1`` names
+    nothing), ``cuda`` or ``cuda:N``; anything torch does not parse, or another device type, is
+    refused. With ``here`` (default) also whether this machine can use it: a CUDA build, a visible
+    GPU, ``N`` below the GPU count; ``here=False`` checks the form only (a Ray job's GPUs are the
+    cluster's, checked where its model loads).
+    """
     from ..errors import ModelLoadError
 
     d = str(device)
@@ -80,6 +87,11 @@ def check_device(device: str) -> None:
     except (RuntimeError, TypeError, ValueError):
         raise ModelLoadError(f"device {d!r} is not a torch device; use cpu, cuda or cuda:N",
                              code="invalid_device") from None
+    if dev.type == "cpu" and dev.index is not None:
+        raise ModelLoadError(f"device {d!r} is not supported: the CPU takes no index; use cpu, cuda or cuda:N",
+                             code="invalid_device")
+    if dev.type == "cuda" and not here:
+        return
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
