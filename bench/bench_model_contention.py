@@ -12,7 +12,8 @@ separates them: the same 512 pieces through ``transcribe_pieces`` (the job's mod
 * nothing else running (the engine's own pace);
 * ``T`` threads in this process spinning in Python (GIL pressure only);
 * ``P`` processes spinning on the cores at the decode workers' niceness (core pressure only);
-* the same processes kept off the first ``R`` cores (``sched_setaffinity``: cores left free).
+* the same processes kept off the first ``R`` cores (``sched_setaffinity``: cores left free);
+* another GIL switch interval during the condition (``switch_us=``).
 
 Each condition: ``--repeats`` calls after one warm call; median and best wall time per call, ms
 per piece, and the ratio to the condition "alone" of the same run. The JSON goes to
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--switch-interval-s", type=float, default=0.0005, help="as the job sets it")
     ap.add_argument("--conditions", default="alone;threads=1;threads=3;procs=15;procs=15,reserve=1;"
                     "procs=12,reserve=4;procs=15,threads=3;alone",
-                    help="';'-separated: alone, threads=T, procs=P, reserve=R (with procs), nice=N")
+                    help="';'-separated: alone, threads=T, procs=P, reserve=R (with procs), nice=N, "
+                         "switch_us=U (the GIL switch interval during this condition)")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
     rows = []
     ctx = mp.get_context("fork")
     for spec in [c.strip() for c in args.conditions.split(";") if c.strip()]:
-        kw = {} if spec == "alone" else {k.strip(): int(v) for k, _, v in (kv.partition("=") for kv in spec.split(","))}
+        kw = {k.strip(): int(v) for k, eq, v in (kv.partition("=") for kv in spec.split(",")) if eq}  # "alone": {}
         stop_t, stop_p = threading.Event(), ctx.Event()
         threads = [threading.Thread(target=_spin_thread, args=(stop_t,), daemon=True) for _ in range(kw.get("threads", 0))]
         procs = [ctx.Process(target=_spin_proc, args=(stop_p, kw.get("nice", 5), kw.get("reserve", 0)), daemon=True)
@@ -145,9 +147,11 @@ def main(argv=None) -> int:
         for t in threads:
             t.start()
         time.sleep(0.3)
+        sys.setswitchinterval(kw.get("switch_us", args.switch_interval_s * 1e6) / 1e6)
         try:
             ts = timed_calls(model, pieces, options, args.repeats, sync)
         finally:
+            sys.setswitchinterval(args.switch_interval_s)
             stop_t.set()
             stop_p.set()
             for t in threads:
