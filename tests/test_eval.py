@@ -107,7 +107,9 @@ def test_eval_cli_end_to_end_with_peer(tmp_path, capsys):
 @pytest.mark.parametrize("args, code", [(["--batch-size", "0"], "invalid_request"),
                                         (["--device", "cpu:1"], "invalid_device"),
                                         (["--limit", "-1"], "invalid_request"),
-                                        (["--limit", "0"], "invalid_request")])
+                                        (["--limit", "0"], "invalid_request"),
+                                        (["--threads", "0"], "invalid_request"),
+                                        (["--json-out", "/proc/flashasr-eval.json"], "output_invalid")])
 def test_eval_refuses_bad_arguments_as_transcribe_does(capsys, args, code):
     """A job argument the runner refuses or a malformed device: `flashasr eval` says
     ``error: [code] ...`` (as `flashasr transcribe`), exit 2, no traceback (``...Error:``)."""
@@ -116,3 +118,12 @@ def test_eval_refuses_bad_arguments_as_transcribe_does(capsys, args, code):
     rc = main(["eval", "--manifest", str(AUDIO / "manifest.jsonl"), "--ids", "en-vctk-p225-001", *args])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith(f"error: [{code}] ") and "Error:" not in err, err
+
+
+def test_eval_refuses_empty_ids(capsys):
+    """``--ids ''`` names no clip: refused (it used to evaluate the whole manifest)."""
+    from flashasr.cli import main
+
+    rc = main(["eval", "--manifest", str(AUDIO / "manifest.jsonl"), "--ids", ""])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: [invalid_request] ") and "--ids" in err, err

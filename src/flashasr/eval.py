@@ -544,6 +544,26 @@ def _versions() -> dict:
     return v
 
 
+def _bad_arguments(args: argparse.Namespace) -> tuple[str, str] | None:
+    """``(code, message)`` for arguments refused before any work (``--threads`` below 1, an
+    ``--ids`` naming no clip, a ``--json-out`` that cannot be written: checked on the nearest
+    existing folder, nothing created), else None."""
+    if args.threads is not None and int(args.threads) < 1:
+        return "invalid_request", f"--threads must be >= 1, got {args.threads}"
+    if args.ids is not None and not any(s.strip() for s in args.ids.split(",")):
+        return "invalid_request", "--ids names no clip (leave it out to take every clip)"
+    if args.json_out:
+        out = Path(args.json_out)
+        if out.is_dir():
+            return "output_invalid", f"--json-out {args.json_out} is a folder, not a file"
+        near = out.parent
+        while not near.exists() and near.parent != near:
+            near = near.parent
+        if not near.is_dir() or not os.access(near, os.W_OK | os.X_OK):
+            return "output_invalid", f"cannot write --json-out {args.json_out}: {near} is not a writable folder"
+    return None
+
+
 def run_eval_cli(args: argparse.Namespace) -> int:
     """``flashasr eval``: print the table to stdout; exit 1 when a clip failed, 2 on bad usage."""
     from .pipeline import load_model
@@ -555,6 +575,10 @@ def run_eval_cli(args: argparse.Namespace) -> int:
         return 2
     from .options import normalize_language
 
+    bad = _bad_arguments(args)
+    if bad:
+        print_error(*bad)
+        return 2
     try:  # the one language rule of every door
         args.language = normalize_language(args.language)
     except FlashASRError as e:
@@ -618,7 +642,11 @@ def run_eval_cli(args: argparse.Namespace) -> int:
     if args.json_out:
         from .jobs.outputs import atomic_write_text
 
-        atomic_write_text(Path(args.json_out), json.dumps(res.to_dict(), indent=1, ensure_ascii=False) + "\n")
+        try:
+            atomic_write_text(Path(args.json_out), json.dumps(res.to_dict(), indent=1, ensure_ascii=False) + "\n")
+        except OSError as e:
+            print_error("output_invalid", f"cannot write --json-out {args.json_out}: {e.strerror or e}")
+            return 2
         print(f"wrote {args.json_out}", file=sys.stderr)
     failed = res.summary["ours"]["failed"] + (res.summary.get("peer", {}).get("failed", 0))
     return 1 if failed else 0
