@@ -127,3 +127,26 @@ def test_eval_refuses_empty_ids(capsys):
     rc = main(["eval", "--manifest", str(AUDIO / "manifest.jsonl"), "--ids", ""])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: [invalid_request] ") and "--ids" in err, err
+
+
+def test_eval_warns_about_unknown_ids(capsys):
+    """``--ids A,typo``: the unknown id is named on stderr (the known clip still runs)."""
+    import flashasr.eval as ev
+
+    called = {}
+
+    def fake_select(clips, **kw):  # stop before any model work: the warning comes first
+        called["ids"] = kw["ids"]
+        return []
+
+    orig = ev.select_clips
+    ev.select_clips = fake_select
+    try:
+        from flashasr.cli import main
+
+        rc = main(["eval", "--manifest", str(AUDIO / "manifest.jsonl"), "--ids", "en-vctk-p225-001,no-such-clip"])
+    finally:
+        ev.select_clips = orig
+    err = capsys.readouterr().err
+    assert "warning: --ids names no clip of the manifest: no-such-clip" in err, err
+    assert called["ids"] == ["en-vctk-p225-001", "no-such-clip"] and rc == 2

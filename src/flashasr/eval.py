@@ -592,7 +592,10 @@ def run_eval_cli(args: argparse.Namespace) -> int:
     except FlashASRError as e:
         print_error(e.code, str(e))
         return 2
-    ids = [s.strip() for s in args.ids.split(",")] if args.ids else None
+    ids = [s.strip() for s in args.ids.split(",") if s.strip()] if args.ids else None
+    unknown = sorted(set(ids or ()) - {c.get("id") for c in all_clips})
+    if unknown:  # a typo must not pass unnoticed: the other clips still run
+        print(f"warning: --ids names no clip of the manifest: {', '.join(unknown)}", file=sys.stderr)
     try:
         clips = select_clips(all_clips, categories=cats, language=args.language, ids=ids,
                              include_no_speech=args.no_speech, limit=args.limit)
