@@ -169,17 +169,13 @@ def _output_dir_ready(output_dir: str | None, *, create: bool) -> bool:
     every argument and the model were accepted. False after an ``error: [output_dir_invalid]`` line."""
     if output_dir is None:
         return True
+    from .jobs.outputs import check_writable_place
+
     out = Path(output_dir)
     try:
         if create:
             out.mkdir(parents=True, exist_ok=True)
-        near = out
-        while not near.exists() and near.parent != near:
-            near = near.parent
-        if not near.is_dir():
-            raise NotADirectoryError(f"{near} exists and is not a directory")
-        if not os.access(near, os.W_OK | os.X_OK):
-            raise PermissionError(f"{near} is not writable")
+        check_writable_place(out)
     except OSError as e:
         print_error("output_dir_invalid", f"cannot write outputs to --output-dir {output_dir}: {e.strerror or e}")
         return False

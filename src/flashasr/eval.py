@@ -553,14 +553,15 @@ def _bad_arguments(args: argparse.Namespace) -> tuple[str, str] | None:
     if args.ids is not None and not any(s.strip() for s in args.ids.split(",")):
         return "invalid_request", "--ids names no clip (leave it out to take every clip)"
     if args.json_out:
+        from .jobs.outputs import check_writable_place
+
         out = Path(args.json_out)
         if out.is_dir():
             return "output_invalid", f"--json-out {args.json_out} is a folder, not a file"
-        near = out.parent
-        while not near.exists() and near.parent != near:
-            near = near.parent
-        if not near.is_dir() or not os.access(near, os.W_OK | os.X_OK):
-            return "output_invalid", f"cannot write --json-out {args.json_out}: {near} is not a writable folder"
+        try:
+            check_writable_place(out.parent)
+        except OSError as e:
+            return "output_invalid", f"cannot write --json-out {args.json_out}: {e}"
     return None
 
 

@@ -68,6 +68,23 @@ def atomic_write_text(path: Path, text: str) -> int:
     return len(data)
 
 
+def check_writable_place(path: Path) -> None:
+    """Whether ``path`` (a folder to make, or a file to write, possibly below folders not made yet)
+    could be created, without creating anything: its nearest existing folder is a writable folder.
+
+    Raises:
+        NotADirectoryError: that nearest existing path is not a folder.
+        PermissionError: that folder is not writable.
+    """
+    near = Path(path)
+    while not near.exists() and near.parent != near:
+        near = near.parent
+    if not near.is_dir():
+        raise NotADirectoryError(f"{near} exists and is not a directory")
+    if not os.access(near, os.W_OK | os.X_OK):
+        raise PermissionError(f"{near} is not writable")
+
+
 def clean_stale_tmp(output_dir: Path) -> int:
     """Remove temporary files a killed run left in ``output_dir`` (recursively); returns the count."""
     n = 0
