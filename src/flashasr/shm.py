@@ -12,7 +12,10 @@ Two uses:
 * the job runner's decode workers hand decoded samples to the main process
   (:func:`put_array` in the worker, :func:`take_array` in the main process): one copy into the
   segment, then the main process maps it and unlinks the name at once, so the memory lives exactly
-  as long as the array that maps it (nothing to leak if the main process dies later). Before, the
+  as long as the array that maps it (nothing to leak if the main process dies later). When the
+  job's model runs in a process of its own (:class:`flashasr.pipeline.model_process.ModelProcess`)
+  the name is kept until the file is done, and the model process maps the same memory
+  (:func:`shared_location`): the samples cross twice with no copy. Before, the
   samples were pickled through the pool's pipe: four copies, and the unpickling held the main
   process's GIL -- 4.3 CPU-s for 12 h of audio on the H200 machine, in the process that feeds the
   GPU (``bench/results/profile_jobs_h200_modelthread.json``).
@@ -20,9 +23,11 @@ Two uses:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import mmap
 import os
+import threading
 
 import numpy as np
 
@@ -117,10 +122,13 @@ def put_array(a: np.ndarray) -> tuple[str, str, int]:
     return name, a.dtype.str, int(a.size)
 
 
-def take_array(name: str, dtype: str, length: int) -> np.ndarray:
+def take_array(name: str, dtype: str, length: int, *, keep_for: object = None) -> np.ndarray:
     """Map a segment made by :func:`put_array` as a writable 1-D array and unlink its name at once.
 
     The memory lives as long as the returned array (and the views of it); nothing to close.
+    ``keep_for``: keep the name instead (another process of this machine may then map the same
+    memory: :func:`shared_location`, the model process of a job), registered under this owner
+    until :func:`release` (the array's file is done) or :func:`release_owner` (the owner's end).
 
     Raises:
         FileNotFoundError: no such segment (already taken, or never made).
@@ -137,9 +145,65 @@ def take_array(name: str, dtype: str, length: int) -> np.ndarray:
         m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
         os.close(fd)
+        if keep_for is None:
+            unlink_segment(name)
+    a = np.frombuffer(m, dt, count=int(length))
+    if keep_for is not None:
+        with _kept_lock:
+            start = a.__array_interface__["data"][0]
+            bisect.insort(_kept_starts, start)
+            _kept[start] = (a.nbytes, name, keep_for)
+    return a
+
+
+# Segments whose names take_array kept: start address -> (bytes, name, owner); starts sorted
+_kept: dict[int, tuple[int, str, object]] = {}
+_kept_starts: list[int] = []
+_kept_lock = threading.Lock()
+
+
+def shared_location(a: np.ndarray) -> tuple[str, int] | None:
+    """Where a C-contiguous array lies in a segment kept by :func:`take_array` (``keep_for``):
+    ``(segment name, byte offset)``, so another process can map it without a copy; None for any
+    other memory."""
+    if not a.flags.c_contiguous:
+        return None
+    addr = a.__array_interface__["data"][0]
+    with _kept_lock:
+        k = bisect.bisect_right(_kept_starts, addr) - 1
+        if k < 0:
+            return None
+        start = _kept_starts[k]
+        nbytes, name, _owner = _kept[start]
+    if addr + a.nbytes > start + max(nbytes, 1):
+        return None
+    return name, addr - start
+
+
+def _forget(start: int) -> str:
+    _nbytes, name, _owner = _kept.pop(start)
+    del _kept_starts[bisect.bisect_left(_kept_starts, start)]
+    return name
+
+
+def release(a: np.ndarray) -> None:
+    """Unlink the kept name of the segment that ``a`` (the array :func:`take_array` returned)
+    maps; the memory goes with the last mapping. Any other array: nothing happens."""
+    start = a.__array_interface__["data"][0] if a.size else None
+    with _kept_lock:
+        name = _forget(start) if start in _kept else None
+    if name is not None:
         unlink_segment(name)
-    return np.frombuffer(m, dt, count=int(length))
+
+
+def release_owner(owner: object) -> int:
+    """Unlink every name still kept for ``owner`` (its job ended, or was interrupted); returns the count."""
+    with _kept_lock:
+        names = [_forget(start) for start in [s for s, v in _kept.items() if v[2] is owner]]
+    for name in names:
+        unlink_segment(name)
+    return len(names)
 
 
 __all__ = ["SHM_PREFIX", "new_name", "unregister", "create_segment", "open_segment", "unlink_segment",
-           "cleanup_stale_segments", "put_array", "take_array"]
+           "cleanup_stale_segments", "put_array", "take_array", "shared_location", "release", "release_owner"]

@@ -41,6 +41,8 @@ def transcribe_pieces(model, waveforms: Sequence[np.ndarray], options: Transcrib
     waves = list(waveforms)
     if not waves:
         return []
+    if getattr(model, "isolates_pieces", False):  # the model process: the same rule, applied over there
+        return model.run_pieces(waves, options, speech)
     spans = list(speech) if speech is not None else [None] * len(waves)
     try:
         got = model.transcribe_batch(waves, options, **speech_kw(model, spans))

@@ -1,0 +1,362 @@
+"""A model loaded and run in a process of its own, called like the model.
+
+Why: the GPU engine's call gives its process's GIL up at every PyTorch operation it issues, and
+gets it back only when the interpreter lets it. Beside any busy Python thread of the same process
+the call slows by the GIL's switch interval per operation: the job's 512-piece model call took
+447-456 ms alone and 960-1,005 ms beside one spinning Python thread, 2,589 ms beside three, and
+only 1.04x beside 15 busy processes (H100, ``bench/results/model_contention_h100.json``). A job's
+main process has such threads (decoded files arriving, the VAD planner, the conductor, the
+writers), so the model runs here, in a process whose one thread is the model's.
+
+Transport (one machine): a batch goes as ``(segment name, byte offset, samples)`` per waveform plus
+the options and speech spans, pickled through a pipe; the samples themselves never cross it:
+
+* a waveform lying in a shared-memory segment whose name the job kept (the decode workers'
+  segments, :func:`flashasr.shm.take_array` with ``keep_for``) is mapped here by name, no copy;
+* any other waveform is copied once into a transfer segment of this object (reused, grown when a
+  batch needs more).
+
+The answer is one :class:`~flashasr.types.Transcript` or exception per waveform (the child runs
+:func:`flashasr.pipeline.transcribe_pieces`: one bad piece fails alone), plus the child's CPU
+seconds for the call and its model's ``stage_cpu_s``. The child ignores SIGINT (the parent decides
+when to stop), and ends when the pipe closes, so it never outlives the parent's job.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import threading
+import time
+import warnings
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import FlashASRError, ModelLoadError
+from ..models.base import ASRModel, as_waveform
+from ..options import TranscribeOptions
+
+#: attributes of the loaded model the parent mirrors (see :class:`~flashasr.models.base.ASRModel`)
+MIRRORED = ("name", "family", "sample_rate", "max_segment_seconds", "long_form", "multilingual", "translates",
+            "prompts", "uses_temperature", "uses_speech", "speech_gate", "device")
+
+
+class ModelProcessError(FlashASRError):
+    """The model process died or broke its protocol (not a piece's own failure)."""
+
+    code = "model_process_error"
+    status = 500
+
+
+class ModelProcess(ASRModel):
+    """:func:`flashasr.pipeline.load_model` in a spawned process; this object stands in for the model.
+
+    Args:
+        spec, device, dtype, engine: as :func:`flashasr.pipeline.load_model` (run in the child).
+        start_timeout_s: how long to wait for the child's model to load.
+    Attributes:
+        the loaded model's :data:`MIRRORED` attributes and ``languages()``; ``stage_cpu_s``: the
+        child model's own stage counters (as of the last call); ``remote_cpu_s``: the child's CPU
+        seconds in calls; ``copied_bytes`` / ``shared_bytes``: samples that crossed by a copy into
+        the transfer segment / by mapping a kept segment; ``pid``: the child's process id.
+    Raises (constructor):
+        what the load raises in the child (``ModelLoadError``, ``UnsupportedModelError``,
+        ``invalid_device``...), re-raised here; ModelProcessError when the child dies or does not
+        answer within ``start_timeout_s``.
+    """
+
+    isolates_pieces = True  # run_pieces: one bad piece fails alone, in one round trip
+    maps_shared_memory = True  # waveforms in kept segments cross without a copy (flashasr.shm)
+
+    def __init__(self, spec=None, *, device: str = "cpu", dtype: str | None = None, engine: str = "auto",
+                 start_timeout_s: float = 900.0):
+        import socket
+        import subprocess
+        import sys
+        from multiprocessing.connection import Connection
+
+        # a fresh interpreter (not multiprocessing's spawn, which re-runs the caller's main script,
+        # nor fork, which would copy a CUDA context); the pipe is a socket pair
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self._proc = subprocess.Popen([sys.executable, "-m", "flashasr.pipeline.model_process", str(theirs.fileno())],
+                                      pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._conn.send(("load", (list(sys.path), spec, device, dtype, engine)))
+        self.pid = self._proc.pid
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._transfer = None  # this object's transfer segment (SharedMemory), reused
+        self.remote_cpu_s = 0.0
+        self.copied_bytes = 0
+        self.shared_bytes = 0
+        self.stage_cpu_s = None
+        self._closed = False
+        try:
+            if not self._conn.poll(start_timeout_s):
+                raise ModelProcessError(f"the model process did not load {spec or 'the default model'} "
+                                        f"within {start_timeout_s:.0f} s")
+            try:
+                kind, payload = self._recv()
+            except (EOFError, OSError) as e:
+                raise self._died(e) from None
+        except BaseException:
+            self.close()
+            raise
+        if kind == "error":
+            self.close()
+            raise payload
+        for k in MIRRORED:
+            setattr(self, k, payload[k])
+        self._languages = payload["languages"]
+
+    def languages(self) -> frozenset | None:
+        return self._languages
+
+    # ------------------------------------------------------------------ calls
+    def transcribe_batch(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions | None = None, *,
+                         speech: Sequence | None = None, **changes) -> list:
+        """:meth:`ASRModel.transcribe_batch`, run in the model process; the first failing
+        waveform's error is raised (see :meth:`run_pieces` for per-waveform results)."""
+        opts = TranscribeOptions.build(options, **changes).resolve(self.capabilities)
+        outs = self.run_pieces(waveforms, opts, speech)
+        for o in outs:
+            if isinstance(o, BaseException):
+                raise o
+        return outs
+
+    def _transcribe(self, waveforms, options):  # pragma: no cover - transcribe_batch is overridden
+        return self.transcribe_batch(waveforms, options)
+
+    def run_pieces(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions,
+                   speech: Sequence | None = None) -> list:
+        """:func:`flashasr.pipeline.transcribe_pieces` in the model process: per waveform (float32
+        ``[N_i]`` at the model's rate) its Transcript or the exception it raised alone.
+
+        Raises:
+            ModelProcessError: the process died (its exit code named) or was closed.
+        """
+        waves = list(waveforms)
+        if not waves:
+            return []
+        with self._lock:
+            if self._closed:
+                raise ModelProcessError("the model process was closed")
+            refs, errors = self._place(waves)
+            if not any(r is not None for r in refs):
+                return errors
+            self._seq += 1
+            seq = self._seq
+            try:
+                keep = [i for i, r in enumerate(refs) if r is not None]
+                spans = None if speech is None else list(speech)
+                spans = None if spans is None else [spans[i] for i in keep]
+                self._conn.send(("run", seq, [refs[i] for i in keep], options, spans))
+                while True:  # an answer to a call cut short by an interrupt may come first
+                    kind, payload = self._recv()
+                    if kind == "done" and payload[0] == seq:
+                        break
+            except (OSError, EOFError) as e:
+                raise self._died(e) from None
+        _seq, outs, cpu_s, stages = payload
+        self.remote_cpu_s += cpu_s
+        self.stage_cpu_s = stages
+        for i, o in zip(keep, outs):
+            errors[i] = o
+        return errors
+
+    def _place(self, waves: list) -> tuple[list, list]:
+        """Per waveform ``(segment name, byte offset, samples)`` (where the child maps it), or None
+        with its error in the second list (not mono float samples, or not finite)."""
+        from ..shm import shared_location
+
+        refs: list = [None] * len(waves)
+        errors: list = [None] * len(waves)
+        copy: list[tuple[int, np.ndarray]] = []
+        for i, w in enumerate(waves):
+            a = w if isinstance(w, np.ndarray) else np.asarray(w)
+            loc = shared_location(a) if a.dtype == np.float32 and a.ndim == 1 else None
+            if loc is None:
+                try:
+                    copy.append((i, as_waveform(a, f"waveform {i}")))
+                except Exception as e:  # noqa: BLE001 - this waveform's own failure
+                    errors[i] = e
+            else:
+                refs[i] = (loc[0], loc[1], int(a.size))
+                self.shared_bytes += a.nbytes
+        if copy:
+            need = sum(a.nbytes for _i, a in copy)
+            buf = self._transfer_segment(need)
+            off = 0
+            for i, a in copy:
+                np.frombuffer(buf.buf, np.float32, count=a.size, offset=off)[:] = a
+                refs[i] = (buf.name, off, int(a.size))
+                off += a.nbytes
+            self.copied_bytes += need
+        return refs, errors
+
+    def _transfer_segment(self, need: int):
+        from ..shm import create_segment, unlink_segment
+
+        if self._transfer is None or self._transfer.size < need:
+            if self._transfer is not None:
+                self._transfer.close()
+                unlink_segment(self._transfer.name)
+            self._transfer = create_segment(max(need, 1 << 20))
+        return self._transfer
+
+    def _recv(self):
+        kind, payload = self._conn.recv()
+        if kind == "gone":
+            raise ModelProcessError(f"the model process failed: {payload}")
+        return kind, payload
+
+    def _died(self, e: BaseException) -> ModelProcessError:
+        try:
+            code = self._proc.wait(timeout=1.0)
+        except Exception:  # noqa: BLE001 - still running: a broken pipe, not a death
+            code = None
+        self._closed = True
+        return ModelProcessError(f"the model process (pid {self.pid}) died (exit code {code}): "
+                                 f"{type(e).__name__}: {e}" if code is None else
+                                 f"the model process (pid {self.pid}) died (exit code {code})")
+
+    # ------------------------------------------------------------------ life
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._proc.poll() is None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the model process (after the call running, if any) and free the transfer segment."""
+        from ..shm import unlink_segment
+
+        if getattr(self, "_closed", True) and self._transfer is None:
+            return
+        self._closed = True
+        try:
+            self._conn.send(("stop", None))
+        except (OSError, EOFError, ValueError):
+            pass
+        try:
+            self._proc.wait(timeout_s)
+        except Exception:  # noqa: BLE001 - it did not stop in time
+            self._proc.kill()
+            self._proc.wait()
+        self._conn.close()
+        if self._transfer is not None:
+            self._transfer.close()
+            unlink_segment(self._transfer.name)
+            self._transfer = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close(timeout_s=1.0)
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------- the child
+def _portable(x):
+    """A result the parent can unpickle: an exception that does not survive pickling becomes a
+    FlashASRError with its code and message."""
+    if not isinstance(x, BaseException):
+        return x
+    try:
+        pickle.loads(pickle.dumps(x))
+        return x
+    except Exception:  # noqa: BLE001
+        return FlashASRError(f"{type(x).__name__}: {x}", code=str(getattr(x, "code", "internal_error")))
+
+
+class _Maps:
+    """The child's mappings of the parent's segments for one call (opened by name, closed after)."""
+
+    def __init__(self):
+        self.maps: dict[str, mmap.mmap] = {}
+
+    def view(self, name: str, offset: int, n: int) -> np.ndarray:
+        m = self.maps.get(name)
+        if m is None:
+            import _posixshmem
+
+            fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+            try:  # read-only (the parent's samples never change), all pages mapped in one call: the
+                # engine's copy into pinned memory then takes no page faults (see flashasr.shm.take_array)
+                m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self.maps[name] = m
+        return np.frombuffer(m, np.float32, count=n, offset=offset)
+
+
+def _serve(fd: int) -> None:
+    """The model process: load, say hello, then run batches until told to stop or the pipe closes."""
+    import signal
+    import sys
+    from multiprocessing.connection import Connection
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # the waveforms are read-only views of the parent's segments: a model that hands one to
+    # torch.as_tensor (Whisper's CPU features) reads it, never writes it
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    conn = Connection(fd)
+    _kind, (path, spec, device, dtype, engine) = conn.recv()
+    sys.path[:] = path + [p for p in sys.path if p not in path]
+    from . import load_model
+    from .run import transcribe_pieces
+
+    try:
+        model = load_model(spec, device=device, dtype=dtype, engine=engine)
+        info = {k: getattr(model, k) for k in MIRRORED}
+        info["device"] = str(info["device"])
+        info["languages"] = model.languages()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        err = _portable(e if isinstance(e, FlashASRError) else
+                        ModelLoadError(f"{type(e).__name__}: {e}"))
+        conn.send(("error", err))
+        return
+    conn.send(("hello", info))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] != "run":
+            return
+        _kind, seq, refs, options, speech = msg
+        c0 = time.thread_time()
+        maps = _Maps()
+        try:
+            try:
+                waves = [maps.view(*r) for r in refs]
+            except OSError as e:
+                outs = [ModelProcessError(f"samples not found in shared memory: {e}")] * len(refs)
+            else:
+                outs = transcribe_pieces(model, waves, options, speech)
+                del waves
+        except BaseException as e:  # noqa: BLE001 - the call itself failed: the parent decides
+            conn.send(("gone", f"{type(e).__name__}: {e}"))
+            return
+        finally:
+            maps.maps.clear()
+        stages = dict(getattr(model, "stage_cpu_s", None) or {}) or None
+        conn.send(("done", (seq, [_portable(o) for o in outs], time.thread_time() - c0, stages)))
+
+
+__all__ = ["ModelProcess", "ModelProcessError"]
+
+if __name__ == "__main__":
+    import sys as _sys
+
+    _serve(int(_sys.argv[1]))

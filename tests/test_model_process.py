@@ -1,0 +1,153 @@
+"""The model in a process of its own (flashasr.pipeline.model_process): same transcripts as the
+model in this process, samples crossing by mapping the job's kept segments (or one copy), one bad
+piece failing alone, a dead or unloadable model process reported, nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from conftest import AUDIO
+from flashasr import shm
+from flashasr.audio import load_audio
+from flashasr.errors import AudioError, FlashASRError
+from flashasr.options import TranscribeOptions
+from flashasr.pipeline import cached_model, transcribe_pieces
+from flashasr.pipeline.model_process import ModelProcess, ModelProcessError
+
+CLIPS = [AUDIO / "en/en-ls-61-70968-0002.wav", AUDIO / "hard/hard-short-cards-ten-of-clubs.wav",
+         AUDIO / "en/en-vctk-p225-001.wav"]
+
+
+@pytest.fixture(scope="module")
+def remote():
+    m = ModelProcess("tiny.en", device="cpu")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def local():
+    return cached_model(None, "cpu")
+
+
+@pytest.fixture(scope="module")
+def waves():
+    return [load_audio(p, target_rate=16000).samples for p in CLIPS]
+
+
+def test_same_transcripts_and_capabilities_as_in_process(remote, local, waves):
+    assert remote.capabilities == local.capabilities and remote.pid != os.getpid() and remote.alive
+    opts = TranscribeOptions().resolve(local.capabilities)
+    here = local.transcribe_batch(waves, opts)
+    before = remote.copied_bytes
+    there = remote.transcribe_batch(waves, opts)
+    assert [t.text for t in there] == [t.text for t in here] and "golden fortune" in there[0].text.lower()
+    assert [[s.tokens for s in t.segments] for t in there] == [[s.tokens for s in t.segments] for t in here]
+    assert remote.copied_bytes - before == sum(w.nbytes for w in waves)  # private memory: one copy
+    assert remote.remote_cpu_s > 0
+
+
+def test_kept_segments_are_mapped_not_copied_and_released(remote, local, waves):
+    owner = object()
+    name, dt, n = shm.put_array(np.concatenate(waves))
+    whole = shm.take_array(name, dt, n, keep_for=owner)
+    assert name in os.listdir("/dev/shm")  # kept for the model process
+    cut = np.cumsum([0] + [len(w) for w in waves])
+    views = [whole[a:b] for a, b in zip(cut[:-1], cut[1:])]
+    assert shm.shared_location(views[1]) == (name, int(cut[1]) * 4)
+    assert shm.shared_location(waves[0]) is None and shm.shared_location(whole[::2]) is None
+    opts = TranscribeOptions().resolve(local.capabilities)
+    c0, s0 = remote.copied_bytes, remote.shared_bytes
+    got = remote.run_pieces(views, opts)
+    assert remote.copied_bytes == c0 and remote.shared_bytes - s0 == whole.nbytes
+    assert [t.text for t in got] == [t.text for t in local.transcribe_batch(waves, opts)]
+    assert shm.release_owner(owner) == 1 and name not in os.listdir("/dev/shm")
+    assert shm.shared_location(views[0]) is None
+    assert float(np.abs(views[2]).sum()) > 0  # the memory lives as long as the array
+
+
+def test_one_bad_piece_fails_alone(remote, local, waves):
+    opts = TranscribeOptions().resolve(local.capabilities)
+    bad = np.full(1600, np.nan, np.float32)
+    got = transcribe_pieces(remote, [waves[0], bad, np.zeros((2, 2, 2), np.float32), waves[2]], opts)
+    assert got[0].text and got[3].text
+    assert isinstance(got[1], AudioError) and got[1].code == "invalid_audio"
+    assert isinstance(got[2], FlashASRError)
+    with pytest.raises(AudioError, match="NaN"):
+        remote.transcribe_batch([waves[0], bad], opts)
+    assert remote.run_pieces([], opts) == []
+
+
+@pytest.mark.parametrize("make", [lambda d: d / "no-such-model.nemo",
+                                  lambda d: (d / "junk.nemo").write_bytes(b"not a tar file") and d / "junk.nemo"])
+def test_unloadable_model_raises_what_loading_here_raises(tmp_path, make):
+    from flashasr.pipeline import load_model
+
+    spec = str(make(tmp_path))
+    with pytest.raises(FlashASRError) as here:
+        load_model(spec, device="cpu")
+    with pytest.raises(FlashASRError) as there:
+        ModelProcess(spec, device="cpu")
+    assert type(there.value) is type(here.value) and there.value.code == here.value.code
+    assert str(there.value) == str(here.value)
+
+
+def test_a_dead_model_process_is_an_error_not_a_hang(local, waves):
+    m = ModelProcess("tiny.en", device="cpu")
+    opts = TranscribeOptions().resolve(local.capabilities)
+    os.kill(m.pid, signal.SIGKILL)
+    with pytest.raises(ModelProcessError, match="died"):
+        m.run_pieces(waves[:1], opts)
+    assert not m.alive
+    with pytest.raises(ModelProcessError, match="closed"):
+        m.run_pieces(waves[:1], opts)
+    m.close()
+    assert m._transfer is None
+
+
+def test_a_job_with_the_model_process_equals_the_job_in_process(remote, local, tmp_path):
+    """run_job with decode processes: the model process maps each decoded file's segment (nothing
+    copied), outputs equal the in-process job's, and no segment name outlives the job."""
+    from flashasr.jobs import run_job
+
+    items = CLIPS + [AUDIO / "en/en-ls-2412-153948-0000.flac"]
+    before = {n for n in os.listdir("/dev/shm") if n.startswith(shm.SHM_PREFIX)}
+    ra = run_job(items, local, tmp_path / "here", "verbose_json", batch_size=4, workers=2, cpu_pool="process",
+                 progress=False)
+    rb = run_job(items, remote, tmp_path / "there", "verbose_json", batch_size=4, workers=2, cpu_pool="process",
+                 progress=False)
+    assert ra.exit_code == 0 and rb.exit_code == 0 and len(rb.ok) == 4
+    for p in sorted((tmp_path / "here").glob("*.json")):
+        a, b = json.loads(p.read_text()), json.loads((tmp_path / "there" / p.name).read_text())
+        assert a["text"] == b["text"] and a["text"]
+        assert [s["tokens"] for s in a["segments"]] == [s["tokens"] for s in b["segments"]]
+    mp = rb.model_process
+    assert mp["pid"] == remote.pid and mp["copied_mb"] == 0 and mp["shared_mb"] > 0
+    assert "in its own process" in rb.table() and ra.model_process is None
+    assert rb.stage_cpu_s["model"] > 0
+    assert not shm._kept  # every kept name released...
+    assert {n for n in os.listdir("/dev/shm") if n.startswith(shm.SHM_PREFIX)} <= before  # ... and unlinked
+
+
+@pytest.mark.gpu
+def test_parakeet_on_cuda_in_a_model_process_equals_in_process(waves):
+    """On the GPU engine (the CUDA default of flashasr transcribe): the same tokens from the model
+    process as from the engine in this process, and the parent never needs the model's CUDA memory."""
+    from conftest import PARAKEET_FIXTURES
+    from flashasr.pipeline import load_model
+
+    nemo = PARAKEET_FIXTURES / "tiny-tdt/model.nemo"
+    if not nemo.exists():
+        pytest.skip("Parakeet fixture missing")
+    here = load_model(str(nemo), device="cuda")
+    opts = TranscribeOptions().resolve(here.capabilities)
+    with ModelProcess(str(nemo), device="cuda") as m:
+        assert m.device.startswith("cuda") and m.capabilities == here.capabilities
+        a, b = here.transcribe_batch(waves, opts), m.transcribe_batch(waves, opts)
+    assert [[s.tokens for s in t.segments] for t in a] == [[s.tokens for s in t.segments] for t in b]
+    assert [t.text for t in a] == [t.text for t in b]
