@@ -565,3 +565,19 @@ def test_pin_mmap_threshold(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     monkeypatch.setattr(sys, "platform", "darwin")
     assert pin_mmap_threshold() is False
+
+
+def test_model_process_yes_gives_the_same_outputs_and_says_so(tmp_path, capsys):
+    """--model-process yes (the CUDA default with decode processes; asked for here on the CPU): the
+    model runs in a process of its own, the outputs equal the in-process run's, the table says how
+    the samples crossed; a model that cannot load there is the same usage error as here."""
+    args = ["transcribe", str(GOLDEN), str(STELLA), "--cpu-pool", "process", "--workers", "2", "-f", "json"]
+    assert main([*args, "-o", str(tmp_path / "here"), "--model-process", "no"]) == 0
+    capsys.readouterr()
+    assert main([*args, "-o", str(tmp_path / "there"), "--model-process", "yes"]) == 0
+    err = capsys.readouterr().err
+    assert "model      in its own process" in err and "copied 0 MB" in err
+    for name in (f"{GOLDEN.stem}.json", f"{STELLA.stem}.json"):
+        assert (tmp_path / "here" / name).read_text() == (tmp_path / "there" / name).read_text()
+    assert main(["transcribe", str(GOLDEN), "--model-process", "yes", "--model", str(tmp_path / "nomodel")]) == 2
+    assert "[model_not_found] cannot load model" in capsys.readouterr().err

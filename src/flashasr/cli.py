@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--cpu-pool", choices=("thread", "process"), default=None,
                    help="decode/VAD workers as threads or processes (default: processes on CUDA, where "
                         "the GPU needs many cores fed without the GIL; threads on CPU)")
+    t.add_argument("--model-process", choices=("auto", "yes", "no"), default="auto",
+                   help="run the model in a process of its own, fed the decoded samples through shared memory "
+                        "(default auto: yes on CUDA with decode processes, where the job's other Python threads "
+                        "would slow the model's calls by taking the GIL; docs/JOBS.md)")
     t.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="skip inputs with a complete output from an earlier run (default: on)")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -226,11 +230,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
 
 def _transcribe(args: argparse.Namespace, items: list, missing: list, options, pool) -> int:
     """The rest of :func:`cmd_transcribe`: load the model, run the job, report."""
-    from .jobs import run_job
-    from .pipeline import cached_model
-
     try:
-        model = cached_model(args.model, args.device, None, args.engine)  # in-process callers reuse a loaded model
+        model = _job_model(args, pool)
     except FlashASRError as e:
         print_error(e.code, f"cannot load model {args.model or 'tiny.en'}: {e}")
         return EXIT_USAGE
@@ -238,6 +239,31 @@ def _transcribe(args: argparse.Namespace, items: list, missing: list, options, p
         print_error("model_load_error", f"cannot load model {args.model or 'tiny.en'} on {args.device}: "
                     f"{type(e).__name__}: {e}")
         return EXIT_USAGE
+    try:
+        return _run_transcribe_job(args, items, missing, options, pool, model)
+    finally:
+        if hasattr(model, "close") and getattr(model, "isolates_pieces", False):
+            model.close()
+
+
+def _job_model(args: argparse.Namespace, pool):
+    """The job's model: in a process of its own (:class:`~flashasr.pipeline.model_process.ModelProcess`)
+    with ``--model-process yes``, or by default on CUDA when the files decode in worker processes;
+    else loaded here (in-process callers reuse it, :func:`~flashasr.pipeline.cached_model`)."""
+    from .pipeline import cached_model
+
+    remote = args.model_process == "yes" or (args.model_process == "auto" and pool is not None
+                                             and str(args.device).startswith("cuda"))
+    if remote:
+        from .pipeline.model_process import ModelProcess
+
+        return ModelProcess(args.model, device=args.device, engine=args.engine)
+    return cached_model(args.model, args.device, None, args.engine)
+
+
+def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, options, pool, model) -> int:
+    """Run the job with the loaded ``model`` and report (the rest of :func:`_transcribe`)."""
+    from .jobs import run_job
 
     try:
         options = options.resolve(model.capabilities)

@@ -71,7 +71,11 @@ class FileState:
         self.remaining = len(pieces)
 
     def drop_audio(self) -> int:
-        """Free the samples once the model is done with them; returns how many there were."""
+        """Free the samples once the model is done with them (a shared-memory segment's kept name
+        goes too, :func:`flashasr.shm.release`); returns how many there were."""
+        from ..shm import release
+
+        release(self.samples)
         self.samples = np.empty(0, np.float32)
         return self.n_samples
 

@@ -277,6 +277,8 @@ class DecodeFeeder:
             :class:`~flashasr.jobs.procpool.ForkedWorkers` started earlier (before the caller grew:
             a model, a CUDA context) and kept for later jobs; None forks ``workers`` processes now
             and ends them at :meth:`shutdown`.
+        keep_shared: keep the names of the workers' shared-memory segments while their files are
+            in the job (the model process maps the samples by name; see :meth:`_take_shared`).
 
     The main thread calls :meth:`start` (inside its ``try``: a Ctrl-C held back while forking is
     raised there), then loops over :meth:`maintain`, :meth:`take_ready`, :meth:`release` (a file
@@ -288,8 +290,9 @@ class DecodeFeeder:
     def __init__(self, paths: list[str], todo: Iterable[int], *, options: TranscribeOptions,
                  caps: ModelCapabilities, workers: int, cpu_pool: str, max_buffered: int,
                  decode: Callable | None = None, split: Callable | None = None, plan: bool = True,
-                 decode_workers: int = 1, pool=None):
+                 decode_workers: int = 1, pool=None, keep_shared: bool = False):
         self.paths = paths
+        self.keep_shared = keep_shared
         self.todo: deque[int] = deque(todo)
         self.options, self.caps = options, caps
         self.decode, self.split, self.plan = decode, split, plan
@@ -368,7 +371,7 @@ class DecodeFeeder:
         with self.lock:
             if i not in self.in_flight:  # a late answer for a file already given to another worker
                 if isinstance(got, Prepared) and isinstance(got.samples, tuple):
-                    self._take_shared(i, got)  # its segment's name goes; the memory with the array
+                    self._take_shared(i, got, keep=False)  # its segment's name goes; the memory with the array
                 return
             self.in_flight.discard(i)
             if isinstance(got, Prepared) and isinstance(got.samples, tuple):
@@ -417,13 +420,16 @@ class DecodeFeeder:
         self.wake.set()
         self.refill()
 
-    def _take_shared(self, i: int, got: Prepared) -> Prepared | DecodeFailure:
-        """A worker's shared-memory samples mapped here (no copy; the segment's name is gone)."""
+    def _take_shared(self, i: int, got: Prepared, keep: bool = True) -> Prepared | DecodeFailure:
+        """A worker's shared-memory samples mapped here (no copy). The segment's name goes at once,
+        or, with ``keep_shared`` (the model runs in a process of its own and maps the same memory),
+        when the file is done (:meth:`~flashasr.jobs.batcher.FileState.drop_audio`) or the job ends
+        (:meth:`shutdown`)."""
         from ..shm import take_array
 
         c0 = time.thread_time()
         try:
-            got.samples = take_array(*got.samples)
+            got.samples = take_array(*got.samples, keep_for=self if keep and self.keep_shared else None)
         except OSError as e:
             return DecodeFailure("internal_error", f"{self.paths[i]}: decoded samples lost in transit: {e}")
         finally:
@@ -485,6 +491,10 @@ class DecodeFeeder:
             self.pool.close(kill=self.stopping)
         else:
             self.pool.detach()
+        if self.keep_shared:  # files not finished (an interrupt, a stop): their segments' names
+            from ..shm import release_owner
+
+            release_owner(self)
 
 
 __all__ = ["DecodeFeeder", "Prepared", "DecodeFailure", "prepare_file", "default_decode", "error_of",

@@ -34,6 +34,8 @@ class ModelWorker:
 
     Attributes:
         busy_s: wall seconds inside model calls; ``cpu_s``: this thread's CPU seconds in them;
+        ``remote_cpu_s``: the CPU seconds of a model running in a process of its own
+        (:class:`~flashasr.pipeline.model_process.ModelProcess`) in this job's calls;
         ``stage_cpu_s``: what the model says its host work went to during the job (its
         ``stage_cpu_s`` counters, e.g. ``features_upload``, ``detokenize``; see
         :class:`~flashasr.models.base.ASRModel`); ``in_flight``: batches submitted and not yet
@@ -49,6 +51,8 @@ class ModelWorker:
         self.busy_s = 0.0
         self.cpu_s = 0.0
         self._stage0 = dict(getattr(model, "stage_cpu_s", None) or {})
+        self._remote0 = float(getattr(model, "remote_cpu_s", 0.0) or 0.0)
+        self._bytes0 = (getattr(model, "shared_bytes", 0), getattr(model, "copied_bytes", 0))
         self.in_flight = 0
         self.batches_done = 0
         self.calls: list[tuple[float, float, int]] = []
@@ -121,6 +125,20 @@ class ModelWorker:
                 self._done.append((token, outs))
                 self.batches_done += 1
             self.wake.set()
+
+    def process_info(self) -> dict | None:
+        """For a model in a process of its own: ``{"pid", "shared_mb", "copied_mb"}`` of this job
+        (see :class:`~flashasr.jobs.report.JobReport`); else None."""
+        if not getattr(self.model, "isolates_pieces", False):
+            return None
+        return {"pid": getattr(self.model, "pid", None),
+                "shared_mb": round((getattr(self.model, "shared_bytes", 0) - self._bytes0[0]) / 1e6, 1),
+                "copied_mb": round((getattr(self.model, "copied_bytes", 0) - self._bytes0[1]) / 1e6, 1)}
+
+    @property
+    def remote_cpu_s(self) -> float:
+        """CPU seconds of the model's own process in this job's calls (0 for a model in this process)."""
+        return float(getattr(self.model, "remote_cpu_s", 0.0) or 0.0) - self._remote0
 
     @property
     def stage_cpu_s(self) -> dict[str, float]:

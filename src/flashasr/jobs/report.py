@@ -79,6 +79,10 @@ class JobReport:
       does not report (features_upload, detokenize) stay 0 and their time is in ``model``.
     * ``nvml``: :class:`~flashasr.jobs.gpumon.NvmlSampler` result (NVML GPU utilisation over
       the job) on CUDA, else ``{"available": False, "reason": ...}``; None when not asked.
+    * ``model_process``: when the model ran in a process of its own
+      (:class:`~flashasr.pipeline.model_process.ModelProcess`): its ``pid`` and the samples that
+      reached it in this job by mapping the decode workers' segments (``shared_mb``) and by a copy
+      (``copied_mb``); else None.
     """
 
     results: list[FileResult] = field(default_factory=list)
@@ -103,6 +107,7 @@ class JobReport:
     last_decode_s: float = 0.0
     nvml: dict | None = None
     stage_cpu_s: dict[str, float] = field(default_factory=dict)
+    model_process: dict | None = None
 
     @property
     def ok(self) -> list[FileResult]:
@@ -222,7 +227,7 @@ class JobReport:
             "cpu_s_per_audio_hour": {k: round(v, 1) for k, v in self.cpu_per_audio_hour().items()},
             "model_busy_fraction": round(self.model_busy_fraction, 3),
             "gpu_busy_fraction": None if self.gpu_busy_fraction is None else round(self.gpu_busy_fraction, 3),
-            "nvml": self.nvml,
+            "nvml": self.nvml, "model_process": self.model_process,
             "model_busy_s": round(self.model_busy_s, 3), "finish_s": round(self.finish_s, 3),
             "model_calls": self.model_calls, "last_decode_s": round(self.last_decode_s, 4),
             "cpu_s": {"decode": round(self.decode_cpu_s, 3), "vad": round(self.vad_cpu_s, 3),
@@ -262,6 +267,10 @@ class JobReport:
                          f"({100 * self.cpu_stage_utilisation:.0f} % on CPU), "
                          f"model calls {100 * self.model_busy_fraction:.0f} % of wall, "
                          f"outputs {100 * self.finish_s / self.wall_s:.0f} %; {self._bound_text()}")
+        if self.model_process:
+            mp = self.model_process
+            lines.append(f"model      in its own process (pid {mp['pid']}): samples mapped {mp['shared_mb']:.0f} MB, "
+                         f"copied {mp['copied_mb']:.0f} MB")
         if self.device.startswith("cuda") and self.wall_s > 0:
             line = f"GPU busy   {100 * self.model_busy_fraction:.1f} % of wall time (model calls)"
             if self.nvml is not None:

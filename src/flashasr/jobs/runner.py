@@ -438,7 +438,7 @@ def run_job(
     feeder = DecodeFeeder([str(it.path) for it in items], todo, options=opts, caps=caps, workers=report.workers,
                           cpu_pool=report.cpu_pool, max_buffered=int(max_buffered_audio_s * caps.sample_rate),
                           decode=decode_fn, split=split_fn, plan=vad_device == "cpu", decode_workers=decode_workers,
-                          pool=worker_pool)
+                          pool=worker_pool, keep_shared=bool(getattr(model, "maps_shared_memory", False)))
     model_worker = sampler = conductor = None
     switch = sys.getswitchinterval()
     if report.cpu_pool == "process":
@@ -451,7 +451,8 @@ def run_job(
         sampler = _start_gpu_monitor(device, gpu_monitor)
         if sampler is None and gpu_monitor:
             report.nvml = {"available": False, "reason": f"model device is {device!r}, or torch.cuda is unavailable"}
-        model_worker = ModelWorker(model, wake=feeder.wake, synchronize_cuda=device.startswith("cuda"))
+        model_worker = ModelWorker(model, wake=feeder.wake, synchronize_cuda=device.startswith("cuda") and not
+                                   getattr(model, "isolates_pieces", False))  # a model process answers when done
         feeder.start()  # a Ctrl-C held back while forking is raised here, inside the try
         conductor = _Conductor(items, file_opts, feeder, batcher, model_worker, finisher, report, batch_wait_s,
                                options=opts, caps=caps, vad_device=vad_device, split=split_fn, min_batch=min_batch)
@@ -531,11 +532,15 @@ def _account(report: JobReport, finisher: Finisher, batcher: Batcher, feeder: De
     resample = conductor._resample_cpu_s if conductor is not None else 0.0
     planner = conductor.planner_cpu_s if conductor is not None else 0.0
     model_cpu = model_worker.cpu_s if model_worker is not None else 0.0
+    remote = model_worker.remote_cpu_s if model_worker is not None else 0.0  # a model process's own CPU
+    report.model_cpu_s += remote
+    report.model_process = model_worker.process_info() if model_worker is not None else None
     ms = model_worker.stage_cpu_s if model_worker is not None else {}
     upload, detok = ms.get("features_upload", 0.0), ms.get("detokenize", 0.0)
     st = {"decode": max(0.0, report.decode_cpu_s - resample), "resample": resample, "vad": report.vad_cpu_s,
-          "transport": (conductor._transport_cpu_s if conductor is not None else 0.0) + feeder.transport_cpu_s,
-          "features_upload": upload, "model": max(0.0, model_cpu - upload - detok), "detokenize": detok,
+          "transport": (conductor._transport_cpu_s if conductor is not None else 0.0) + feeder.transport_cpu_s
+          + (model_cpu if remote else 0.0),  # with a model process, the model thread here only sends and receives
+          "features_upload": upload, "model": max(0.0, (remote or model_cpu) - upload - detok), "detokenize": detok,
           "merge_render": finisher.merge_render_cpu_s, "write": finisher.write_cpu_s}
     main_measured = planner + feeder.transport_cpu_s + model_cpu + finisher.merge_render_cpu_s + finisher.write_cpu_s
     if report.cpu_pool != "process":  # the workers' shared-memory copies run only in processes
