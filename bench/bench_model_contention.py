@@ -13,7 +13,9 @@ separates them: the same 512 pieces through ``transcribe_pieces`` (the job's mod
 * ``T`` threads in this process spinning in Python (GIL pressure only);
 * ``P`` processes spinning on the cores at the decode workers' niceness (core pressure only);
 * the same processes kept off the first ``R`` cores (``sched_setaffinity``: cores left free);
-* another GIL switch interval during the condition (``switch_us=``).
+* another GIL switch interval during the condition (``switch_us=``);
+* with ``--model-process``, every condition with the model in a process of its own (the spinners
+  stay in this one): what the job gains by :class:`flashasr.pipeline.model_process.ModelProcess`.
 
 Each condition: ``--repeats`` calls after one warm call; median and best wall time per call, ms
 per piece, and the ratio to the condition "alone" of the same run. The JSON goes to
@@ -83,10 +85,12 @@ def load_pieces(corpus: Path, n: int, max_s: float, rate: int = 16000) -> list[n
     return pieces[:n]
 
 
-def timed_calls(model, pieces, options, repeats: int, sync) -> list[float]:
+def timed_calls(model, pieces, options, repeats: int, sync, texts: list | None = None) -> list[float]:
     from flashasr.pipeline import transcribe_pieces
 
-    transcribe_pieces(model, pieces, options)
+    first = transcribe_pieces(model, pieces, options)
+    if texts is not None:
+        texts.extend(getattr(t, "text", repr(t)) for t in first)
     sync()
     out = []
     for _ in range(repeats):
@@ -113,6 +117,10 @@ def main(argv=None) -> int:
                     "procs=12,reserve=4;procs=15,threads=3;alone",
                     help="';'-separated: alone, threads=T, procs=P, reserve=R (with procs), nice=N, "
                          "switch_us=U (the GIL switch interval during this condition)")
+    ap.add_argument("--model-process", action="store_true",
+                    help="the model in a process of its own (flashasr.pipeline.model_process.ModelProcess): "
+                         "the calls go there and the spinning threads stay here; the pieces lie in one "
+                         "shared-memory segment, as a job's decoded files do. Compare with a run without it")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
@@ -124,17 +132,29 @@ def main(argv=None) -> int:
 
     sys.setswitchinterval(args.switch_interval_s)
     t0 = time.perf_counter()
-    model = load_model(args.model, device=args.device)
+    if args.model_process:
+        from flashasr.pipeline.model_process import ModelProcess
+
+        model = ModelProcess(args.model, device=args.device)
+    else:
+        model = load_model(args.model, device=args.device)
     load_s = time.perf_counter() - t0
     pieces = load_pieces(Path(args.corpus), args.pieces, args.max_piece_s, model.capabilities.sample_rate)
+    if args.model_process:  # one kept segment: the model process maps the pieces, as in a job
+        from flashasr import shm
+
+        whole = shm.take_array(*shm.put_array(np.concatenate(pieces)), keep_for=model)
+        cut = np.cumsum([0] + [len(p) for p in pieces])
+        pieces = [whole[a:b] for a, b in zip(cut[:-1], cut[1:])]
     audio_s = sum(len(p) for p in pieces) / model.capabilities.sample_rate
     options = TranscribeOptions().resolve(model.capabilities)
     cuda = args.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = torch.cuda.synchronize if cuda and not args.model_process else (lambda: None)
     print(f"model {args.model} loaded in {load_s:.1f} s; {len(pieces)} pieces, {audio_s / 3600:.3f} h; "
           f"{os.cpu_count()} CPUs; switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
 
     rows = []
+    texts: list = []
     ctx = mp.get_context("fork")
     for spec in [c.strip() for c in args.conditions.split(";") if c.strip()]:
         kw = {k.strip(): int(v) for k, eq, v in (kv.partition("=") for kv in spec.split(",")) if eq}  # "alone": {}
@@ -149,7 +169,7 @@ def main(argv=None) -> int:
         time.sleep(0.3)
         sys.setswitchinterval(kw.get("switch_us", args.switch_interval_s * 1e6) / 1e6)
         try:
-            ts = timed_calls(model, pieces, options, args.repeats, sync)
+            ts = timed_calls(model, pieces, options, args.repeats, sync, None if texts else texts)
         finally:
             sys.setswitchinterval(args.switch_interval_s)
             stop_t.set()
@@ -165,6 +185,14 @@ def main(argv=None) -> int:
                      "calls_s": [round(t, 4) for t in ts]})
         print(f"{spec:28s} median {med * 1e3:7.1f} ms  best {ts[0] * 1e3:7.1f} ms  "
               f"{1e3 * med / len(pieces):.3f} ms/piece  {audio_s / med:,.0f}x", flush=True)
+    if args.model_process:
+        model.close()
+        shm.release_owner(model)
+    import hashlib
+
+    texts_sha = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
+    print(f"transcripts of the first call: sha256 {texts_sha} (equal across runs with and without "
+          f"--model-process when the model process changes nothing)")
     base = [r["median_s"] for r in rows if r["condition"] == "alone"]
     ref = min(base) if base else rows[0]["median_s"]
     for r in rows:
@@ -185,6 +213,8 @@ def main(argv=None) -> int:
     out = {"benchmark": "model_contention", "env": env,
            "conditions": {"model": args.model, "device": args.device, "pieces": len(pieces),
                           "audio_s": round(audio_s, 1), "max_piece_s": args.max_piece_s, "repeats": args.repeats,
+                          "model_process": bool(args.model_process), "model_load_s": round(load_s, 1),
+                          "first_call_texts_sha256_16": texts_sha,
                           "switch_interval_s": args.switch_interval_s, "spinner_process_niceness_default": 5},
            "rows": rows}
     path = Path(args.json_out) if args.json_out else \

@@ -666,6 +666,10 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
     if args.model == "null":  # the CPU path alone (pieces cut as for the GPU engine: 30 s)
         model = NullModel(16000, 30.0)
         args.null_phase = False
+    elif args.model_process:  # every phase's model calls go to a process of its own
+        from flashasr.pipeline.model_process import ModelProcess
+
+        model = ModelProcess(args.model, device=args.device)
     else:
         model = load_model(args.model, device=args.device)
     load_s = time.perf_counter() - t
@@ -685,7 +689,7 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
                   "max_segment_seconds": seg_max, "model_batch_size": getattr(model, "batch_size", None),
                   "calibration": getattr(model, "calibration", None),
                   "engine_info": getattr(model, "engine_info", None)}
-    d["conditions"] = {"workers": workers, "runner_default_workers": default_workers(args.device),
+    d["conditions"] = {"workers": workers, "model_process": bool(args.model_process), "runner_default_workers": default_workers(args.device),
                        "batch_sizes": batch_sizes, "runner_default_batch_size": bsz_default,
                        "format": args.format, "segmentation": args.segmentation, "max_buffered_audio_s": args.max_buffered_s,
                        "outputs": f"{args.format} files + summary.jsonl in a temporary folder "
@@ -939,6 +943,8 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
             except Exception as e:
                 res.error("b3", e)
 
+    if args.model_process:
+        model.close()
     d["analysis"] = analysis(d, a_rows, workers)
     d["status"] = "done" if not d["errors"] else "done_with_errors"
     res.save()
@@ -1116,6 +1122,10 @@ def main(argv=None) -> int:
                         "model phase uses the same)")
     r.add_argument("--null-phase", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the inputs from disk with a model that costs nothing (the CPU path's ceiling)")
+    r.add_argument("--model-process", action="store_true",
+                   help="the model in a process of its own (flashasr.pipeline.model_process.ModelProcess) for "
+                        "every phase: jobs map the decoded samples, in-memory phases copy them once per call; "
+                        "compare with a run without it on the same machine")
     r.add_argument("--a-variants", default=None,
                    help="more from-disk runs with other run_job keywords, ';'-separated, e.g. "
                         "'min_batch=128;min_batch=512'")
