@@ -760,7 +760,15 @@ def _run_with(args, res, outs, d, tmp_root, files, corpus_s, reps, inputs_root, 
             f", bound by {rep.bound_by()}; failed {len(rep.failed)}" + (" (TIME BOX HIT)" if hit else ""))
         for line in rep.table().splitlines():
             log("  | " + line)
-        log(f"  model calls [start s, s, pieces]: {rep.model_calls}; last decode at {rep.last_decode_s:.3f} s")
+        log(f"  model calls [start s, s, pieces, audio s]: {rep.model_calls}; last decode at {rep.last_decode_s:.3f} s")
+        if rep.engine_timings:  # the engine's own split of its calls, summed (where the call time went)
+            tot: dict = {}
+            for t in rep.engine_timings:
+                for k, v in (t or {}).items():
+                    tot[k] = tot.get(k, 0.0) + v
+            calls_s = sum(c[1] for c in rep.model_calls)
+            log(f"  engine timings over {len(rep.engine_timings)} calls ({calls_s:.3f} s of calls): "
+                + ", ".join(f"{k} {v:.3f} s" for k, v in tot.items()))
         return rep
 
     # warm-up: one copy of the corpus per batch size (the GPU decoder captures a graph per new

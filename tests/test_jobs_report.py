@@ -152,8 +152,11 @@ def test_busy_fraction_and_batch_record_from_a_slow_model(wavs):
     assert r.n_pieces == 7 and sum(r.batch_pieces) == 7 and len(r.batch_pieces) == r.n_batches
     assert max(r.batch_pieces) == 2 and r.batch_pieces == m.calls
     assert r.model_busy_s >= 0.25 * r.n_batches * 0.95
-    # the timeline of model calls: one [start, seconds, pieces] per batch, in order, inside the job
+    # the timeline of model calls: one [start, seconds, pieces, audio s] per batch, in order, inside the job
     assert [c[2] for c in r.model_calls] == r.batch_pieces
+    # ... and its audio seconds: the four files, 2 + 3 + 7.5 + 12 s, every sample in one piece
+    assert sum(c[3] for c in r.model_calls) == pytest.approx(24.5, abs=0.05)
+    assert r.engine_timings is None  # not the GPU engine
     starts = [c[0] for c in r.model_calls]
     assert starts == sorted(starts) and all(c[1] >= 0.25 * 0.95 for c in r.model_calls)
     assert 0 <= starts[0] and starts[-1] + r.model_calls[-1][1] <= r.wall_s

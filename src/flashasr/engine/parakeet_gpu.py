@@ -66,6 +66,7 @@ class ParakeetGPUASR(ParakeetASR):
         for k in ("decoding", "batch_size", "pad_min_seconds", "max_segment_seconds"):
             setattr(self, k, getattr(asr, k))
         self.engine = OfflineParakeetEngine(asr, with_text=False, **engine_kw)
+        self.last_timings: dict | None = None  # OfflineOutput.timings of the last engine call
         self.batch_size = max(p.batch for p in self.engine.encoder.profiles)
         # the pipeline's window: pieces the largest profile holds (a longer input runs eagerly)
         self.max_segment_seconds = min(self.max_segment_seconds, max(p.seconds for p in self.engine.encoder.profiles))
@@ -80,6 +81,7 @@ class ParakeetGPUASR(ParakeetASR):
         out = self.engine.transcribe_arrays(pieces, checked=True)  # serialised by the engine's lock; checked by
         # ASRModel.transcribe_batch
         self._count("features_upload", float(out.timings.get("host_prep", 0.0)))  # one thread: wall ~ CPU
+        self.last_timings = dict(out.timings)  # the job report's per-call engine timings
         return [Hypothesis(list(it.token_ids), list(it.token_frames), list(it.token_durations)) for it in out.items]
 
     def make_streamer(self, config=None):

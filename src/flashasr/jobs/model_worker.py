@@ -40,12 +40,15 @@ class ModelWorker:
         ``stage_cpu_s`` counters, e.g. ``features_upload``, ``detokenize``; see
         :class:`~flashasr.models.base.ASRModel`); ``in_flight``: batches submitted and not yet
         taken back; ``batches_done``: batches finished so far; ``calls``: per batch the model ran
-        (finished, or failed and stopped the thread) ``(start, seconds, pieces)``, ``start`` a
-        ``time.perf_counter()`` value (the job's timeline of model calls: where the GPU waited).
+        (finished, or failed and stopped the thread) ``(start, seconds, pieces, audio seconds)``,
+        ``start`` a ``time.perf_counter()`` value (the job's timeline of model calls: where the GPU
+        waited); ``timings``: per call the model's ``last_timings`` (the GPU engine's own split of
+        the call: ``host_prep``, ``encoder_gpu``, ``decoder_gpu``, ``wait``, ``total``), or None.
     """
 
     def __init__(self, model, *, wake: threading.Event, synchronize_cuda: bool = False):
         self.model = model
+        self._rate = float(getattr(model, "sample_rate", 16000) or 16000)
         self.wake = wake
         self.synchronize_cuda = synchronize_cuda
         self.busy_s = 0.0
@@ -55,7 +58,8 @@ class ModelWorker:
         self._bytes0 = (getattr(model, "shared_bytes", 0), getattr(model, "copied_bytes", 0))
         self.in_flight = 0
         self.batches_done = 0
-        self.calls: list[tuple[float, float, int]] = []
+        self.calls: list[tuple[float, float, int, float]] = []
+        self.timings: list[dict | None] = []
         self.error: BaseException | None = None
         self._todo: queue.Queue = queue.Queue()
         self._done: deque = deque()
@@ -116,7 +120,8 @@ class ModelWorker:
             dt = time.perf_counter() - t0  # a failed call ran too: its time and pieces count
             self.busy_s += dt
             self.cpu_s += time.thread_time() - c0
-            self.calls.append((t0, dt, len(waves)))
+            self.calls.append((t0, dt, len(waves), sum(len(w) for w in waves) / self._rate))
+            self.timings.append(_rounded(getattr(self.model, "last_timings", None)) if error is None else None)
             if error is not None:
                 self.error = error
                 self.wake.set()
@@ -154,6 +159,13 @@ class ModelWorker:
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - no usable CUDA: nothing to wait for
             pass
+
+
+def _rounded(t: dict | None) -> dict | None:
+    """An engine's timings of one call (seconds), rounded for the report; None stays None."""
+    if not t:
+        return None
+    return {k: round(float(v), 4) for k, v in t.items() if isinstance(v, (int, float))}
 
 
 __all__ = ["ModelWorker"]

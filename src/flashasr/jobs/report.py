@@ -63,8 +63,11 @@ class JobReport:
       CPU seconds how much of that time the threads actually ran (GIL or CPU contention).
     * ``workers``: decode/VAD workers (``cpu_pool``: threads or processes); ``batch_size``: the largest batch asked for;
       ``batch_pieces``: pieces per model call, in call order; ``model_calls``: per model call
-      ``[start, seconds, pieces]``, ``start`` in seconds from the job's start (where the model
-      waited: before the first call, between calls, after the last); ``last_decode_s``: seconds
+      ``[start, seconds, pieces, audio seconds]``, ``start`` in seconds from the job's start (where
+      the model waited: before the first call, between calls, after the last); ``engine_timings``:
+      per model call the GPU engine's own split of it (``host_prep``, ``encoder_gpu``,
+      ``decoder_gpu``, ``wait``, ``total``; :class:`~flashasr.engine.offline.OfflineOutput`), None
+      for other models; ``last_decode_s``: seconds
       from the job's start to the arrival of its last decoded file (decode failures not counted).
       Both stay empty / 0 in the Ray job (``run_ray_job``: the model calls run in actors).
     * ``stage_cpu_s``: CPU seconds per stage of the whole path, every process (the
@@ -104,6 +107,7 @@ class JobReport:
     batch_size: int = 0
     batch_pieces: list[int] = field(default_factory=list)
     model_calls: list[list[float]] = field(default_factory=list)
+    engine_timings: list[dict | None] | None = None
     last_decode_s: float = 0.0
     nvml: dict | None = None
     stage_cpu_s: dict[str, float] = field(default_factory=dict)
@@ -229,7 +233,7 @@ class JobReport:
             "gpu_busy_fraction": None if self.gpu_busy_fraction is None else round(self.gpu_busy_fraction, 3),
             "nvml": self.nvml, "model_process": self.model_process,
             "model_busy_s": round(self.model_busy_s, 3), "finish_s": round(self.finish_s, 3),
-            "model_calls": self.model_calls, "last_decode_s": round(self.last_decode_s, 4),
+            "model_calls": self.model_calls, "engine_timings": self.engine_timings, "last_decode_s": round(self.last_decode_s, 4),
             "cpu_s": {"decode": round(self.decode_cpu_s, 3), "vad": round(self.vad_cpu_s, 3),
                       "model": round(self.model_cpu_s, 3)},
             "stage_cpu_s": {k: round(self.stage_cpu_s.get(k, 0.0), 3) for k in self.STAGES},

@@ -519,8 +519,10 @@ def _account(report: JobReport, finisher: Finisher, batcher: Batcher, feeder: De
     report.model_busy_s = model_worker.busy_s if model_worker is not None else 0.0
     report.batch_pieces = list(batcher.batch_pieces)
     if model_worker is not None:  # the batches the model ran (not one queued and dropped at an interrupt)
-        report.model_calls = [[round(t0 - t_job, 4), round(dt, 4), n] for t0, dt, n in model_worker.calls]
-        report.batch_pieces = [n for _t0, _dt, n in model_worker.calls]
+        report.model_calls = [[round(t0 - t_job, 4), round(dt, 4), n, round(a, 2)] for t0, dt, n, a in model_worker.calls]
+        report.batch_pieces = [n for _t0, _dt, n, _a in model_worker.calls]
+        if any(model_worker.timings):
+            report.engine_timings = list(model_worker.timings)
     if conductor is not None and conductor.last_decode:
         report.last_decode_s = conductor.last_decode - t_job
     report.n_batches = len(report.batch_pieces)

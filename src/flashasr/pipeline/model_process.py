@@ -58,7 +58,8 @@ class ModelProcess(ASRModel):
         start_timeout_s: how long to wait for the child's model to load.
     Attributes:
         the loaded model's :data:`MIRRORED` attributes and ``languages()``; ``stage_cpu_s``: the
-        child model's own stage counters (as of the last call); ``remote_cpu_s``: the child's CPU
+        child model's own stage counters (as of the last call); ``last_timings``: its engine's
+        timings of the last call (the GPU engine's, else None); ``remote_cpu_s``: the child's CPU
         seconds in calls; ``copied_bytes`` / ``shared_bytes``: samples that crossed by a copy into
         the transfer segment / by mapping a kept segment; ``pid``: the child's process id.
     Raises (constructor):
@@ -96,6 +97,7 @@ class ModelProcess(ASRModel):
         self.copied_bytes = 0
         self.shared_bytes = 0
         self.stage_cpu_s = None
+        self.last_timings = None
         self._closed = False
         try:
             if not self._conn.poll(start_timeout_s):
@@ -163,7 +165,7 @@ class ModelProcess(ASRModel):
                         break
             except (OSError, EOFError) as e:
                 raise self._died(e) from None
-        _seq, outs, cpu_s, stages = payload
+        _seq, outs, cpu_s, stages, self.last_timings = payload
         self.remote_cpu_s += cpu_s
         self.stage_cpu_s = stages
         for i, o in zip(keep, outs):
@@ -351,7 +353,8 @@ def _serve(fd: int) -> None:
         finally:
             maps.maps.clear()
         stages = dict(getattr(model, "stage_cpu_s", None) or {}) or None
-        conn.send(("done", (seq, [_portable(o) for o in outs], time.thread_time() - c0, stages)))
+        timings = getattr(model, "last_timings", None)
+        conn.send(("done", (seq, [_portable(o) for o in outs], time.thread_time() - c0, stages, timings)))
 
 
 __all__ = ["ModelProcess", "ModelProcessError"]
