@@ -350,7 +350,14 @@ def test_missing_input_fails_alone_and_others_finish(tmp_path, capsys):
     assert _words(cap.out) == "a golden fortune and a happy life"
     fails = [l for l in cap.err.splitlines() if l.startswith("failed:")]
     assert len(fails) == 2 and all("[input_not_found]" in l for l in fails)
-    assert "gone.wav" in fails[0] and "*.nomatch" in fails[1]
+    # the form of every failed file's line: `failed: <input>: [code] reason`, the input named once
+    assert fails[0] == f"failed: {tmp_path / 'gone.wav'}: [input_not_found] no such file or directory"
+    assert fails[1] == f"failed: {tmp_path / '*.nomatch'}: [input_not_found] the pattern matches no file"
+    (tmp_path / "empty.wav").write_bytes(b"")
+    assert main(["transcribe", str(tmp_path / "empty.wav"), str(GOLDEN), "--quiet"]) == 1
+    fails = [l for l in capsys.readouterr().err.splitlines() if l.startswith("failed:")]
+    assert len(fails) == 1 and fails[0].startswith(f"failed: {tmp_path / 'empty.wav'}: [empty_audio] ")
+    assert fails[0].count("empty.wav") == 1
 
 
 def test_bad_output_dir_is_a_usage_error(tmp_path, capsys, monkeypatch):
@@ -581,3 +588,35 @@ def test_model_process_yes_gives_the_same_outputs_and_says_so(tmp_path, capsys):
         assert (tmp_path / "here" / name).read_text() == (tmp_path / "there" / name).read_text()
     assert main(["transcribe", str(GOLDEN), "--model-process", "yes", "--model", str(tmp_path / "nomodel")]) == 2
     assert "[model_not_found] cannot load model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, where", [
+    (["transcribe", "x.wav", "--batch-size", "0"], "--batch-size: must be >= 1"),
+    (["transcribe", "x.wav", "-f", "bogus"], "invalid choice: 'bogus'"),
+    (["transcribe", "x.wav", "--workers", "0"], "--workers: must be >= 1"),
+    (["transcribe", "x.wav", "--max-segment-s", "0"], "--max-segment-s: must be > 0"),
+    (["transcribe"], "required: INPUT"),
+    (["transcribe", "x.wav", "--model-process", "maybe"], "invalid choice: 'maybe'"),
+    (["eval", "--limit", "x"], "--limit: invalid int value"),
+    (["bogus"], "invalid choice: 'bogus'"),
+])
+def test_argument_errors_are_one_error_line_like_every_other_refusal(argv, where, capsys):
+    """argparse's own refusals (a bad value, an unknown choice, a missing input) are one
+    `error: [invalid_option] ...` line naming the command and its --help, exit code 2; no usage block."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: [invalid_option] flashasr") and where in lines[0]
+    assert lines[0].endswith("--help")
+
+
+def test_serve_argument_errors_are_one_error_line(capsys):
+    from flashasr.serve.config import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--port", "abc"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: [invalid_option] flashasr serve: argument --port") \
+        and "usage:" not in err

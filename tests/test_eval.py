@@ -150,3 +150,45 @@ def test_eval_warns_about_unknown_ids(capsys):
     err = capsys.readouterr().err
     assert "warning: --ids names no clip of the manifest: no-such-clip" in err, err
     assert called["ids"] == ["en-vctk-p225-001", "no-such-clip"] and rc == 2
+
+
+def test_a_peer_compute_type_is_named_when_refused(capsys):
+    """An unknown compute type is an argument error; one this machine cannot run is named as the
+    compute type, not as the model failing to load."""
+    from flashasr.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--manifest", str(AUDIO / "manifest.jsonl"), "--peer", "faster-whisper",
+              "--peer-compute-type", "bogus"])
+    assert "argument --peer-compute-type: invalid choice: 'bogus'" in capsys.readouterr().err
+    pytest.importorskip("faster_whisper")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("float16 runs on a GPU")
+    rc = main(["eval", "--manifest", str(AUDIO / "manifest.jsonl"), "--peer", "faster-whisper",
+               "--peer-compute-type", "float16", "--limit", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: [invalid_option] --peer-compute-type float16: ")
+    assert "cannot load model" not in err
+
+
+def test_a_failed_clip_says_why_on_stderr(tmp_path, capsys):
+    """A clip that cannot be decoded shows FAILED in the table and its reason on a `failed:` line
+    (before, only the JSON had it); the others are evaluated, exit code 1."""
+    from flashasr.cli import main
+
+    good = next(c for c in load_manifest(AUDIO / "manifest.jsonl") if c["id"] == "en-ls-61-70968-0002")
+    good = {k: v for k, v in good.items() if k != "abs_path"}
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(b"RIFF not really a wave file")
+    entries = [dict(good, path=str(AUDIO / good["path"])),
+               dict(good, id="junk-clip", path=str(junk), sha256=None)]
+    man = tmp_path / "m.jsonl"
+    man.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    rc = main(["eval", "--manifest", str(man)])
+    cap = capsys.readouterr()
+    assert rc == 1 and "FAILED" in cap.out
+    fails = [l for l in cap.err.splitlines() if l.startswith("failed:")]
+    assert len(fails) == 1 and fails[0].startswith("failed: junk-clip (ours): [unsupported_format] ")
+    assert "not a readable audio file" in fails[0] and fails[0].count("junk-clip") == 1

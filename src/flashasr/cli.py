@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .errors import FlashASRError, print_error
+from .errors import FlashASRError, UsageParser, print_error
 from .formats import FORMATS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -63,7 +63,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``flashasr`` command (``transcribe``, ``eval``, ``serve``)."""
-    parser = argparse.ArgumentParser(prog="flashasr", description="Fast speech-to-text (Whisper, Parakeet-TDT).")
+    parser = UsageParser(prog="flashasr", description="Fast speech-to-text (Whisper, Parakeet-TDT).")
     parser.add_argument("--version", action="version", version=f"flashasr {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{transcribe,eval,models,serve}")
 
@@ -208,8 +208,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     except InputError as e:  # e.g. an unreadable manifest
         print_error(e.code, str(e))
         return EXIT_USAGE
-    for e in missing:  # one line per missing input; the others still run
-        _err(f"failed: [{e.code}] {e}")
+    for e in missing:  # one line per missing input, as a failed file's: the others still run
+        _err(f"failed: {e.input}: [{e.code}] {e.reason}" if getattr(e, "input", None) is not None
+             else f"failed: [{e.code}] {e}")
     if not items:
         print_error("no_inputs", "no audio files found in the given inputs")
         return EXIT_USAGE
@@ -340,6 +341,16 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
     return _report(args, items, missing, report)
 
 
+def _without_path(msg: str, item) -> str:
+    """A file's error message without the file's own name in front (the ``failed:`` line names it
+    once): ``<display>: ``, ``<path>: `` or either quoted, as the layers below spell it."""
+    for name in (item.display, str(item.path)):
+        for prefix in (f"{name}: ", f"{name!r}: ", f'"{name}": '):
+            if msg.startswith(prefix):
+                return msg[len(prefix):]
+    return msg
+
+
 def _report(args: argparse.Namespace, items: list, missing: list, report) -> int:
     """The end of a job on the command line: ``warning:`` and ``failed:`` lines, the interrupt line, the
     table; the exit code."""
@@ -347,10 +358,7 @@ def _report(args: argparse.Namespace, items: list, missing: list, report) -> int
         for w in r.warnings or ():
             _err(f"warning: {r.item.display}: [{w.get('code')}] {w.get('message')}")
     for r in report.failed:
-        msg = r.error_message or ""
-        if msg.startswith(f"{r.item.display}: "):  # the line already names the file
-            msg = msg[len(r.item.display) + 2:]
-        _err(f"failed: {r.item.display}: [{r.error_code}] {msg}")
+        _err(f"failed: {r.item.display}: [{r.error_code}] {_without_path(r.error_message or '', r.item)}")
     if report.interrupted:
         _err(f"interrupted: {len(report.ok) + len(report.skipped)} of {len(items)} inputs finished; "
              "re-run the same command to resume" if args.output_dir else "interrupted")

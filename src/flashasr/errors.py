@@ -7,6 +7,8 @@ names the problem. Nothing in flashasr raises a bare ``Exception`` for bad input
 
 from __future__ import annotations
 
+import argparse
+
 
 class FlashASRError(Exception):
     """Base class. ``code`` is a short snake_case identifier; ``status`` the HTTP status."""
@@ -84,6 +86,17 @@ class ModelLoadError(FlashASRError):
 
 class UnsupportedModelError(ModelLoadError):
     code = "unsupported_model"
+
+
+class UsageParser(argparse.ArgumentParser):
+    """:class:`argparse.ArgumentParser` whose usage errors (a bad value, an unknown option, a
+    missing argument) are one ``error: [invalid_option] <prog>: <message>; see <prog> --help``
+    line on stderr and exit code 2, as every other refusal of the command line
+    (:func:`print_error`), instead of argparse's usage block. Subparsers inherit the class."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        print_error("invalid_option", f"{self.prog}: {message}; see {self.prog} --help")
+        raise SystemExit(2)
 
 
 def print_error(code: str, message: str) -> None:

@@ -269,6 +269,11 @@ def ct2_model_dir(spec: str | None) -> Path:
                          code="unsupported_model")
 
 
+#: CTranslate2's compute types (``ctranslate2.Translator(compute_type=)``)
+PEER_COMPUTE_TYPES = ("default", "auto", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
+                      "bfloat16", "float32")
+
+
 class FasterWhisperPeer:
     """faster-whisper on the same CT2 weights, greedy decoding, for side-by-side WER."""
 
@@ -281,8 +286,11 @@ class FasterWhisperPeer:
                                 code="peer_unavailable") from e
         self.model_dir = ct2_model_dir(spec)
         self.compute_type = compute_type
-        self.model = WhisperModel(str(self.model_dir), device="cuda" if device.startswith("cuda") else "cpu",
-                                  compute_type=compute_type, cpu_threads=threads, num_workers=1)
+        try:
+            self.model = WhisperModel(str(self.model_dir), device="cuda" if device.startswith("cuda") else "cpu",
+                                      compute_type=compute_type, cpu_threads=threads, num_workers=1)
+        except ValueError as e:  # CTranslate2: a compute type this device or build cannot run
+            raise FlashASRError(f"--peer-compute-type {compute_type}: {e}", code="invalid_option") from e
         self.multilingual = bool(self.model.model.is_multilingual)
 
     def transcribe(self, samples, language: str | None) -> tuple[str, str | None]:
@@ -460,6 +468,21 @@ def evaluate(clips: list[dict], model, *, peer: FasterWhisperPeer | None = None,
     return EvalResult(rows=rows, summary=summary)
 
 
+def failure_lines(res: EvalResult) -> list[str]:
+    """One ``failed: <clip id> (<system>): <reason>`` line per clip and system that failed (the
+    table shows FAILED; the reason is the result's ``error``, ``[code] message`` for ours)."""
+    out = []
+    for r in res.rows:
+        for s in ("ours", "peer"):
+            err = (r.get(s) or {}).get("error")
+            if err:
+                code, sep, msg = err.partition("] ") if err.startswith("[") else ("", "", err)
+                for prefix in (f"{r['id']!r}: ", f"{r['id']}: "):  # the line names the clip once
+                    msg = msg[len(prefix):] if msg.startswith(prefix) else msg
+                out.append(f"failed: {r['id']} ({s}): {code}{sep}{msg}")
+    return out
+
+
 def format_table(res: EvalResult) -> str:
     """A plain-text table: one line per clip, then the aggregates."""
     has_peer = "peer" in res.summary
@@ -514,7 +537,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speech", action=argparse.BooleanOptionalAction, default=True,
                    help="include no-speech clips (reference \"\") of the selected categories (default on)")
     p.add_argument("--peer", choices=("faster-whisper",), default=None, help="also run a peer on the same weights")
-    p.add_argument("--peer-compute-type", default="float32", help="CTranslate2 compute type of the peer")
+    p.add_argument("--peer-compute-type", default="float32", choices=PEER_COMPUTE_TYPES,
+                   help="CTranslate2 compute type of the peer (default float32)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads of the peer (and torch; default 2)")
     p.add_argument("--batch-size", type=int, default=None, help="pieces per model call (default: the job runner's, 8 on CPU, 512 on CUDA)")
     p.add_argument("--segmentation", choices=("none", "vad", "fixed"), default="none",
@@ -643,6 +667,8 @@ def run_eval_cli(args: argparse.Namespace) -> int:
     }
     res.summary["versions"] = _versions()
     print(format_table(res))
+    for line in failure_lines(res):  # why a clip shows FAILED, as flashasr transcribe says it
+        print(line, file=sys.stderr)
     if args.json_out:
         from .jobs.outputs import atomic_write_text
 
@@ -658,7 +684,9 @@ def run_eval_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m flashasr.eval ...`` (same options as ``flashasr eval``)."""
-    p = argparse.ArgumentParser(prog="flashasr eval")
+    from .errors import UsageParser
+
+    p = UsageParser(prog="flashasr eval")
     add_eval_args(p)
     return run_eval_cli(p.parse_args(argv))
 

@@ -189,7 +189,9 @@ def _forget(start: int) -> str:
 def release(a: np.ndarray) -> None:
     """Unlink the kept name of the segment that ``a`` (the array :func:`take_array` returned)
     maps; the memory goes with the last mapping. Any other array: nothing happens."""
-    start = a.__array_interface__["data"][0] if a.size else None
+    if not _kept or not a.size:  # nothing kept (a job whose model runs here): no lookup
+        return
+    start = a.__array_interface__["data"][0]
     with _kept_lock:
         name = _forget(start) if start in _kept else None
     if name is not None:

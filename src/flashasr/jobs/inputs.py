@@ -40,10 +40,18 @@ MANIFEST_EXTENSIONS = (".jsonl", ".json")
 
 
 class InputError(FlashASRError):
-    """A job input (path, glob or manifest) could not be expanded."""
+    """A job input (path, glob or manifest) could not be expanded.
+
+    ``input``: the input as spelled, when the error is about one input (then the message is
+    ``input '<input>': <reason>`` and ``reason`` holds the part after it); else None."""
 
     code = "invalid_input"
     status = 400
+
+    def __init__(self, message: str, *, code: str | None = None, input: str | None = None):
+        super().__init__(f"input {input!r}: {message}" if input is not None else message, code=code)
+        self.input = input
+        self.reason = message
 
 
 @dataclass
@@ -185,7 +193,7 @@ def expand_inputs(inputs: list[str | os.PathLike], *, missing: list | None = Non
         try:
             _expand_one(s, items, _missing_of)
         except PermissionError as e:  # a parent folder that cannot be searched
-            _missing_of(InputError(f"input {s!r}: permission denied ({e.filename or s})", code="unreadable_input"))
+            _missing_of(InputError(f"permission denied ({e.filename or s})", code="unreadable_input", input=s))
     # De-duplicate by absolute path.
     seen: set[Path] = set()
     uniq = []
@@ -216,7 +224,7 @@ def _expand_one(s: str, items: list[InputItem], _missing) -> None:
     elif _has_magic(s):
         matches = sorted(glob.glob(os.path.expanduser(s), recursive=True))
         if not matches:
-            _missing(InputError(f"input {s!r}: the pattern matches no file", code="input_not_found"))
+            _missing(InputError("the pattern matches no file", code="input_not_found", input=s))
             return
         # Base = the longest leading part of the pattern without wildcards.
         parts = Path(os.path.expanduser(s)).parts
@@ -239,7 +247,7 @@ def _expand_one(s: str, items: list[InputItem], _missing) -> None:
             items.append(InputItem(path=Path(os.path.abspath(mp)), key=_safe_key(_strip_ext(rel)),
                                    display=m))
     else:
-        _missing(InputError(f"input {s!r}: no such file or directory", code="input_not_found"))
+        _missing(InputError("no such file or directory", code="input_not_found", input=s))
 
 
 def _dedupe_keys(items: list[InputItem]) -> list[InputItem]:

@@ -175,7 +175,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``flashasr serve`` option parser (:class:`ServeConfig` has the same names and units)."""
-    p = argparse.ArgumentParser(prog="flashasr serve", formatter_class=_HelpFormatter,
+    from ..errors import UsageParser
+
+    p = UsageParser(prog="flashasr serve", formatter_class=_HelpFormatter,
                                 description="OpenAI-compatible speech-to-text server (HTTP + WebSocket streaming).")
     _model_options(p)
     _http_options(p)
