@@ -33,9 +33,11 @@ class SleepModel(ASRModel):
         self.delay = delay
         self.device = device
         self.calls: list[int] = []
+        self.starts: list[float] = []  # time.perf_counter() at each call's start
 
     def _transcribe(self, ws, options):
         self.calls.append(len(ws))
+        self.starts.append(time.perf_counter())
         time.sleep(self.delay)
         out = []
         for w in ws:
@@ -176,13 +178,17 @@ def test_interrupt_from_on_result_counts_only_the_model_calls_that_ran(wavs):
     """A KeyboardInterrupt raised in on_result (the writer thread) interrupts the job like Ctrl-C;
     a batch queued and dropped is in neither ``batch_pieces`` nor ``model_calls``."""
     m = SleepModel(delay=0.2)
+    stopped: list[float] = []
 
     def stop(res):
+        stopped.append(time.perf_counter())
         raise KeyboardInterrupt
 
     r = run_job([wavs], m, None, "text", batch_size=1, split_fn=fixed_split, max_segment_s=5, workers=2,
                 batch_wait_s=0.01, on_result=stop, progress=False)
-    assert r.interrupted and r.exit_code != 0
+    assert r.interrupted and r.exit_code != 0 and len(stopped) == 1
+    # no model call starts once on_result has raised (the one running finishes; the queued one is dropped)
+    assert all(s < stopped[0] for s in m.starts), (m.starts, stopped)
     assert r.batch_pieces == m.calls == [c[2] for c in r.model_calls] and r.n_batches == len(m.calls) < 7
     assert r.n_pieces == sum(m.calls) and "interrupted" in r.table()
 

@@ -100,6 +100,7 @@ class Finisher:
         self.write_cpu_s = 0.0  # writing the outputs (all writing threads) and the journal lines
         self._error: BaseException | None = None
         self._callback_failed = False  # on_result raised: no more calls to it, the job is stopping
+        self.wake: threading.Event | None = None  # set when the writer thread stops on an error
 
     # ------------------------------------------------------------------ the writer thread
     def start_writer(self) -> None:
@@ -107,6 +108,12 @@ class Finisher:
         self._pool = ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix="flashasr-write")
         self._thread = threading.Thread(target=self._write_loop, name="flashasr-writer", daemon=True)
         self._thread.start()
+
+    def check(self) -> None:
+        """Raise the error that stopped the writer thread (an ``on_result`` error or Ctrl-C, an
+        unwritable journal), if any: the conductor asks before each turn."""
+        if self._error is not None:
+            raise self._error
 
     def _call(self, fn, *args) -> None:
         if self._queue is None:
@@ -136,6 +143,8 @@ class Finisher:
                     self.summary.sync()  # group commit: one fsync for what was written together
             except BaseException as e:  # noqa: BLE001 - re-raised in the conductor
                 self._error = e
+                if self.wake is not None:  # the conductor stops at once, starting no other model call
+                    self.wake.set()
                 break
             if last:
                 break

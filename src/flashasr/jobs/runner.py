@@ -250,6 +250,7 @@ class _Conductor:
     def run(self) -> None:
         timed_out = False
         while True:
+            self.finisher.check()  # on_result raised: stop now (no other batch starts)
             self.feeder.maintain()
             done_now = self.model.take_done()
             for token, outs in done_now:
@@ -287,6 +288,7 @@ class _Conductor:
                 or len(self.batcher.pending) >= self.min_batch)
 
     def _submit(self) -> None:
+        self.finisher.check()  # and once more right before a batch is handed over
         batch, options, waves = self.batcher.take_batch()
         self._n += 1
         self.batches[self._n] = batch
@@ -439,6 +441,7 @@ def run_job(
                           cpu_pool=report.cpu_pool, max_buffered=int(max_buffered_audio_s * caps.sample_rate),
                           decode=decode_fn, split=split_fn, plan=vad_device == "cpu", decode_workers=decode_workers,
                           pool=worker_pool, keep_shared=bool(getattr(model, "maps_shared_memory", False)))
+    finisher.wake = feeder.wake
     model_worker = sampler = conductor = None
     switch = sys.getswitchinterval()
     if report.cpu_pool == "process":
