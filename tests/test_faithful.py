@@ -368,7 +368,8 @@ def _segments() -> set[str]:
 
     pids = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
     parts = (n.split("_") for n in os.listdir("/dev/shm"))
-    return {"_".join(p) for p in parts if len(p) == 3 and p[0] == "flashasr" and p[1].isdigit() and int(p[1]) in pids}
+    return {"_".join(p) for p in parts  # flashasr_<pid>_p<parent pid>_<n>
+            if len(p) == 4 and p[0] == "flashasr" and p[1].isdigit() and int(p[1]) in pids}
 
 
 def test_a_long_upload_crosses_to_the_engine_without_a_copy(files, servers, tmp_path):

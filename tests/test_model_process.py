@@ -151,3 +151,49 @@ def test_parakeet_on_cuda_in_a_model_process_equals_in_process(waves):
         a, b = here.transcribe_batch(waves, opts), m.transcribe_batch(waves, opts)
     assert [[s.tokens for s in t.segments] for t in a] == [[s.tokens for s in t.segments] for t in b]
     assert [t.text for t in a] == [t.text for t in b]
+
+
+def test_a_piece_whose_samples_are_gone_fails_alone_and_its_error_crosses(remote, local, waves):
+    """A segment removed under the job (another job's clean-up, a bug) fails only the pieces in it;
+    the error is this package's class on the caller's side (it used to fail to unpickle there)."""
+    owner = object()
+    name, dt, n = shm.put_array(waves[0])
+    gone = shm.take_array(name, dt, n, keep_for=owner)
+    shm.unlink_segment(name)
+    opts = TranscribeOptions().resolve(local.capabilities)
+    got = remote.run_pieces([gone, waves[2]], opts)
+    assert isinstance(got[0], ModelProcessError) and got[0].code == "model_process_error" and name in str(got[0])
+    assert got[1].text == local.transcribe_batch([waves[2]], opts)[0].text
+    shm.release_owner(owner)
+
+
+def test_a_flashasr_module_in_the_current_folder_does_not_shadow_the_package(tmp_path, monkeypatch):
+    (tmp_path / "flashasr.py").write_text("raise ImportError('the wrong flashasr')\n")
+    monkeypatch.chdir(tmp_path)
+    with ModelProcess("tiny.en", device="cpu") as m:
+        assert m.name == "whisper-tiny.en" and m.alive
+
+
+def test_stale_segments_of_a_dead_worker_of_a_live_job_are_kept():
+    """cleanup_stale_segments (a new job's start) removes a segment when its maker and the maker's
+    parent are both gone, never while the parent (a running job, whose model process may map the
+    samples) lives."""
+    import subprocess
+    import sys
+    import _posixshmem
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    names = {"live_parent": f"{shm.SHM_PREFIX}{dead}_p{os.getpid()}_1", "both_dead": f"{shm.SHM_PREFIX}{dead}_p{dead}_2",
+             "old_style_dead": f"{shm.SHM_PREFIX}{dead}_3"}
+    for n in names.values():
+        os.close(_posixshmem.shm_open("/" + n, os.O_CREAT | os.O_RDWR, mode=0o600))
+    try:
+        shm.cleanup_stale_segments()
+        left = set(os.listdir("/dev/shm"))
+        assert names["live_parent"] in left
+        assert names["both_dead"] not in left and names["old_style_dead"] not in left
+    finally:
+        for n in names.values():
+            shm.unlink_segment(n)
+    assert shm.new_name().startswith(f"{shm.SHM_PREFIX}{os.getpid()}_p{os.getppid()}_")

@@ -36,8 +36,9 @@ _ids = itertools.count(1)
 
 
 def new_name() -> str:
-    """A fresh segment name of this process: ``flashasr_<pid>_<n>``."""
-    return f"{SHM_PREFIX}{os.getpid()}_{next(_ids)}"
+    """A fresh segment name of this process: ``flashasr_<pid>_p<parent pid>_<n>`` (the parent: the
+    job or server whose worker made it, see :func:`cleanup_stale_segments`)."""
+    return f"{SHM_PREFIX}{os.getpid()}_p{os.getppid()}_{next(_ids)}"
 
 
 def unregister(name: str) -> None:
@@ -79,7 +80,9 @@ def unlink_segment(name: str) -> None:
 
 
 def cleanup_stale_segments() -> int:
-    """Unlink ``/dev/shm/flashasr_<pid>_*`` segments whose creating process is gone; returns the count."""
+    """Unlink ``/dev/shm/flashasr_*`` segments whose creating process and its parent are both
+    gone; returns the count. A segment made by a decode worker that died while its job runs on is
+    kept: that job may still hold its samples (a job's model process maps them by name)."""
     n = 0
     try:
         names = os.listdir("/dev/shm")
@@ -88,15 +91,25 @@ def cleanup_stale_segments() -> int:
     for name in names:
         if not name.startswith(SHM_PREFIX):
             continue
+        parts = name[len(SHM_PREFIX):].split("_")
         try:
-            pid = int(name[len(SHM_PREFIX):].split("_", 1)[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            pids = [int(parts[0])] + ([int(parts[1][1:])] if len(parts) > 2 and parts[1][:1] == "p" else [])
+        except ValueError:
+            continue
+        if not any(_alive(p) for p in pids):
             unlink_segment(name)
             n += 1
-        except (ValueError, PermissionError):
-            pass
     return n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def put_array(a: np.ndarray) -> tuple[str, str, int]:

@@ -38,6 +38,10 @@ from ..errors import FlashASRError, ModelLoadError
 from ..models.base import ASRModel, as_waveform
 from ..options import TranscribeOptions
 
+#: the child's program: drop the current folder from sys.path, then serve on the socket (argv[1])
+_CHILD = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+          "from flashasr.pipeline.model_process import _serve; _serve(int(sys.argv[1]), int(sys.argv[2]))")
+
 #: attributes of the loaded model the parent mirrors (see :class:`~flashasr.models.base.ASRModel`)
 MIRRORED = ("name", "family", "sample_rate", "max_segment_seconds", "long_form", "multilingual", "translates",
             "prompts", "uses_temperature", "uses_speech", "speech_gate", "device")
@@ -84,7 +88,10 @@ class ModelProcess(ASRModel):
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        self._proc = subprocess.Popen([sys.executable, "-m", "flashasr.pipeline.model_process", str(theirs.fileno())],
+        # -c, not -m: the current folder leaves sys.path before anything is imported (a flashasr.py
+        # there must not shadow this package), and the child's classes are this module's, not
+        # __main__'s (the exceptions it sends back unpickle here)
+        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid())],
                                       pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self._conn = Connection(ours.detach())
@@ -102,7 +109,7 @@ class ModelProcess(ASRModel):
         try:
             if not self._conn.poll(start_timeout_s):
                 raise ModelProcessError(f"the model process did not load {spec or 'the default model'} "
-                                        f"within {start_timeout_s:.0f} s")
+                                        f"within {start_timeout_s:g} s")
             try:
                 kind, payload = self._recv()
             except (EOFError, OSError) as e:
@@ -229,6 +236,15 @@ class ModelProcess(ASRModel):
                                  f"the model process (pid {self.pid}) died (exit code {code})")
 
     # ------------------------------------------------------------------ life
+    def kill(self) -> None:
+        """End the model process at once (SIGKILL), even inside a call: that call then raises
+        ModelProcessError in its caller. For a job interrupted twice; :meth:`close` still frees
+        the rest."""
+        try:
+            self._proc.kill()
+        except OSError:
+            pass
+
     @property
     def alive(self) -> bool:
         return not self._closed and self._proc.poll() is None
@@ -302,13 +318,39 @@ class _Maps:
         return np.frombuffer(m, np.float32, count=n, offset=offset)
 
 
-def _serve(fd: int) -> None:
-    """The model process: load, say hello, then run batches until told to stop or the pipe closes."""
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a killed
+    job never leaves its model process running; elsewhere nothing (the pipe's end still stops it)."""
+    import signal
+
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux
+        return
+    if os.getppid() != parent:  # the parent died before the call above
+        os._exit(0)
+
+
+def _serve(fd: int, parent: int | None = None) -> None:
+    """The model process: load, say hello, then run batches until told to stop or the pipe closes
+    (a parent gone mid-call: the answer has nowhere to go, the process ends quietly)."""
+    try:
+        _serve_calls(fd, parent)
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        pass
+
+
+def _serve_calls(fd: int, parent: int | None) -> None:
     import signal
     import sys
     from multiprocessing.connection import Connection
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if parent is not None:
+        _die_with_parent(parent)
     # the waveforms are read-only views of the parent's segments: a model that hands one to
     # torch.as_tensor (Whisper's CPU features) reads it, never writes it
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -337,16 +379,21 @@ def _serve(fd: int) -> None:
         if msg[0] != "run":
             return
         _kind, seq, refs, options, speech = msg
-        c0 = time.thread_time()
+        c0 = time.process_time()  # the whole process: the model's intra-op threads too
         maps = _Maps()
         try:
-            try:
-                waves = [maps.view(*r) for r in refs]
-            except OSError as e:
-                outs = [ModelProcessError(f"samples not found in shared memory: {e}")] * len(refs)
-            else:
-                outs = transcribe_pieces(model, waves, options, speech)
-                del waves
+            waves, outs = [], [None] * len(refs)
+            for i, r in enumerate(refs):
+                try:
+                    waves.append((i, maps.view(*r)))
+                except OSError as e:  # this piece's samples are gone (a segment removed under the job)
+                    outs[i] = ModelProcessError(f"the piece's samples are not in shared memory ({r[0]}): {e}")
+            if waves:
+                got = transcribe_pieces(model, [w for _i, w in waves],
+                                        options, None if speech is None else [speech[i] for i, _w in waves])
+                for (i, _w), o in zip(waves, got):
+                    outs[i] = o
+            del waves
         except BaseException as e:  # noqa: BLE001 - the call itself failed: the parent decides
             conn.send(("gone", f"{type(e).__name__}: {e}"))
             return
@@ -354,12 +401,7 @@ def _serve(fd: int) -> None:
             maps.maps.clear()
         stages = dict(getattr(model, "stage_cpu_s", None) or {}) or None
         timings = getattr(model, "last_timings", None)
-        conn.send(("done", (seq, [_portable(o) for o in outs], time.thread_time() - c0, stages, timings)))
+        conn.send(("done", (seq, [_portable(o) for o in outs], time.process_time() - c0, stages, timings)))
 
 
 __all__ = ["ModelProcess", "ModelProcessError"]
-
-if __name__ == "__main__":
-    import sys as _sys
-
-    _serve(int(_sys.argv[1]))
