@@ -336,3 +336,28 @@ def test_bench_copies_are_distinct_inputs_and_pieces_match_the_runner(wavs, tmp_
         x = load_audio(f["abspath"]).samples
         want += [bb - a for a, bb in b.runner_pieces(x, SR, 5.0, fixed_split, "fixed")]
     assert sorted(seen) == sorted(want * 3)
+
+
+def test_a_second_ctrl_c_while_the_job_winds_down_is_noted_not_raised(wavs, tmp_path):
+    """Ctrl-C twice (a terminal's timeout, an impatient user): the first stops the job, the second
+    lands while it waits for the model call running; the wind-down still ends (journal compacted,
+    shared memory released), run_job returns ``interrupted`` instead of raising."""
+    import os
+    import signal
+    import threading
+
+    m = SleepModel(delay=1.0)
+    fired = []
+
+    def twice():
+        time.sleep(0.4)
+        for _ in range(2):
+            fired.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)
+
+    threading.Thread(target=twice, daemon=True).start()
+    r = run_job([wavs], m, tmp_path / "out", "text", batch_size=1, split_fn=fixed_split, max_segment_s=5,
+                workers=2, progress=False)
+    assert len(fired) == 2 and r.interrupted and r.exit_code != 0
+    assert (tmp_path / "out" / "summary.jsonl").exists() or not r.ok

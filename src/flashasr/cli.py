@@ -98,9 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode/VAD workers as threads or processes (default: processes on CUDA, where "
                         "the GPU needs many cores fed without the GIL; threads on CPU)")
     t.add_argument("--model-process", choices=("auto", "yes", "no"), default="auto",
-                   help="run the model in a process of its own, fed the decoded samples through shared memory "
-                        "(default auto: yes on CUDA with decode processes, where the job's other Python threads "
-                        "would slow the model's calls by taking the GIL; docs/JOBS.md)")
+                   help="run the model in a process of its own, so that the job's other Python threads cannot "
+                        "slow its calls by taking the GIL (default auto: yes on CUDA when the files decode in "
+                        "processes, --cpu-pool process, the CUDA default, with at least as many files as "
+                        "--workers); the model process maps the samples the decode processes leave in shared "
+                        "memory, and copies them once otherwise (decode threads); docs/JOBS.md")
     t.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="skip inputs with a complete output from an earlier run (default: on)")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -285,6 +287,10 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
                          on_result=printer, keep_transcripts=False, worker_pool=pool)
     except FlashASRError as e:
         print_error(e.code, str(e))
+        if e.code == "model_process_error":  # the job ran and stopped: not a usage error
+            if args.output_dir:
+                _err("the outputs finished so far are kept; re-run the same command to resume")
+            return EXIT_FAILED
         return EXIT_USAGE
     except BrokenPipeError:  # `| head` closed stdout: stop quietly, as command-line tools do
         _quiet_stdout()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
@@ -466,25 +467,65 @@ def run_job(
     finally:
         sys.setswitchinterval(switch)
         unblock_sigint()  # whatever happened before the loop started
-        if conductor is not None:
-            conductor.stop()  # the planner thread
-        if model_worker is not None:
-            model_worker.stop()  # the batch running finishes; nothing more starts
-        feeder.shutdown()
-        try:
-            finisher.close()  # every finished file handed over is written
-        except KeyboardInterrupt:  # raised in on_result (the writer thread) after the loop had ended
-            report.interrupted = True
-        finally:
-            _account(report, finisher, batcher, feeder, model_worker, conductor, t_job, cpu_job)
-            if sampler is not None:
-                report.nvml = sampler.stop()
-            if summary is not None:
-                try:
-                    summary.compact([str(it.path) for it in items])
-                except OSError:
-                    pass
+        # a second Ctrl-C (or SIGTERM) while the job winds down is noted, not raised: the cleanup below
+        # always runs to its end (journal, shared memory); it only stops waiting for a model process
+        with _interrupts_held(report, abandon=getattr(model, "kill", None)):
+            _wind_down(report, conductor, model_worker, feeder, finisher, batcher, sampler, summary, items,
+                       t_job, cpu_job)
     return report
+
+
+def _wind_down(report, conductor, model_worker, feeder, finisher, batcher, sampler, summary, items, t_job,
+               cpu_job) -> None:
+    """The end of :func:`run_job`, however it ended: threads stopped, outputs written, figures, journal."""
+    if conductor is not None:
+        conductor.stop()  # the planner thread
+    if model_worker is not None:
+        model_worker.stop()  # the batch running finishes; nothing more starts
+    feeder.shutdown()
+    try:
+        finisher.close()  # every finished file handed over is written
+    except KeyboardInterrupt:  # raised in on_result (the writer thread) after the loop had ended
+        report.interrupted = True
+    finally:
+        _account(report, finisher, batcher, feeder, model_worker, conductor, t_job, cpu_job)
+        if sampler is not None:
+            report.nvml = sampler.stop()
+        if summary is not None:
+            try:
+                summary.compact([str(it.path) for it in items])
+            except OSError:
+                pass
+
+
+@contextmanager
+def _interrupts_held(report: JobReport, abandon: Callable | None = None):
+    """SIGINT and SIGTERM noted instead of raised while the block runs (main thread only; elsewhere
+    nothing changes): the report says ``interrupted``, and ``abandon`` (a model process's ``kill``)
+    is called so that no wait for a hung model call outlasts the user's second Ctrl-C."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum, frame):
+        report.interrupted = True
+        if abandon is not None:
+            abandon()
+
+    before = {}
+    for s in (signal.SIGINT, signal.SIGTERM):
+        try:
+            before[s] = signal.signal(s, note)
+        except (ValueError, OSError):
+            pass
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def _workers_plan(workers, cpu_pool, device: str, n_files: int, custom_hooks: bool, pool):
