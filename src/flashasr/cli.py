@@ -220,6 +220,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if not _device_usable(args.device, here=args.ray is None) or not _output_dir_ready(args.output_dir, create=False):
         return EXIT_USAGE
     if args.ray is not None:
+        if args.model_process == "yes":  # the cluster's model actors are processes of their own already
+            _err("warning: --model-process applies to local jobs; with --ray the model runs in the cluster's actors")
         return _transcribe_ray(args, items, missing, options)
     # decode workers forked while this process is small (forking them from one holding a CUDA context
     # and the model took 0.9 s on the H200 machine); None when the job decodes in threads
