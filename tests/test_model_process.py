@@ -197,3 +197,30 @@ def test_stale_segments_of_a_dead_worker_of_a_live_job_are_kept():
         for n in names.values():
             shm.unlink_segment(n)
     assert shm.new_name().startswith(f"{shm.SHM_PREFIX}{os.getpid()}_p{os.getppid()}_")
+
+
+def test_a_hung_model_process_is_given_up_at_the_second_ctrl_c(local, tmp_path):
+    """A model process that never answers (stopped here with SIGSTOP): the first Ctrl-C stops the
+    job, which then waits for the call running; the second kills the model process, and run_job
+    returns ``interrupted`` with its journal written, instead of waiting forever."""
+    import threading
+    import time
+
+    from flashasr.jobs import run_job
+
+    m = ModelProcess("tiny.en", device="cpu")
+    os.kill(m.pid, signal.SIGSTOP)
+
+    def twice():
+        for delay in (1.0, 0.5):
+            time.sleep(delay)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=twice, daemon=True).start()
+    t0 = time.perf_counter()
+    try:
+        r = run_job(CLIPS, m, tmp_path / "out", "text", batch_size=4, workers=1, progress=False)
+    finally:
+        m.close(timeout_s=2.0)
+    assert r.interrupted and not r.ok and time.perf_counter() - t0 < 30
+    assert not m.alive
