@@ -298,24 +298,37 @@ def _portable(x):
 
 
 class _Maps:
-    """The child's mappings of the parent's segments for one call (opened by name, closed after)."""
+    """The child's mappings of the parent's segments for one call (opened by name, closed after).
+
+    Per segment only the pages its pieces in this call cover are mapped (:meth:`plan` first): a
+    long file's pieces spread over many calls, and each call maps just its own part."""
 
     def __init__(self):
-        self.maps: dict[str, mmap.mmap] = {}
+        self.maps: dict[str, tuple[mmap.mmap, int]] = {}  # name -> (mapping, its start in the segment)
+        self.spans: dict[str, tuple[int, int]] = {}  # name -> (first byte, end byte) of this call's pieces
+
+    def plan(self, refs: list) -> None:
+        for name, offset, n in refs:
+            a, b = self.spans.get(name, (offset, offset))
+            self.spans[name] = (min(a, offset), max(b, offset + 4 * n))
 
     def view(self, name: str, offset: int, n: int) -> np.ndarray:
-        m = self.maps.get(name)
-        if m is None:
+        got = self.maps.get(name)
+        if got is None:
             import _posixshmem
 
+            a, b = self.spans.get(name, (offset, offset + 4 * n))
+            start = a - a % mmap.ALLOCATIONGRANULARITY
             fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
             try:  # read-only (the parent's samples never change), all pages mapped in one call: the
                 # engine's copy into pinned memory then takes no page faults (see flashasr.shm.take_array)
-                m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+                m = mmap.mmap(fd, max(1, b - start), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                              prot=mmap.PROT_READ, offset=start)
             finally:
                 os.close(fd)
-            self.maps[name] = m
-        return np.frombuffer(m, np.float32, count=n, offset=offset)
+            got = self.maps[name] = (m, start)
+        m, start = got
+        return np.frombuffer(m, np.float32, count=n, offset=offset - start)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -381,12 +394,14 @@ def _serve_calls(fd: int, parent: int | None) -> None:
         _kind, seq, refs, options, speech = msg
         c0 = time.process_time()  # the whole process: the model's intra-op threads too
         maps = _Maps()
+        maps.plan(refs)
         try:
             waves, outs = [], [None] * len(refs)
             for i, r in enumerate(refs):
                 try:
                     waves.append((i, maps.view(*r)))
-                except OSError as e:  # this piece's samples are gone (a segment removed under the job)
+                except (OSError, ValueError) as e:  # this piece's samples are gone (a segment removed
+                    # under the job) or not where the reference says
                     outs[i] = ModelProcessError(f"the piece's samples are not in shared memory ({r[0]}): {e}")
             if waves:
                 got = transcribe_pieces(model, [w for _i, w in waves],
