@@ -977,6 +977,7 @@ def model_loop(name, model, pieces, order, bs, seconds, cuda, device, Sampler, a
     gpu_peak_reset(cuda)
     sampler = Sampler(device).start() if cuda else None
     done_s, calls, stopped = 0.0, 0, False
+    per_call, timings = [], {}  # [s, pieces, audio s] per call; the engine's own split, summed
     t = time.perf_counter()
     with TimeBox(seconds + 15.0) as tb:  # backstop; the loop itself stops at the time box
         for s in range(0, len(order), bs):
@@ -984,9 +985,14 @@ def model_loop(name, model, pieces, order, bs, seconds, cuda, device, Sampler, a
                 stopped = True
                 break
             chunk = [pieces[i] for i in order[s:s + bs]]
+            t0 = time.perf_counter()
             model.transcribe_batch(chunk)
+            chunk_s = sum(len(w) for w in chunk) / sr
+            per_call.append([round(time.perf_counter() - t0, 4), len(chunk), round(chunk_s, 1)])
+            for k, v in (getattr(model, "last_timings", None) or {}).items():
+                timings[k] = timings.get(k, 0.0) + v
             calls += 1
-            done_s += sum(len(w) for w in chunk) / sr
+            done_s += chunk_s
     if cuda:
         import torch
 
@@ -996,9 +1002,13 @@ def model_loop(name, model, pieces, order, bs, seconds, cuda, device, Sampler, a
     row = {"phase": name, "audio_h": round(done_s / 3600, 4), "audio_s": round(done_s, 2), "wall_s": round(wall, 3),
            "speed_factor": round(done_s / wall, 2) if wall > 0 else 0.0, "calls": calls, "pieces": len(pieces),
            "model_busy_fraction": 1.0, "interrupted": fired, "time_box_s": round(seconds, 1),
-           "nvml": sampler.stop() if sampler else None, **gpu_peak(cuda)}
+           "nvml": sampler.stop() if sampler else None, **gpu_peak(cuda), "calls_s_pieces_audio_s": per_call,
+           "engine_timings_sum_s": {k: round(v, 4) for k, v in timings.items()}}
     log(f"{name}: {done_s / 3600:.3f} h in {wall:.2f} s = {row['speed_factor']:.0f}x ({calls} calls)"
         + (" (TIME BOX HIT)" if fired else ""))
+    log(f"  calls [s, pieces, audio s]: {per_call}")
+    if timings:
+        log("  engine timings summed: " + ", ".join(f"{k} {v:.3f} s" for k, v in timings.items()))
     return row
 
 

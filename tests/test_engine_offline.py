@@ -88,17 +88,48 @@ def test_offline_engine_gpu_graphs_equal_reference():
     model = _model("cuda")
     eng = OfflineParakeetEngine(model, profiles=[Profile(2, 1.0), Profile(4, 4.0), Profile(8, 10.0)],
                                 dtype=torch.float32)
-    for pipelined in (False, True, True):
+    for pipelined, group_rows in ((False, 1), (True, 1), (True, 1), (True, 256), (True, 6)):
+        eng.decode_group_rows = group_rows
         out = eng.transcribe_arrays(waves, pipelined=pipelined)
         got = [(it.token_ids, it.token_frames, it.token_durations) for it in out.items]
         assert got == ref
-        assert out.decoder_modes == {"full_graph": len(out.batches)}
-    # many batches of one profile: the pipeline must not overwrite encoder outputs in use
+        assert out.decoder_modes == {"full_graph": out.timings.get("decoder_launches", len(out.batches))}
+    # many batches of one profile and of several: the pipeline must not overwrite encoder outputs
+    # in use, and decoding profile batches together gives each row the tokens it gets alone
     many = [w for w in waves if len(w) >= 1280] * 5
+    eng.decode_group_rows = 1
     a = eng.transcribe_arrays(many, pipelined=False)
-    b = eng.transcribe_arrays(many, pipelined=True)
-    assert [i.token_ids for i in a.items] == [i.token_ids for i in b.items]
-    assert len(b.batches) > 4
+    for group_rows, launches in ((1, 7), (12, 3), (256, 1)):  # the plan: 2 x 8 rows of 10 s, 5 x <= 4 of 4 s
+        eng.decode_group_rows = group_rows
+        b = eng.transcribe_arrays(many, pipelined=True)
+        assert [i.token_ids for i in a.items] == [i.token_ids for i in b.items]
+        assert [i.token_frames for i in a.items] == [i.token_frames for i in b.items]
+        assert len(b.batches) == 7 and b.timings["decoder_launches"] == launches
+        assert b.decoder_modes == {"full_graph": launches}
+
+
+def test_decode_groups_keep_plan_order_and_bound_their_rows():
+    eng = OfflineParakeetEngine.__new__(OfflineParakeetEngine)  # decode_groups reads only the setting
+    p64, p32 = Profile(64, 30.0), Profile(32, 4.0)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        plan = [(None if rng.random() < 0.1 else (p64 if rng.random() < 0.5 else p32),
+                 list(range(int(rng.integers(1, 65))))) for _ in range(int(rng.integers(1, 30)))]
+        plan = [(p, idx[:1] if p is None else idx) for p, idx in plan]
+        for G in (1, 16, 100, 256):
+            eng.decode_group_rows = G
+            groups = eng.decode_groups(plan)
+            assert [k for g in groups for k in g] == list(range(len(plan)))  # every entry once, in order
+            for g in groups:
+                rows = [len(plan[k][1]) for k in g]
+                if len(g) > 1:
+                    assert G > 1 and all(plan[k][0] is not None for k in g)  # eager entries decode alone
+                    assert sum(rows) <= 2 * G and sum(rows[:-1]) < G  # it closed once it held G rows
+            for a, b in zip(groups, groups[1:]):  # a group was closed only when b could not join it
+                rows_a = sum(len(plan[k][1]) for k in a)
+                joinable = (G > 1 and plan[b[0]][0] is not None and plan[a[-1]][0] is not None
+                            and rows_a < G and rows_a + len(plan[b[0]][1]) <= 2 * G)
+                assert not joinable
 
 
 def test_plan_is_the_cheapest_partition_and_covers_every_input():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ from .profiles import EncoderProfiles, Profile, choose_profiles
 from .tdt_graphs import DecodeMode, TDTGraphDecoder
 
 log = logging.getLogger(__name__)
+
+#: rows the pipelined path gathers into one decoder launch (see OfflineParakeetEngine.decode_groups)
+DECODE_GROUP_ROWS = 256
 
 
 @dataclass
@@ -80,6 +84,10 @@ class OfflineParakeetEngine:
         decoder_priority: CUDA priority of the pipelined decoder's side stream (0 = default,
             the lowest; negative = higher than the encoder's stream, so the latency-bound
             decoder steps are scheduled ahead of the encoder's large kernels).
+        decode_group_rows: the pipelined path decodes consecutive profile batches together until
+            a launch holds this many rows (:meth:`decode_groups`; default
+            :data:`DECODE_GROUP_ROWS`, or the environment's ``FLASHASR_DECODE_GROUP_ROWS``; 1: one
+            decoder launch per profile batch, as before 2026-12-06).
 
     The engine works IN PLACE on ``model`` (one copy of the weights): it puts the model in eval
     mode, applies the exact-math encoder fusions and fast attention, casts the encoder to
@@ -96,7 +104,8 @@ class OfflineParakeetEngine:
                  decoder_dtype: torch.dtype = torch.float32, decoder_mode: DecodeMode | str = DecodeMode.FULL_GRAPH,
                  use_graphs: bool = True, compile: bool | str = False, with_text: bool = True,
                  cudnn_benchmark: bool = False, conv_channels_last: bool = False, fast_attention: bool = True,
-                 fuse: bool = True, launch_cost_s: float = 16.0, decoder_priority: int = 0):
+                 fuse: bool = True, launch_cost_s: float = 16.0, decoder_priority: int = 0,
+                 decode_group_rows: int | None = None):
         if profiles is not None and len(profiles) == 0:
             raise FlashASRError("OfflineParakeetEngine: profiles is empty (pass None for the defaults)",
                                 code="invalid_profiles")
@@ -112,6 +121,9 @@ class OfflineParakeetEngine:
         self.model = model
         self._lock = threading.RLock()
         self.decoder_priority = int(decoder_priority)
+        if decode_group_rows is None:
+            decode_group_rows = int(os.environ.get("FLASHASR_DECODE_GROUP_ROWS", DECODE_GROUP_ROWS))
+        self.decode_group_rows = int(decode_group_rows)
         self.launch_cost_s = float(launch_cost_s)
         self.device = next(model.encoder.parameters()).device
         model.predictor.to(decoder_dtype)
@@ -217,7 +229,8 @@ class OfflineParakeetEngine:
         ``pipelined`` (default: on CUDA): the decoder of batch k runs on a side stream while
         the encoder of batch k+1 runs and the host prepares batch k+2; timings are then
         ``host_prep``, ``encoder_gpu``/``decoder_gpu`` (device time of each stream, overlapping),
-        ``wait`` (host blocked on results) and ``total``. Not pipelined: stages run one after the
+        ``wait`` (host blocked on results) and ``total``, with the counts ``decoder_launches``
+        (:meth:`decode_groups`) and ``decoder_captures`` (decoder graphs captured meanwhile). Not pipelined: stages run one after the
         other with a synchronisation between them, and the timings split the wall time.
 
         Thread-safe: concurrent calls run one after the other. ``checked=True``: the waveforms already
@@ -289,18 +302,47 @@ class OfflineParakeetEngine:
             t["text"] = time.perf_counter() - t0
         return OfflineOutput(items, t, sum(lengths) / self.sample_rate, batches, modes)
 
+    def decode_groups(self, plan: list[tuple[Profile | None, list[int]]]) -> list[list[int]]:
+        """Which consecutive plan entries (indices into ``plan``) share one decoder launch.
+
+        Label looping runs until the longest row of a launch is done, and a step is bound by its
+        kernel launches more than by its rows (on the H200 one decode of 512 rows took 2.6x one
+        of 64, ``bench/results/gpu_decoder_fused.json``): the decoder's time follows the number
+        of launches times their frames more than the rows. A plan of a call with mixed lengths has many small entries (a 512-piece call of a
+        job: about 10), so the entries are decoded together, longest first, until a group holds
+        ``decode_group_rows`` rows; a group never grows past ``2 x decode_group_rows`` rows (or
+        its first entry's) and an eager entry (an input longer than every profile) decodes alone.
+        ``decode_group_rows <= 1``: one launch per entry.
+        """
+        G = self.decode_group_rows
+        groups: list[list[int]] = []
+        rows = 0
+        for k, (prof, idx) in enumerate(plan):
+            alone = prof is None or G <= 1
+            if (groups and not alone and rows < G and rows + len(idx) <= 2 * G
+                    and plan[groups[-1][-1]][0] is not None):
+                groups[-1].append(k)
+                rows += len(idx)
+            else:
+                groups.append([k])
+                rows = len(idx)
+        return groups
+
     def _run_pipelined(self, waves, lengths) -> OfflineOutput:
+        """Encoders on the current stream, decoders on a side stream: the decode of group g runs
+        while the encoders of group g + 1 do (:meth:`decode_groups`)."""
         main = torch.cuda.current_stream()
         if getattr(self, "_side", None) is None:
             self._side = torch.cuda.Stream(priority=self.decoder_priority)
         side = self._side
         items: list[OfflineItem | None] = [None] * len(waves)
         t = {"host_prep": 0.0, "wait": 0.0}
-        batches, modes, ev = [], {}, []
-        pending = None
+        batches, modes, enc_ev, dec_ev = [], {}, [], []
+        pending = None  # (PendingDecode, input indices in row order, the decoder's input kept alive, it is a
+        # view of the encoder graphs' static output)
 
         def finish(p):
-            pend, idx, e_dec0 = p
+            pend, idx, _keep, _static = p
             w0 = time.perf_counter()
             res = pend.result()
             t["wait"] += time.perf_counter() - w0
@@ -308,22 +350,39 @@ class OfflineParakeetEngine:
             for k, i in enumerate(idx):
                 items[i] = OfflineItem(res.token_ids[k], res.token_frames[k], res.token_durations[k])
 
+        plan = self.plan(lengths)
+        captures = self.decoder.captures
         torch.cuda.synchronize()
         t_start = time.perf_counter()
-        for prof, idx in self.plan(lengths):
-            h0 = time.perf_counter()
-            audio, alen = self.uploader.upload([waves[i] for i in idx])
-            t["host_prep"] += time.perf_counter() - h0
-            if pending is not None and pending[0].input_consumed is not None:
-                main.wait_event(pending[0].input_consumed)  # encoder outputs may be reused
-            e0 = torch.cuda.Event(enable_timing=True)
-            e1 = torch.cuda.Event(enable_timing=True)
-            e0.record(main)
-            if prof is None:
-                f, flen = self.encoder.forward_eager(audio, alen)
+        for group in self.decode_groups(plan):
+            outs = []  # per entry: (encoder output [rows, T, J], lengths [rows]), copied when the group has several
+            for k in group:
+                prof, idx = plan[k]
+                h0 = time.perf_counter()
+                audio, alen = self.uploader.upload([waves[i] for i in idx])
+                t["host_prep"] += time.perf_counter() - h0
+                if pending is not None and pending[3] and pending[0].input_consumed is not None:
+                    main.wait_event(pending[0].input_consumed)  # the static encoder outputs may be reused
+                e0 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)
+                e0.record(main)
+                if prof is None:
+                    f, flen = self.encoder.forward_eager(audio, alen)
+                else:
+                    f, flen = self.encoder.run(audio, alen, prof)
+                if len(group) > 1:  # the next profile run overwrites the graphs' static outputs
+                    f, flen = f.clone(), flen.clone()
+                e1.record(main)
+                enc_ev.append((e0, e1))
+                outs.append((f, flen))
+                batches.append((prof.batch if prof else None, prof.seconds if prof else None, len(idx)))
+            if len(outs) == 1:
+                f, flen = outs[0]
             else:
-                f, flen = self.encoder.run(audio, alen, prof)
-            e1.record(main)
+                T = max(o[0].shape[1] for o in outs)
+                f = torch.cat([o[0] if o[0].shape[1] == T else
+                               torch.nn.functional.pad(o[0], (0, 0, 0, T - o[0].shape[1])) for o in outs])
+                flen = torch.cat([o[1] for o in outs])
             if pending is not None:
                 finish(pending)
             side.wait_stream(main)
@@ -333,15 +392,17 @@ class OfflineParakeetEngine:
                 pend = self.decoder.decode_async(f, flen, projected=True, lengths_checked=True)
                 d1 = torch.cuda.Event(enable_timing=True)
                 d1.record(side)
-            ev.append((e0, e1, d0, d1))
-            pending = (pend, idx, d0)
-            batches.append((prof.batch if prof else None, prof.seconds if prof else None, len(idx)))
+            dec_ev.append((d0, d1))
+            pending = (pend, [i for k in group for i in plan[k][1]], (f, outs), len(outs) == 1)
         if pending is not None:
             finish(pending)
         torch.cuda.synchronize()
         t["total"] = time.perf_counter() - t_start
-        t["encoder_gpu"] = sum(a.elapsed_time(b) for a, b, _, _ in ev) / 1e3
-        t["decoder_gpu"] = sum(c.elapsed_time(d) for _, _, c, d in ev) / 1e3
+        t["encoder_gpu"] = sum(a.elapsed_time(b) for a, b in enc_ev) / 1e3
+        t["decoder_gpu"] = sum(c.elapsed_time(d) for c, d in dec_ev) / 1e3
+        t["decoder_launches"] = len(dec_ev)
+        t["decoder_captures"] = self.decoder.captures - captures  # graphs captured during the call (their
+        # capture time is inside decoder_gpu)
         return self._output(items, t, lengths, batches, modes)
 
 

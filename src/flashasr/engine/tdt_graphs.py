@@ -200,6 +200,7 @@ class TDTGraphDecoder:
         self.fused = bool(fused)
         self.disabled: set[DecodeMode] = set()
         self.events: list[str] = []  # fallback log (also sent to logging)
+        self.captures = 0  # graphs captured so far (a bucket evicted and needed again is captured again)
         self._buckets: "OrderedDict[tuple, _Buffers]" = OrderedDict()
         self._dur_values: dict = {}
         p = next(iter(predictor.parameters())) if hasattr(predictor, "parameters") else None
@@ -343,6 +344,7 @@ class TDTGraphDecoder:
         from .cuda_conditional import WhileLoopBuilder, allocate_to_graph_pool, check_support
 
         check_support()
+        self.captures += 1
         streams = [torch.cuda.Stream() for _ in range(3)]
         for st in streams:  # warm up on every stream the capture will use
             st.wait_stream(torch.cuda.current_stream())
@@ -363,6 +365,7 @@ class TDTGraphDecoder:
         s.full_graph = graph
 
     def _capture_parts(self, s: _Buffers):
+        self.captures += 1
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         self._warmup(s, stream)
