@@ -107,7 +107,7 @@ def test_a_dead_model_process_is_an_error_not_a_hang(local, waves):
     with pytest.raises(ModelProcessError, match="closed"):
         m.run_pieces(waves[:1], opts)
     m.close()
-    assert m._transfer is None
+    assert m._transfer == [None, None]  # the transfer segments are freed
 
 
 def test_a_job_with_the_model_process_equals_the_job_in_process(remote, local, tmp_path):
@@ -224,3 +224,80 @@ def test_a_hung_model_process_is_given_up_at_the_second_ctrl_c(local, tmp_path):
         m.close(timeout_s=2.0)
     assert r.interrupted and not r.ok and time.perf_counter() - t0 < 30
     assert not m.alive
+
+
+def test_calls_sent_ahead_answer_in_order_and_a_mapped_bad_piece_fails_alone(remote, local, waves):
+    """start_pieces sends a batch while another is pending (the process maps and checks it
+    meanwhile); answers come back to their own calls, each equal to run_pieces alone; a piece
+    mapped from a kept segment is checked over there (not finite: it fails alone); a third call
+    while two are pending is refused."""
+    from flashasr.pipeline.model_process import IN_FLIGHT
+
+    owner = object()
+    bad = waves[1].copy()
+    bad[100] = np.inf
+    name, dt, n = shm.put_array(np.concatenate([waves[0], bad]))
+    whole = shm.take_array(name, dt, n, keep_for=owner)
+    mapped = [whole[: len(waves[0])], whole[len(waves[0]):]]
+    opts = TranscribeOptions().resolve(local.capabilities)
+    alone = [local.transcribe_batch([w], opts)[0].text for w in waves]
+    first = remote.start_pieces(mapped, opts)
+    second = remote.start_pieces([waves[2], waves[0]], opts)  # copied into the second transfer segment
+    assert IN_FLIGHT == 2
+    with pytest.raises(ModelProcessError, match="pending"):
+        remote.start_pieces(waves[:1], opts)
+    a, b = first.result(), second.result()
+    assert a[0].text == alone[0] and isinstance(a[1], AudioError) and a[1].code == "invalid_audio"
+    assert [t.text for t in b] == [alone[2], alone[0]]
+    assert first.result() is a  # answered once, kept
+    third = remote.start_pieces(waves[1:2], opts)  # room again
+    assert third.result()[0].text == alone[1]
+    shm.release_owner(owner)
+
+
+def test_the_job_model_worker_sends_ahead_and_times_calls_back_to_back():
+    """ModelWorker with a model process: each batch is sent as it is handed over (two in flight),
+    results come back in order, and the recorded calls do not overlap (busy time counted once)."""
+    import threading
+    import time as _time
+
+    from flashasr.jobs.model_worker import ModelWorker
+
+    class Pending:
+        def __init__(self, model, waves):
+            self.model, self.waves, self.sent = model, waves, _time.perf_counter()
+
+        def result(self):
+            with self.model.gpu:  # one call at a time, 50 ms each, as a model process runs them
+                _time.sleep(0.05)
+                self.model.ran.append(len(self.waves))
+            return [f"t{len(w)}" for w in self.waves]
+
+    class FakeProcess:
+        isolates_pieces = True
+        sample_rate = 16000
+
+        def __init__(self):
+            self.gpu, self.ran, self.started = threading.Lock(), [], []
+
+        def start_pieces(self, waves, options, speech=None):
+            self.started.append((len(waves), _time.perf_counter()))
+            return Pending(self, waves)
+
+    model, wake = FakeProcess(), threading.Event()
+    w = ModelWorker(model, wake=wake)
+    w.submit("a", [np.zeros(16000, np.float32)] * 2, TranscribeOptions())
+    w.submit("b", [np.zeros(8000, np.float32)] * 3, TranscribeOptions())
+    _time.sleep(0.01)
+    assert len(model.started) == 2  # both sent before the first answer
+    got = []
+    while len(got) < 2:
+        wake.wait(2.0)
+        wake.clear()
+        got += w.take_done()
+    w.stop()
+    assert [t for t, _ in got] == ["a", "b"] and got[1][1] == ["t8000"] * 3
+    (t0a, da, na, sa), (t0b, db, nb, sb) = w.calls
+    assert (na, sa, nb, sb) == (2, 2.0, 3, 1.5)
+    assert t0b >= t0a + da - 1e-6 and w.busy_s == pytest.approx(da + db)  # back to back, not overlapping
+    assert 0.09 < w.busy_s < 0.5

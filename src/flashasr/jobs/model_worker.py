@@ -10,7 +10,12 @@ around it: admitting decoded files, planning their pieces, routing results and w
 all happen while a batch runs (before, the main thread did them between model calls: the model
 was busy 46 % of the job's wall time on the H200, ``bench/results/offline_e2e_h200_baseline.json``).
 
-The model is called from this one thread only (the engines keep their own lock anyway).
+The model is called from this one thread only (the engines keep their own lock anyway). A model
+in a process of its own (:class:`~flashasr.pipeline.model_process.ModelProcess`) gets each batch
+the moment it is handed over (``start_pieces``) and a second thread collects the answers: that
+process maps and checks the samples of the waiting batch while it runs the one before, so the GPU
+does not wait for them between calls (on the H100, about 0.15 s per 512-piece call went to the
+work around the engine: mapping, checking, transcripts, the round trip).
 """
 
 from __future__ import annotations
@@ -64,8 +69,16 @@ class ModelWorker:
         self._todo: queue.Queue = queue.Queue()
         self._done: deque = deque()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="flashasr-model", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name="flashasr-model", daemon=True)]
+        if getattr(model, "isolates_pieces", False) and hasattr(model, "start_pieces"):
+            # a model process: this thread sends each batch as soon as it is handed over, the
+            # collector takes the answers; the process prepares the next batch while one runs
+            self._sent: queue.Queue = queue.Queue()
+            self._last_end = 0.0
+            self._threads = [threading.Thread(target=self._send_loop, name="flashasr-model", daemon=True),
+                             threading.Thread(target=self._collect_loop, name="flashasr-model-answers", daemon=True)]
+        for t in self._threads:
+            t.start()
 
     @property
     def idle(self) -> bool:
@@ -95,14 +108,16 @@ class ModelWorker:
         return got
 
     def stop(self) -> None:
-        """Finish the batch running (a model call cannot be cut short), drop the waiting one, end the thread."""
+        """Finish the batch running (a model call cannot be cut short), drop the waiting one (a model
+        process runs the one it already prepared too), end the thread."""
         while True:
             try:
                 self._todo.get_nowait()
             except queue.Empty:
                 break
         self._todo.put(None)
-        self._thread.join()
+        for t in self._threads:
+            t.join()
 
     def _run(self) -> None:
         while True:
@@ -123,13 +138,63 @@ class ModelWorker:
             self.calls.append((t0, dt, len(waves), sum(len(w) for w in waves) / self._rate))
             self.timings.append(_rounded(getattr(self.model, "last_timings", None)) if error is None else None)
             if error is not None:
-                self.error = error
-                self.wake.set()
+                self._failed(error)
                 return
-            with self._lock:
-                self._done.append((token, outs))
-                self.batches_done += 1
-            self.wake.set()
+            self._finished(token, outs)
+
+    def _finished(self, token, outs: list) -> None:
+        with self._lock:
+            self._done.append((token, outs))
+            self.batches_done += 1
+        self.wake.set()
+
+    def _failed(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.wake.set()
+
+    def _send_loop(self) -> None:
+        """Model process: hand each batch over at once (``start_pieces``); the collector waits."""
+        while True:
+            job = self._todo.get()
+            if job is None:
+                self._sent.put(None)
+                return
+            token, waves, options = job
+            t0 = time.perf_counter()
+            try:
+                pending = self.model.start_pieces(waves, options, getattr(waves, "speech", None))
+            except BaseException as e:  # noqa: BLE001 - the process is gone: the job must stop
+                self._failed(e)
+                self._sent.put(None)
+                return
+            self._sent.put((token, waves, t0, pending))
+
+    def _collect_loop(self) -> None:
+        """Model process: the answers, in order. A call's time runs from when it was sent, or from
+        the end of the call before it if that was later (calls are timed back to back, not overlapping)."""
+        while True:
+            got = self._sent.get()
+            if got is None:
+                return
+            token, waves, sent, pending = got
+            c0 = time.thread_time()
+            error = None
+            try:
+                outs = pending.result()
+            except BaseException as e:  # noqa: BLE001 - not a piece's failure: the job must stop
+                error = e
+            end = time.perf_counter()
+            t0 = max(sent, self._last_end)
+            self._last_end = end
+            self.busy_s += end - t0
+            self.cpu_s += time.thread_time() - c0
+            self.calls.append((t0, end - t0, len(waves), sum(len(w) for w in waves) / self._rate))
+            self.timings.append(_rounded(getattr(self.model, "last_timings", None)) if error is None else None)
+            if error is not None:
+                self._failed(error)
+                return
+            self._finished(token, outs)
 
     def process_info(self) -> dict | None:
         """For a model in a process of its own: ``{"pid", "shared_mb", "copied_mb"}`` of this job

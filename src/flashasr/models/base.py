@@ -116,7 +116,7 @@ class ASRModel(ABC):
                                  temperature=bool(self.uses_temperature), speech_gate=bool(self.speech_gate))
 
     def transcribe_batch(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions | None = None, *,
-                         speech: Sequence | None = None, **changes) -> list[Transcript]:
+                         speech: Sequence | None = None, checked: bool = False, **changes) -> list[Transcript]:
         """Transcribe several waveforms; result ``i`` equals :meth:`transcribe_waveform` on input ``i``
         alone (same text, timestamps within one frame), however the model batches them.
 
@@ -129,6 +129,9 @@ class ASRModel(ABC):
                 :class:`~flashasr.pipeline.plan.Piece` carries them) or None (unknown); None: all
                 unknown. A model with ``uses_speech`` (Whisper) decodes only where there is speech
                 and goes on where its decoder stopped early while speech remains; others ignore it.
+            checked: every waveform already passed :func:`as_waveform` (contiguous float32 ``[N]``,
+                finite; the model process checks a batch while the previous one runs): not
+                checked again.
             **changes: keyword shortcuts applied to ``options`` (``language="de"``, ``task=...``,
                 ``word_timestamps=True``).
         Returns:
@@ -140,7 +143,7 @@ class ASRModel(ABC):
             ValueError: ``speech`` of another length than ``waveforms``, or a span outside its input.
         """
         opts = TranscribeOptions.build(options, **changes).resolve(self.capabilities)
-        waves = [as_waveform(w, f"waveform {i}") for i, w in enumerate(waveforms)]
+        waves = list(waveforms) if checked else [as_waveform(w, f"waveform {i}") for i, w in enumerate(waveforms)]
         if self.uses_speech:
             return self._transcribe(waves, opts, speech=check_speech(speech, waves))
         return self._transcribe(waves, opts)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import queue
 import threading
 import time
 import warnings
@@ -41,6 +42,10 @@ from ..options import TranscribeOptions
 #: the child's program: drop the current folder from sys.path, then serve on the socket (argv[1])
 _CHILD = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
           "from flashasr.pipeline.model_process import _serve; _serve(int(sys.argv[1]), int(sys.argv[2]))")
+
+#: calls that may be pending in one model process: the one it runs and the next, whose samples it
+#: maps and checks meanwhile
+IN_FLIGHT = 2
 
 #: attributes of the loaded model the parent mirrors (see :class:`~flashasr.models.base.ASRModel`)
 MIRRORED = ("name", "family", "sample_rate", "max_segment_seconds", "long_form", "multilingual", "translates",
@@ -97,9 +102,12 @@ class ModelProcess(ASRModel):
         self._conn = Connection(ours.detach())
         self._conn.send(("load", (list(sys.path), spec, device, dtype, engine)))
         self.pid = self._proc.pid
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
         self._seq = 0
-        self._transfer = None  # this object's transfer segment (SharedMemory), reused
+        self._pending: list[PendingPieces] = []  # calls sent and not yet answered
+        self._answers: dict[int, tuple] = {}  # answers read for a later call than the one waited on
+        self._transfer = [None] * IN_FLIGHT  # this object's transfer segments (SharedMemory), reused
         self.remote_cpu_s = 0.0
         self.copied_bytes = 0
         self.shared_bytes = 0
@@ -150,38 +158,59 @@ class ModelProcess(ASRModel):
         Raises:
             ModelProcessError: the process died (its exit code named) or was closed.
         """
+        return self.start_pieces(waveforms, options, speech).result()
+
+    def start_pieces(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions,
+                     speech: Sequence | None = None) -> "PendingPieces":
+        """:meth:`run_pieces` without waiting: the batch is sent and the model process takes it
+        as soon as the calls before it are done (it maps and checks the samples of the next batch
+        while the current one runs). At most :data:`IN_FLIGHT` calls may be pending: keep the
+        waveforms alive and call ``result()`` in order.
+
+        Raises:
+            ModelProcessError: the process died or was closed, or ``IN_FLIGHT`` calls are pending.
+        """
         waves = list(waveforms)
-        if not waves:
-            return []
-        with self._lock:
+        with self._send_lock:
             if self._closed:
                 raise ModelProcessError("the model process was closed")
-            refs, errors = self._place(waves)
-            if not any(r is not None for r in refs):
-                return errors
+            live = [p for p in self._pending if not p.done]
+            if len(live) >= IN_FLIGHT:
+                raise ModelProcessError(f"{len(live)} calls are already pending in the model process")
             self._seq += 1
             seq = self._seq
+            refs, errors = self._place(waves, slot=seq % IN_FLIGHT)
+            keep = [i for i, r in enumerate(refs) if r is not None]
+            pend = PendingPieces(self, seq, keep, errors)
+            if not keep:
+                pend.done = True
+                return pend
+            spans = None if speech is None else list(speech)
+            spans = None if spans is None else [spans[i] for i in keep]
             try:
-                keep = [i for i, r in enumerate(refs) if r is not None]
-                spans = None if speech is None else list(speech)
-                spans = None if spans is None else [spans[i] for i in keep]
                 self._conn.send(("run", seq, [refs[i] for i in keep], options, spans))
-                while True:  # an answer to a call cut short by an interrupt may come first
-                    kind, payload = self._recv()
-                    if kind == "done" and payload[0] == seq:
-                        break
-            except (OSError, EOFError) as e:
+            except (OSError, EOFError, ValueError) as e:
                 raise self._died(e) from None
-        _seq, outs, cpu_s, stages, self.last_timings = payload
-        self.remote_cpu_s += cpu_s
-        self.stage_cpu_s = stages
-        for i, o in zip(keep, outs):
-            errors[i] = o
-        return errors
+            self._pending = live + [pend]
+            return pend
 
-    def _place(self, waves: list) -> tuple[list, list]:
+    def _answer(self, seq: int):
+        """The child's answer to call ``seq`` (answers come in call order; one to a call given up,
+        cut short by an interrupt, is dropped)."""
+        with self._recv_lock:
+            while seq not in self._answers:
+                try:
+                    kind, payload = self._recv()
+                except (OSError, EOFError) as e:
+                    raise self._died(e) from None
+                if kind == "done" and payload[0] >= seq:
+                    self._answers[payload[0]] = payload
+            return self._answers.pop(seq)
+
+    def _place(self, waves: list, slot: int = 0) -> tuple[list, list]:
         """Per waveform ``(segment name, byte offset, samples)`` (where the child maps it), or None
-        with its error in the second list (not mono float samples, or not finite)."""
+        with its error in the second list (not mono float samples, or not finite). Waveforms not
+        in a kept segment are copied into transfer segment ``slot`` (one per pending call)."""
         from ..shm import shared_location
 
         refs: list = [None] * len(waves)
@@ -200,7 +229,7 @@ class ModelProcess(ASRModel):
                 self.shared_bytes += a.nbytes
         if copy:
             need = sum(a.nbytes for _i, a in copy)
-            buf = self._transfer_segment(need)
+            buf = self._transfer_segment(need, slot)
             off = 0
             for i, a in copy:
                 np.frombuffer(buf.buf, np.float32, count=a.size, offset=off)[:] = a
@@ -209,15 +238,16 @@ class ModelProcess(ASRModel):
             self.copied_bytes += need
         return refs, errors
 
-    def _transfer_segment(self, need: int):
+    def _transfer_segment(self, need: int, slot: int):
         from ..shm import create_segment, unlink_segment
 
-        if self._transfer is None or self._transfer.size < need:
-            if self._transfer is not None:
-                self._transfer.close()
-                unlink_segment(self._transfer.name)
-            self._transfer = create_segment(max(need, 1 << 20))
-        return self._transfer
+        seg = self._transfer[slot]
+        if seg is None or seg.size < need:
+            if seg is not None:
+                seg.close()
+                unlink_segment(seg.name)
+            seg = self._transfer[slot] = create_segment(max(need, 1 << 20))
+        return seg
 
     def _recv(self):
         kind, payload = self._conn.recv()
@@ -253,7 +283,7 @@ class ModelProcess(ASRModel):
         """Stop the model process (after the call running, if any) and free the transfer segment."""
         from ..shm import unlink_segment
 
-        if getattr(self, "_closed", True) and self._transfer is None:
+        if getattr(self, "_closed", True) and not any(getattr(self, "_transfer", None) or ()):
             return
         self._closed = True
         try:
@@ -266,10 +296,11 @@ class ModelProcess(ASRModel):
             self._proc.kill()
             self._proc.wait()
         self._conn.close()
-        if self._transfer is not None:
-            self._transfer.close()
-            unlink_segment(self._transfer.name)
-            self._transfer = None
+        for k, seg in enumerate(self._transfer):
+            if seg is not None:
+                seg.close()
+                unlink_segment(seg.name)
+                self._transfer[k] = None
 
     def __enter__(self):
         return self
@@ -282,6 +313,45 @@ class ModelProcess(ASRModel):
             self.close(timeout_s=1.0)
         except Exception:
             pass
+
+
+class PendingPieces:
+    """A batch sent to the model process (:meth:`ModelProcess.start_pieces`); :meth:`result`
+    waits for its answer."""
+
+    def __init__(self, owner: ModelProcess, seq: int, keep: list[int], out: list):
+        self._owner, self.seq, self._keep, self._out = owner, seq, keep, out
+        self.done = False
+        self._error: BaseException | None = None
+
+    def result(self) -> list:
+        """Per waveform its Transcript or exception (as :meth:`ModelProcess.run_pieces`).
+
+        Raises:
+            ModelProcessError: the process died or was closed (again on every later call), or
+                an earlier wait for this answer was interrupted (the call was given up).
+        """
+        if self._error is not None:
+            raise self._error
+        if self.done:
+            return self._out
+        try:
+            _seq, outs, cpu_s, stages, timings = self._owner._answer(self.seq)
+        except ModelProcessError as e:
+            self._error = e
+            raise
+        except BaseException:  # interrupted: its answer, when it comes, is dropped
+            self._error = ModelProcessError(f"the wait for model call {self.seq} was interrupted")
+            raise
+        finally:
+            self.done = True
+        o = self._owner
+        o.remote_cpu_s += cpu_s
+        o.stage_cpu_s = stages
+        o.last_timings = timings
+        for i, x in zip(self._keep, outs):
+            self._out[i] = x
+        return self._out
 
 
 # ---------------------------------------------------------------------- the child
@@ -384,31 +454,21 @@ def _serve_calls(fd: int, parent: int | None) -> None:
         conn.send(("error", err))
         return
     conn.send(("hello", info))
+    prepared: queue.Queue = queue.Queue()
+    threading.Thread(target=_prepare_calls, args=(conn, prepared), name="flashasr-model-prepare", daemon=True).start()
     while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
+        call = prepared.get()
+        if call is None:
             return
-        if msg[0] != "run":
-            return
-        _kind, seq, refs, options, speech = msg
+        seq, waves, outs, options, speech, maps = call
         c0 = time.process_time()  # the whole process: the model's intra-op threads too
-        maps = _Maps()
-        maps.plan(refs)
         try:
-            waves, outs = [], [None] * len(refs)
-            for i, r in enumerate(refs):
-                try:
-                    waves.append((i, maps.view(*r)))
-                except (OSError, ValueError) as e:  # this piece's samples are gone (a segment removed
-                    # under the job) or not where the reference says
-                    outs[i] = ModelProcessError(f"the piece's samples are not in shared memory ({r[0]}): {e}")
             if waves:
-                got = transcribe_pieces(model, [w for _i, w in waves],
-                                        options, None if speech is None else [speech[i] for i, _w in waves])
+                got = transcribe_pieces(model, [w for _i, w in waves], options,
+                                        None if speech is None else [speech[i] for i, _w in waves], checked=True)
                 for (i, _w), o in zip(waves, got):
                     outs[i] = o
-            del waves
+            del waves, call
         except BaseException as e:  # noqa: BLE001 - the call itself failed: the parent decides
             conn.send(("gone", f"{type(e).__name__}: {e}"))
             return
@@ -419,4 +479,35 @@ def _serve_calls(fd: int, parent: int | None) -> None:
         conn.send(("done", (seq, [_portable(o) for o in outs], time.process_time() - c0, stages, timings)))
 
 
-__all__ = ["ModelProcess", "ModelProcessError"]
+def _prepare_calls(conn, prepared: "queue.Queue") -> None:
+    """The model process's second thread: receive each call, map its pieces' samples and check
+    them (:func:`~flashasr.models.base.as_waveform`), while the main thread runs the call before
+    it; then hand it over. A piece whose samples are gone, or not finite, fails alone. None is
+    handed over when the parent says stop or the pipe closes."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            msg = None
+        if msg is None or msg[0] != "run":
+            prepared.put(None)
+            return
+        _kind, seq, refs, options, speech = msg
+        maps = _Maps()
+        maps.plan(refs)
+        waves, outs = [], [None] * len(refs)
+        for i, r in enumerate(refs):
+            try:
+                w = maps.view(*r)
+            except (OSError, ValueError) as e:  # this piece's samples are gone (a segment removed
+                # under the job) or not where the reference says
+                outs[i] = ModelProcessError(f"the piece's samples are not in shared memory ({r[0]}): {e}")
+                continue
+            try:
+                waves.append((i, as_waveform(w, f"waveform {i}")))
+            except Exception as e:  # noqa: BLE001 - this piece's own failure (not finite)
+                outs[i] = e
+        prepared.put((seq, waves, outs, options, speech, maps))
+
+
+__all__ = ["ModelProcess", "ModelProcessError", "PendingPieces", "IN_FLIGHT"]
