@@ -137,9 +137,10 @@ class ModelProcess(ASRModel):
 
     # ------------------------------------------------------------------ calls
     def transcribe_batch(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions | None = None, *,
-                         speech: Sequence | None = None, **changes) -> list:
+                         speech: Sequence | None = None, checked: bool = False, **changes) -> list:
         """:meth:`ASRModel.transcribe_batch`, run in the model process; the first failing
-        waveform's error is raised (see :meth:`run_pieces` for per-waveform results)."""
+        waveform's error is raised (see :meth:`run_pieces` for per-waveform results). ``checked``
+        changes nothing here: the model process checks what it maps itself."""
         opts = TranscribeOptions.build(options, **changes).resolve(self.capabilities)
         outs = self.run_pieces(waveforms, opts, speech)
         for o in outs:
