@@ -307,6 +307,7 @@ class ParakeetStreamer:
         self.frame_seconds = float(model.frame_seconds)
         self._piece_starts_word: dict[int, bool] = {}  # token id -> its piece begins a word
         self._plain: dict[int, bool] = {}  # token id -> a piece of visible text (see _plain_piece)
+        self._surfaces: dict[int, str | None] = {}  # token id -> its text in a transcript (see _surface)
 
     # ------------------------------------------------------------------ public
     def close(self, key: str) -> None:
@@ -424,6 +425,13 @@ class ParakeetStreamer:
 
     @staticmethod
     def _check(key: str, samples) -> np.ndarray:
+        """:func:`~flashasr.models.base.as_waveform` of a request's samples, with a fast path for
+        what the server sends (a 1-D float32 array of finite samples: one BLAS dot product)."""
+        if type(samples) is np.ndarray and samples.dtype == np.float32 and samples.ndim == 1:
+            if not samples.size:
+                return samples
+            if math.isfinite(float(samples.dot(samples))):  # NaN, inf or |x| > 1e19: the full check below
+                return samples
         from ..base import as_waveform
 
         return as_waveform(samples, f"stream {key}") if len(samples) else np.zeros(0, np.float32)
@@ -433,13 +441,18 @@ class ParakeetStreamer:
         as the offline preprocessor): each sample once, so a window is one copy (:meth:`_segment`)."""
         if not a.size:
             return
-        y = a.copy()
+        n0 = st.x.size
+        x = np.empty(n0 + a.size, np.float32)  # the kept samples and the new ones, pre-emphasised in place
+        x[:n0] = st.x
+        y = x[n0:]
         if self.preemph is not None:
-            y[1:] -= self.preemph * a[:-1]
-            if st.received:
-                y[0] -= self.preemph * st.last
+            np.multiply(a[:-1], -self.preemph, out=y[1:])  # a[t] - p a[t-1], rounded as a[t] - (p a[t-1])
+            y[1:] += a[1:]
+            y[0] = a[0] - self.preemph * st.last if st.received else a[0]
+        else:
+            y[:] = a
         st.last = a[-1]
-        st.x = np.concatenate([st.x, y]) if st.x.size else y
+        st.x = x
         st.received += a.size
         self.counters["audio_s"] += a.size / float(self.model.sample_rate)
 
@@ -512,14 +525,24 @@ class ParakeetStreamer:
 
     def _joined(self, head: str, tokens: list, a: int, b: int) -> str:
         """decode(tokens[:b]) from ``head`` = decode(tokens[:a]) where ``tokens[a]`` starts a word:
-        SentencePiece turns that word marker into one space, dropped only at the start of the text,
-        so the two decodes join with one space. Where that is not certain (a bare marker piece, a
-        byte piece, an empty head or part), the whole prefix is decoded instead."""
-        tok = self.model.tokenizer
-        part = tok.decode(tokens[a:b])
-        if head and part and all(self._plain_piece(t) for t in tokens[a:b]):
-            return f"{head} {part}"
-        return tok.decode(tokens[:b])
+        SentencePiece turns each word marker into one space, dropped only at the start of the text,
+        so the head joins the new pieces' surface forms (:meth:`_surface`) as they are, with no
+        decoder call. Where that is not certain (a bare marker piece, a byte or control piece, an
+        empty head or part, a part that does not start a word), the whole prefix is decoded."""
+        if head and b > a:
+            parts = [self._surface(t) for t in tokens[a:b]]
+            if None not in parts and parts[0][:1] == " ":
+                return head + "".join(parts)
+        return self.model.tokenizer.decode(tokens[:b])
+
+    def _surface(self, t: int) -> str | None:
+        """A plain piece's text in a decoded transcript (its word markers as spaces); None for the
+        others (:meth:`_plain_piece`)."""
+        w = self._surfaces.get(t, False)
+        if w is False:
+            w = self._surfaces[t] = self.model.tokenizer.piece(t).replace(WORD_MARKER, " ") \
+                if self._plain_piece(t) else None
+        return w
 
     def _plain_piece(self, t: int) -> bool:
         """A piece of visible text (not the bare word marker, not a byte or control piece)."""
