@@ -719,3 +719,101 @@ def test_new_work_ends_a_partial_wait():
 
     took = asyncio.run(go())
     assert all(t < 0.3 for t in took.values()), took
+
+
+def test_stream_chunks_over_the_engine_socket_options_cancel_and_disconnect(tmp_path):
+    """Stream chunks are queued from the engine's receive loop (no task per chunk): a stream's
+    options come with its first chunk and serve its later ones (an unknown stream without options is
+    refused, naming the lost state); a chunk cancelled while queued never reaches the streamer, nor
+    do the queued chunks of a front end whose connection drops; each of those streams is closed."""
+    import threading
+
+    from flashasr.models.base import ASRModel
+    from flashasr.options import TranscribeOptions
+    from flashasr.serve.config import ServeConfig
+    from flashasr.serve.engine_proc import EngineServer, serve_unix
+    from flashasr.serve.errors import APIError
+    from flashasr.types import StreamResult
+
+    class Streamer:
+        L, C, frame_seconds = 4, 7, 0.08
+        pool = type("P", (), {"capacity": 8})()
+
+        def __init__(self):
+            self.seen, self.closed, self.gate = [], [], threading.Event()
+            self.gate.set()
+
+        def step(self, requests):
+            assert self.gate.wait(10)
+            self.seen += [(k, len(a), new) for k, a, new in requests]
+            return [StreamResult(text=k, stable_text="", frames=len(a), audio_s=0.0, new_tokens=0, tokens=0)
+                    for k, a, new in requests]
+
+        def close(self, key):
+            self.closed.append(key)
+
+    streamer = Streamer()
+
+    class Model(ASRModel):
+        name, family = "fake-parakeet", "parakeet"
+
+        def _transcribe(self, waves, options):
+            return [Transcript(text="", language="en", duration=w.size / 16000) for w in waves]
+
+        def make_streamer(self, cfg):
+            return streamer
+
+    async def go():
+        path = str(tmp_path / "e.sock")
+        server = EngineServer(Model(), ServeConfig(warmup=False, partial_wait_ms=0))
+        server.scheduler.start()
+        srv = asyncio.ensure_future(serve_unix(path, server.handle))
+        await asyncio.sleep(0.05)
+        client = ipc.EngineClient(path)
+        await client.start()
+        assert await client.wait_ready(5)
+        opts, z = TranscribeOptions(), np.zeros(800, np.float32)
+        r1 = await client.stream_chunk("a", z, opts, new=True, timeout=10)
+        r2 = await client.stream_chunk("a", z[:400], opts, timeout=10)  # no options on the wire
+        assert (r1.text, r1.frames, r2.frames) == ("a", 800, 400)
+        client._stream_options.add("ghost")  # as after an engine restart: the client sends no options
+        with pytest.raises(APIError) as e:  # a stream this engine never saw, no options: its state was lost
+            await client.stream_chunk("ghost", z, opts, timeout=10)
+        assert "unknown here" in e.value.message and "ghost" in e.value.message
+        streamer.gate.clear()  # the next step blocks in the model thread ...
+        running = asyncio.ensure_future(client.stream_chunk("b", z, opts, new=True, timeout=10))
+        await asyncio.sleep(0.2)
+        queued = asyncio.ensure_future(client.stream_chunk("c", z, opts, new=True, timeout=10))
+        await asyncio.sleep(0.1)
+        queued.cancel()  # ... so this one is still queued when its CANCEL arrives
+        await asyncio.sleep(0.1)
+        streamer.gate.set()
+        assert (await running).text == "b"
+        # a second front end leaves with a chunk queued behind a blocked step
+        other = ipc.EngineClient(path)
+        await other.start()
+        assert await other.wait_ready(5)
+        streamer.gate.clear()
+        blocked = asyncio.ensure_future(client.stream_chunk("d", z, opts, new=True, timeout=10))
+        await asyncio.sleep(0.2)
+        orphan = asyncio.ensure_future(other.stream_chunk("e", z, opts, new=True, timeout=10))
+        await asyncio.sleep(0.1)
+        await other.close()
+        await asyncio.sleep(0.1)
+        streamer.gate.set()
+        assert (await blocked).text == "d"
+        with pytest.raises(Exception):
+            await orphan
+        await asyncio.sleep(0.1)
+        depth = server.scheduler.depth()
+        await client.close()
+        srv.cancel()
+        await server.scheduler.stop()
+        return depth
+
+    depth = asyncio.run(go())
+    keys = [k for k, _, _ in streamer.seen]
+    assert keys == ["a", "a", "b", "d"], streamer.seen
+    assert [new for _, _, new in streamer.seen] == [True, False, True, True]
+    assert "e" in streamer.closed  # the dropped front end's stream
+    assert depth == 0

@@ -15,6 +15,7 @@ supervisor dies (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import multiprocessing as mp
@@ -68,26 +69,31 @@ class EngineServer:
 
     async def handle(self, conn: Conn) -> None:
         tasks: dict[int, asyncio.Task] = {}
-        streams: set[str] = set()  # chunked streams this front end opened: dropped with the connection
+        chunks: dict = {}  # request id -> the scheduler's item of a stream chunk in flight (_chunk)
+        streams: dict = {}  # chunked streams this front end opened -> their options; dropped with the connection
         try:
             await conn.send(encode(MsgType.HELLO, 0, self.hello))
             while True:
                 f = await conn.recv_frame()
                 if f.type == MsgType.TRANSCRIBE:
                     if isinstance(f.meta.get("stream"), str):
-                        streams.add(f.meta["stream"])
+                        self._chunk(f, conn, chunks, streams)
+                        continue
                     t = asyncio.get_running_loop().create_task(self._transcribe(f, conn))
                     tasks[f.req_id] = t
                     t.add_done_callback(lambda _t, rid=f.req_id: tasks.pop(rid, None))
                 elif f.type == MsgType.STREAM_CLOSE:
                     key = f.meta.get("stream")
                     if isinstance(key, str):
-                        streams.discard(key)
+                        streams.pop(key, None)
                         self.scheduler.close_stream(key)
                 elif f.type == MsgType.CANCEL:
                     t = tasks.pop(f.req_id, None)
                     if t:
                         t.cancel()
+                    it = chunks.pop(f.req_id, None)
+                    if it is not None:
+                        self.scheduler.drop(it)
                 elif f.type == MsgType.STATS:
                     await conn.send(encode(MsgType.STATS_REPLY, f.req_id, None, self.metrics.text()))
                 elif f.type == MsgType.PING:
@@ -101,6 +107,8 @@ class EngineServer:
         finally:
             for t in list(tasks.values()):
                 t.cancel()
+            for it in list(chunks.values()):
+                self.scheduler.drop(it)
             for key in streams:
                 self.scheduler.close_stream(key)
             conn.close()
@@ -112,20 +120,72 @@ class EngineServer:
         except asyncio.CancelledError:
             self.metrics.active.dec()
             return
-        except FlashASRError as e:
-            out = encode(MsgType.ERROR, f.req_id, {"code": e.code, "message": e.message, "param": getattr(e, "param", None),
-                                                   "status": int(getattr(e, "status", 500))})
-        except FramingError as e:
-            out = encode(MsgType.ERROR, f.req_id, {"code": "invalid_request", "message": str(e), "status": 400})
-        except Exception as e:  # noqa: BLE001
-            log.exception("engine failure")
-            out = encode(MsgType.ERROR, f.req_id, {"code": "internal_error", "status": 500,
-                                                   "message": f"engine error ({type(e).__name__})"})
+        except Exception as e:  # noqa: BLE001 - the request's error goes back to it
+            out = self._error_frame(f.req_id, e)
         self.metrics.active.dec()
         try:
             await conn.send(out)
         except (ConnectionError, OSError):
             pass
+
+    def _chunk(self, f: Frame, conn: Conn, chunks: dict, streams: dict) -> None:
+        """A stream chunk's TRANSCRIBE frame, handled inside the receive loop: queued for the next
+        streamer step with a callback that posts its reply (:meth:`_chunk_done`); no task or
+        coroutine per chunk, as at thousands of live streams the event loop's work per chunk is
+        what takes the GIL from the model thread's steps. ``chunks``: the connection's chunks in
+        flight by request id (a CANCEL or the connection's end drops them); ``streams``: the
+        connection's streams and their options (a stream's first chunk carries them, later ones
+        may leave them out)."""
+        key = f.meta["stream"]
+        try:
+            samples = unpack_audio(f)
+            f.payload = b""
+            raw = f.meta.get("options")
+            if raw is not None:
+                options = streams[key] = self._options(raw)
+            elif key in streams:
+                options = streams[key]
+            else:
+                from ..models.parakeet.streaming import StreamError
+
+                raise StreamError(f"stream {key!r} is unknown here and its chunk carries no options (its state "
+                                  f"was lost: the engine restarted)")
+            it = self.scheduler.queue_chunk(key, samples, options, new=bool(f.meta.get("new")))
+        except Exception as e:  # noqa: BLE001 - the request's error goes back to it
+            self._post(conn, self._error_frame(f.req_id, e))
+            return
+        self.metrics.active.inc()
+        chunks[f.req_id] = it
+        it.fut.add_done_callback(functools.partial(self._chunk_done, f.req_id, conn, chunks))
+
+    def _chunk_done(self, rid: int, conn: Conn, chunks: dict, fut: asyncio.Future) -> None:
+        chunks.pop(rid, None)
+        self.metrics.active.dec()
+        if fut.cancelled():  # its requester went away: no reply
+            return
+        e = fut.exception()
+        self._post(conn, self._error_frame(rid, e) if e is not None else
+                   encode(MsgType.RESULT, rid, {"stream_result": dict(vars(fut.result()))}))  # flat fields
+
+    @staticmethod
+    def _post(conn: Conn, frame: list) -> None:
+        try:
+            conn.post(frame)
+        except (ConnectionError, OSError):
+            pass
+
+    @staticmethod
+    def _error_frame(rid: int, e: BaseException) -> list:
+        """The ERROR frame of a request that raised ``e`` (a FlashASRError's code and status; a
+        framing fault is the request's 400; anything else an internal error, logged)."""
+        if isinstance(e, FlashASRError):
+            return encode(MsgType.ERROR, rid, {"code": e.code, "message": e.message, "param": getattr(e, "param", None),
+                                               "status": int(getattr(e, "status", 500))})
+        if isinstance(e, FramingError):
+            return encode(MsgType.ERROR, rid, {"code": "invalid_request", "message": str(e), "status": 400})
+        log.error("engine failure", exc_info=e)
+        return encode(MsgType.ERROR, rid, {"code": "internal_error", "status": 500,
+                                           "message": f"engine error ({type(e).__name__})"})
 
     async def _run(self, f: Frame) -> dict:
         """One TRANSCRIBE frame -> the RESULT metadata (see :mod:`.ipc`)."""
@@ -133,11 +193,8 @@ class EngineServer:
         samples = unpack_audio(f)
         f.payload = b""
         options = self._options(m.get("options"))
-        if m.get("stream") is not None:
-            if not isinstance(m["stream"], str):
-                raise FramingError("'stream' must be a string key")
-            r = await self.scheduler.submit_chunk(m["stream"], samples, options, new=bool(m.get("new")))
-            return {"stream_result": dict(vars(r))}  # flat fields: a shallow copy (asdict deep-copies)
+        if m.get("stream") is not None:  # a string key goes to _chunk
+            raise FramingError("'stream' must be a string key")
         if m.get("pieces") is not None:
             pieces = _check_pieces(m["pieces"], samples.size, m.get("speech"))
             got = await self.scheduler.submit_pieces(samples, pieces, options, priority=int(m.get("priority", OFFLINE)))

@@ -41,8 +41,10 @@ type            direction            metadata
 ``CANCEL``      front end -> engine  the client went away: drop the request's work
 ``STREAM_CLOSE`` front end -> engine ``{"stream": key}``: drop a chunked stream's state (no reply);
                                      a TRANSCRIBE with ``"stream": key`` (and ``"new": true`` on
-                                     its first) is that stream's new audio; its RESULT is
-                                     ``{"stream_result": {...}}`` (a StreamResult)
+                                     its first; ``options`` on the first, which the engine keeps
+                                     for the stream's later chunks on that connection) is that
+                                     stream's new audio; its RESULT is ``{"stream_result": {...}}``
+                                     (a StreamResult)
 ``STATS``       both ways            ``STATS_REPLY``: the engine's Prometheus text as payload
 ``PING``        both ways            ``PONG``
 ==============  ===================  ==============================================================
@@ -111,21 +113,30 @@ class Frame:
     payload: bytes | bytearray | memoryview
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder (json.dumps with options builds one per call)
+_MSG_TYPES = frozenset(int(t) for t in MsgType)
+_SHM, _PCM16, _SHM_POOLED = int(Flag.SHM), int(Flag.PCM16), int(Flag.SHM_POOLED)  # plain ints: IntFlag's & is slow
+
+
 def encode(mtype: int, req_id: int, meta: dict | None = None, payload=b"", flags: int = 0) -> list:
     """Return the frame as a list of buffers for ``writer.writelines`` (payload is not copied)."""
-    m = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
+    m = _JSON.encode(meta).encode() if meta else b""
     plen = payload.nbytes if isinstance(payload, memoryview) else len(payload)
     return [HEADER.pack(MAGIC, VERSION, int(mtype), int(flags), 0, req_id, len(m), plen) + m, payload]
 
 
 def parse_header(b: bytes) -> tuple[int, int, int, int, int]:
     """Validate a 28-byte header; returns (type, flags, req_id, meta_len, payload_len)."""
-    magic, ver, mtype, flags, _r, req_id, mlen, plen = HEADER.unpack(b)
+    return _check_header(HEADER.unpack(b))
+
+
+def _check_header(fields: tuple) -> tuple[int, int, int, int, int]:
+    magic, ver, mtype, flags, _r, req_id, mlen, plen = fields
     if magic != MAGIC:
         raise FramingError(f"bad magic {magic!r}")
     if ver != VERSION:
         raise FramingError(f"unsupported framing version {ver}")
-    if mtype not in MsgType._value2member_map_:
+    if mtype not in _MSG_TYPES:
         raise FramingError(f"unknown message type {mtype}")
     if mlen > MAX_META or plen > MAX_PAYLOAD:
         raise FramingError(f"frame too large (meta {mlen} B, payload {plen} B)")
@@ -200,11 +211,6 @@ class Conn:
                 raise asyncio.IncompleteReadError(b"", need)
             self._end += n
 
-    def _take(self, n: int) -> bytes:
-        b = bytes(self._buf[self._start:self._start + n])
-        self._start += n
-        return b
-
     async def recv_frame(self) -> Frame:
         """Read one frame; the payload is a writable numpy uint8 array (empty bytes when none).
 
@@ -220,13 +226,17 @@ class Conn:
             self._op_done()
 
     async def _recv_frame(self) -> Frame:
-        await self._fill(HEADER_SIZE)
-        mtype, flags, req_id, mlen, plen = parse_header(self._take(HEADER_SIZE))
+        if self._end - self._start < HEADER_SIZE:  # (no coroutine when the bytes are already here)
+            await self._fill(HEADER_SIZE)
+        mtype, flags, req_id, mlen, plen = _check_header(HEADER.unpack_from(self._buf, self._start))
+        self._start += HEADER_SIZE
         meta = {}
         if mlen:
-            await self._fill(mlen)
+            if self._end - self._start < mlen:
+                await self._fill(mlen)
             try:
-                meta = json.loads(self._take(mlen))
+                meta = json.loads(self._buf[self._start:self._start + mlen].decode())
+                self._start += mlen
             except (ValueError, UnicodeDecodeError) as e:
                 raise FramingError(f"metadata is not JSON: {e}") from None
             if not isinstance(meta, dict):
@@ -255,6 +265,20 @@ class Conn:
         Raises:
             ConnectionError: the connection is closed, or broke before the queue drained.
         """
+        self.post(parts)
+        if self._wbytes > WRITE_HIGH:
+            fut = self.loop.create_future()
+            self._drain.append(fut)
+            await asyncio.shield(fut)
+
+    def post(self, parts: list) -> None:
+        """:meth:`send` without waiting for the queue to drain (for small replies sent from a
+        callback, where nothing can wait): the frame is queued and leaves at the end of the loop
+        turn like any other.
+
+        Raises:
+            ConnectionError: the connection is closed or broken.
+        """
         if self.closed or self._werr is not None:
             raise ConnectionError("connection closed") from self._werr
         for b in parts:
@@ -265,10 +289,6 @@ class Conn:
         if not self._flushing:
             self._flushing = True
             self.loop.call_soon(self._flush)
-        if self._wbytes > WRITE_HIGH:
-            fut = self.loop.create_future()
-            self._drain.append(fut)
-            await asyncio.shield(fut)
 
     def _write_now(self) -> None:
         """Send what the socket takes now without waiting (``sendmsg`` of the queued buffers)."""
@@ -527,13 +547,14 @@ def unpack_audio(frame: Frame) -> np.ndarray:
     and its name unlinked at once (the sender unlinks nothing more after our reply).
     """
     n = int(frame.meta.get("n", -1))
-    dtype = np.int16 if frame.flags & Flag.PCM16 else np.float32
-    if frame.flags & Flag.SHM:
+    flags = int(frame.flags)
+    dtype = np.int16 if flags & _PCM16 else np.float32
+    if flags & _SHM:
         name = frame.meta.get("shm")
         if not isinstance(name, str) or n < 0:
             raise FramingError("SHM frame without shm name / sample count")
         need = n * np.dtype(dtype).itemsize
-        if frame.flags & Flag.SHM_POOLED:
+        if flags & _SHM_POOLED:
             shm = _ATTACHED.get(name)
             if shm.size < need:
                 raise FramingError("shared-memory segment smaller than the declared sample count")
@@ -606,6 +627,7 @@ class EngineClient:
         self._pool = ShmPool()
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
+        self._stream_options: set[str] = set()  # chunked streams whose options the engine has (stream_chunk)
         self._task: asyncio.Task | None = None
         self._connected = asyncio.Event()  # set while connected, and for good once stopping (wakes the waiters)
         self._closed = False
@@ -788,7 +810,10 @@ class EngineClient:
         """A chunked stream's new audio through the engine's streamer -> its StreamResult (raises
         EngineUnavailable, or the engine's error as an APIError)."""
         flags, meta, payload, shm = pack_audio(samples, self.shm_threshold, self._pool)
-        meta.update(options=options.to_dict(), priority=1, stream=str(key), new=bool(new))
+        meta.update(priority=1, stream=str(key))
+        if new or key not in self._stream_options:  # the engine keeps a stream's options from its first chunk
+            meta.update(options=options.to_dict(), new=bool(new))
+            self._stream_options.add(key)
         f = None
         try:
             f = await self._request(MsgType.TRANSCRIBE, meta, payload, flags, timeout)
@@ -803,6 +828,7 @@ class EngineClient:
     def stream_close(self, key: str) -> None:
         """Tell the engine to drop a chunked stream's state (fire and forget; a lost connection
         drops every state of this front end anyway)."""
+        self._stream_options.discard(key)
         c = self._conn
         if c is not None and not c.closed:
             t = asyncio.get_running_loop().create_task(c.send(encode(MsgType.STREAM_CLOSE, 0, {"stream": str(key)})))

@@ -175,6 +175,8 @@ class BatchScheduler:
         self._runs: list[_Run] = []  # offline batches started and not finished
         self._partials: dict[str, _Item] = {}
         self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # start()'s (get_running_loop per item costs a getpid on 3.11)
+        self._holding = False  # partials are gathering (_run): a chunk wakes it only when it fills a step
         self._task: asyncio.Task | None = None
         self._seq = itertools.count()
         self._vtime = 0.0  # virtual time (audio seconds) of the fair queue of uploads
@@ -190,7 +192,8 @@ class BatchScheduler:
             self._switch_before = sys.getswitchinterval()
             sys.setswitchinterval(self.switch_interval_s)
         self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="flashasr-scheduler")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name="flashasr-scheduler")
 
     async def stop(self) -> None:
         if self._task:
@@ -240,7 +243,7 @@ class BatchScheduler:
             samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
         if request_s is None:
             request_s = samples.size / self.sample_rate
-        it = _Item(samples, options, priority, coalesce_key, asyncio.get_running_loop().create_future(),
+        it = _Item(samples, options, priority, coalesce_key, (self._loop or asyncio.get_running_loop()).create_future(),
                    time.perf_counter(), next(self._seq), self._vtime if tag is None else tag, speech,
                    short=request_s <= self.short_s)
         if priority == PARTIAL and coalesce_key is not None:
@@ -328,6 +331,26 @@ class BatchScheduler:
         """Queue a stream's new audio (float32 [n]) for the next streamer step (``new``: its first
         chunk); returns its :class:`~flashasr.models.parakeet.streaming.StreamResult`. Raises its
         error (:class:`~flashasr.models.parakeet.streaming.StreamError`: closed or lost stream, no slot)."""
+        it = self.queue_chunk(key, samples, options, new=new)
+        try:
+            return await it.fut
+        finally:
+            if self._forget(it):
+                self._gauge(PARTIAL)
+
+    def queue_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False) -> _Item:
+        """:meth:`submit_chunk` without a coroutine: the queued item, whose ``fut`` gets the
+        StreamResult or the error; the caller owns it (:meth:`drop` it when its requester goes away).
+        The engine process queues every stream chunk this way, from its receive loop, with a
+        callback on ``fut`` for the reply: no task per chunk (at thousands of streams the event
+        loop's work per chunk takes the GIL from the model thread's steps).
+
+        While partials gather (``partial_wait_s``) a chunk wakes the scheduler only when it fills a
+        step; other work wakes it at once.
+
+        Raises:
+            StreamError: the model has no chunked streaming partials.
+        """
         if self.streamer is None:
             from ..models.parakeet.streaming import StreamError
 
@@ -335,12 +358,16 @@ class BatchScheduler:
         it = self._enqueue(samples, options, PARTIAL)
         it.stream, it.stream_new = key, bool(new)
         self._gauge(PARTIAL)
-        self._wake.set()
-        try:
-            return await it.fut
-        finally:
-            if self._forget(it):
-                self._gauge(PARTIAL)
+        if not self._holding or len(self._queues[PARTIAL]) >= self.stream_batch:
+            self._wake.set()
+        return it
+
+    def drop(self, it: _Item) -> None:
+        """Cancel a queued item whose requester went away (no reply will be sent): it leaves the
+        queue; one already in a model call is cancelled and its result dropped."""
+        it.fut.cancel()
+        if self._forget(it):
+            self._gauge(it.priority)
 
     def close_stream(self, key: str) -> None:
         """Drop a stream's chunked state, on the model thread after the work already handed to it
@@ -528,12 +555,15 @@ class BatchScheduler:
                         0 < len(self._queues[OFFLINE]) < self.max_batch and self.batch_wait_s > 0:
                     await asyncio.sleep(self.batch_wait_s)  # let concurrent uploads join the batch
                 hold = self._hold()
-                if hold > 0:  # let more streams' chunks join the step; any new work ends the wait
+                if hold > 0:  # let more streams' chunks join the step; other work or a full step ends the wait
                     self._wake.clear()
+                    self._holding = True
+                    timer = asyncio.get_running_loop().call_later(hold, self._wake.set)
                     try:
-                        await asyncio.wait_for(self._wake.wait(), hold)
-                    except asyncio.TimeoutError:
-                        pass
+                        await self._wake.wait()
+                    finally:
+                        self._holding = False
+                        timer.cancel()
                     continue  # look again: a final, an upload or a full step runs now
                 kind, work = self._pick()
                 self._gauge()
@@ -542,8 +572,12 @@ class BatchScheduler:
                 items, results = await self._call(kind, work)
                 if results is None:
                     continue
-                for it in items:  # a final batch may carry partials too: count each under its own kind
-                    self._audio_s[it.priority].inc(len(it.samples) / self.sample_rate)
+                audio = dict.fromkeys(self._audio_s, 0)  # a final batch may carry partials too: each under its kind
+                for it in items:
+                    audio[it.priority] += len(it.samples)
+                for p, n in audio.items():
+                    if n:
+                        self._audio_s[p].inc(n / self.sample_rate)
                 for it, r in zip(items, results):
                     if it.fut.done():
                         continue
