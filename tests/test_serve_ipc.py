@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 
@@ -191,6 +192,28 @@ def test_transcript_wire_roundtrip():
     assert ipc.transcript_from_wire(ipc.transcript_to_wire(t)) == t
 
 
+@contextlib.asynccontextmanager
+async def _engine_and_client(tmp_path, model, config):
+    """An ``EngineServer`` of ``model`` on a Unix socket under ``tmp_path`` and a ready client of it
+    (yields ``(server, client, path)``); both stopped on the way out."""
+    from flashasr.serve.engine_proc import EngineServer, serve_unix
+
+    path = str(tmp_path / "e.sock")
+    server = EngineServer(model, config)
+    server.scheduler.start()
+    srv = asyncio.ensure_future(serve_unix(path, server.handle))
+    await asyncio.sleep(0.05)
+    client = ipc.EngineClient(path)
+    await client.start()
+    try:
+        assert await client.wait_ready(5)
+        yield server, client, path
+    finally:
+        await client.close()
+        srv.cancel()
+        await server.scheduler.stop()
+
+
 def _take(s: BatchScheduler) -> list:
     """The items of the scheduler's next model call, as if that call finished the batch at once."""
     kind, work = s._pick()
@@ -307,7 +330,6 @@ def test_translate_task_crosses_the_engine_socket(tmp_path):
     from flashasr.models.base import ASRModel
     from flashasr.options import TranscribeOptions
     from flashasr.serve.config import ServeConfig
-    from flashasr.serve.engine_proc import EngineServer, serve_unix
 
     seen = []
 
@@ -320,22 +342,12 @@ def test_translate_task_crosses_the_engine_socket(tmp_path):
                                duration=w.size / 16000, task=options.task) for w in waves]
 
     async def go():
-        path = str(tmp_path / "e.sock")
-        server = EngineServer(Translator(), ServeConfig())
-        server.scheduler.start()
-        srv = asyncio.ensure_future(serve_unix(path, server.handle))
-        await asyncio.sleep(0.05)
-        client = ipc.EngineClient(path)
-        await client.start()
-        assert await client.wait_ready(5)
-        assert client.info["translates"] is True
-        z = np.zeros(1600, np.float32)
-        [a] = await client.transcribe(z, TranscribeOptions(task="translate"), timeout=10)
-        [b] = await client.transcribe(z, TranscribeOptions(), timeout=10)
-        await client.close()
-        srv.cancel()
-        await server.scheduler.stop()
-        return a, b
+        async with _engine_and_client(tmp_path, Translator(), ServeConfig()) as (_, client, _):
+            assert client.info["translates"] is True
+            z = np.zeros(1600, np.float32)
+            [a] = await client.transcribe(z, TranscribeOptions(task="translate"), timeout=10)
+            [b] = await client.transcribe(z, TranscribeOptions(), timeout=10)
+            return a, b
 
     a, b = asyncio.run(go())
     assert (a.text, a.task, a.language) == ("[translate]", "translate", "en")
@@ -832,7 +844,6 @@ def test_stream_chunks_over_the_engine_socket_options_cancel_and_disconnect(tmp_
     from flashasr.models.base import ASRModel
     from flashasr.options import TranscribeOptions
     from flashasr.serve.config import ServeConfig
-    from flashasr.serve.engine_proc import EngineServer, serve_unix
     from flashasr.serve.errors import APIError
     from flashasr.types import StreamResult
 
@@ -865,51 +876,42 @@ def test_stream_chunks_over_the_engine_socket_options_cancel_and_disconnect(tmp_
             return streamer
 
     async def go():
-        path = str(tmp_path / "e.sock")
-        server = EngineServer(Model(), ServeConfig(warmup=False, partial_wait_ms=0))
-        server.scheduler.start()
-        srv = asyncio.ensure_future(serve_unix(path, server.handle))
-        await asyncio.sleep(0.05)
-        client = ipc.EngineClient(path)
-        await client.start()
-        assert await client.wait_ready(5)
-        opts, z = TranscribeOptions(), np.zeros(800, np.float32)
-        r1 = await client.stream_chunk("a", z, opts, new=True, timeout=10)
-        r2 = await client.stream_chunk("a", z[:400], opts, timeout=10)  # no options on the wire
-        assert (r1.text, r1.frames, r2.frames) == ("a", 800, 400)
-        client._stream_options.add("ghost")  # as after an engine restart: the client sends no options
-        with pytest.raises(APIError) as e:  # a stream this engine never saw, no options: its state was lost
-            await client.stream_chunk("ghost", z, opts, timeout=10)
-        assert "unknown here" in e.value.message and "ghost" in e.value.message
-        streamer.gate.clear()  # the next step blocks in the model thread ...
-        running = asyncio.ensure_future(client.stream_chunk("b", z, opts, new=True, timeout=10))
-        await asyncio.sleep(0.2)
-        queued = asyncio.ensure_future(client.stream_chunk("c", z, opts, new=True, timeout=10))
-        await asyncio.sleep(0.1)
-        queued.cancel()  # ... so this one is still queued when its CANCEL arrives
-        await asyncio.sleep(0.1)
-        streamer.gate.set()
-        assert (await running).text == "b"
-        # a second front end leaves with a chunk queued behind a blocked step
-        other = ipc.EngineClient(path)
-        await other.start()
-        assert await other.wait_ready(5)
-        streamer.gate.clear()
-        blocked = asyncio.ensure_future(client.stream_chunk("d", z, opts, new=True, timeout=10))
-        await asyncio.sleep(0.2)
-        orphan = asyncio.ensure_future(other.stream_chunk("e", z, opts, new=True, timeout=10))
-        await asyncio.sleep(0.1)
-        await other.close()
-        await asyncio.sleep(0.1)
-        streamer.gate.set()
-        assert (await blocked).text == "d"
-        with pytest.raises(Exception):
-            await orphan
-        await asyncio.sleep(0.1)
-        depth = server.scheduler.depth()
-        await client.close()
-        srv.cancel()
-        await server.scheduler.stop()
+        async with _engine_and_client(tmp_path, Model(), ServeConfig(warmup=False, partial_wait_ms=0)) \
+                as (server, client, path):
+            opts, z = TranscribeOptions(), np.zeros(800, np.float32)
+            r1 = await client.stream_chunk("a", z, opts, new=True, timeout=10)
+            r2 = await client.stream_chunk("a", z[:400], opts, timeout=10)  # no options on the wire
+            assert (r1.text, r1.frames, r2.frames) == ("a", 800, 400)
+            client._stream_options.add("ghost")  # as after an engine restart: the client sends no options
+            with pytest.raises(APIError) as e:  # a stream this engine never saw, no options: its state was lost
+                await client.stream_chunk("ghost", z, opts, timeout=10)
+            assert "unknown here" in e.value.message and "ghost" in e.value.message
+            streamer.gate.clear()  # the next step blocks in the model thread ...
+            running = asyncio.ensure_future(client.stream_chunk("b", z, opts, new=True, timeout=10))
+            await asyncio.sleep(0.2)
+            queued = asyncio.ensure_future(client.stream_chunk("c", z, opts, new=True, timeout=10))
+            await asyncio.sleep(0.1)
+            queued.cancel()  # ... so this one is still queued when its CANCEL arrives
+            await asyncio.sleep(0.1)
+            streamer.gate.set()
+            assert (await running).text == "b"
+            # a second front end leaves with a chunk queued behind a blocked step
+            other = ipc.EngineClient(path)
+            await other.start()
+            assert await other.wait_ready(5)
+            streamer.gate.clear()
+            blocked = asyncio.ensure_future(client.stream_chunk("d", z, opts, new=True, timeout=10))
+            await asyncio.sleep(0.2)
+            orphan = asyncio.ensure_future(other.stream_chunk("e", z, opts, new=True, timeout=10))
+            await asyncio.sleep(0.1)
+            await other.close()
+            await asyncio.sleep(0.1)
+            streamer.gate.set()
+            assert (await blocked).text == "d"
+            with pytest.raises(Exception):
+                await orphan
+            await asyncio.sleep(0.1)
+            depth = server.scheduler.depth()
         return depth
 
     depth = asyncio.run(go())

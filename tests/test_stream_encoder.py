@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import PARAKEET_FIXTURES
+from conftest import PARAKEET_FIXTURES, run_pipelined
 from flashasr.models.parakeet.decoder import (DecoderCarry, greedy_tdt_label_looping, label_looping_chunk)
 from flashasr.models.parakeet.encoder import _rel_shift, relative_positions
 from flashasr.models.parakeet.model import ParakeetASR, load_parakeet
@@ -406,13 +406,7 @@ def test_begun_steps_finished_in_order_equal_steps(tiny, speech):
     ref = ParakeetStreamer(tiny, cfg)
     want = [ref.step(r) for r in steps]
     s = ParakeetStreamer(tiny, cfg)
-    got, prev = [], None
-    for r in steps:
-        h = s.begin(r)
-        if prev is not None:
-            got.append(s.finish(prev))
-        prev = h
-    got.append(s.finish(prev))
+    got = run_pipelined(s, steps)
 
     def same(u, v):
         return type(u) is type(v) and (str(u) == str(v) if isinstance(u, Exception) else u == v)

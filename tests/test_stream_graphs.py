@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PARAKEET_FIXTURES
+from conftest import PARAKEET_FIXTURES, run_pipelined
 from flashasr.models.parakeet.model import load_parakeet
 from flashasr.models.parakeet.streaming import ParakeetStreamer, StreamingConfig
 
@@ -81,13 +81,7 @@ def test_graphed_steps_begun_before_the_last_is_finished_equal_eager(speech):
     want = [eager.step(r) for r in steps]
     g = GraphedStreamer(m, cfg)
     g.warmup()
-    got, prev = [], None
-    for r in steps:
-        h = g.begin(r)
-        if prev is not None:
-            got.append(g.finish(prev))
-        prev = h
-    got.append(g.finish(prev))
+    got = run_pipelined(g, steps)
     assert got == want
     assert {k: st.tokens for k, st in g.streams.items()} == {k: st.tokens for k, st in eager.streams.items()}
     assert g._graph_ok and g._full_ok, g.events
