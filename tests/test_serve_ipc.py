@@ -524,18 +524,7 @@ class _NoModel:  # the picking logic runs without any model call
     sample_rate = 16000
 
 
-class _Stepper:
-    """A test streamer's ``begin``/``finish`` (what the scheduler calls) over its ``step``: the step
-    runs at ``begin``, its results are handed over at ``finish``."""
-
-    def begin(self, requests):
-        return self.step(requests)
-
-    def finish(self, handle):
-        return handle
-
-
-class _NoStreamer(_Stepper):
+class _NoStreamer:
     def step(self, requests):
         return [None] * len(requests)
 
@@ -589,10 +578,10 @@ def test_finals_share_calls_under_a_stream_of_partials():
             _time.sleep(0.005)
             return [Transcript(text="f", language="en", duration=len(w) / 16000) for w in waves]
 
-    class SlowStreamer(_NoStreamer):
-        def finish(self, handle):  # the wait for the GPU
+    class SlowStreamer:
+        def step(self, requests):
             _time.sleep(0.005)
-            return handle
+            return [None] * len(requests)
 
     def run(wait):
         async def go():
@@ -744,96 +733,6 @@ def test_new_work_ends_a_partial_wait():
     assert all(t < 0.3 for t in took.values()), took
 
 
-def test_chunk_steps_are_pipelined_and_answered_in_order():
-    """The model-thread call that begins chunk step N+1 finishes step N (one step's host work runs
-    while the GPU computes the next); a begun step is finished before any other call (a final's)
-    and as soon as nothing else is ready; an error in a begin fails that step's chunks only, one in
-    a finish the begun step's only."""
-    from flashasr.options import TranscribeOptions
-
-    log = []
-
-    class Rec:
-        fail_begin, fail_finish = {"i"}, {"m"}
-
-        def begin(self, requests):
-            keys = [k for k, _, _ in requests]
-            log.append(("begin", keys))
-            if set(keys) & self.fail_begin:
-                raise RuntimeError("begin failed")
-            return keys
-
-        def finish(self, keys):
-            log.append(("finish", keys))
-            if set(keys) & self.fail_finish:
-                raise RuntimeError("finish failed")
-            return [f"r-{k}" for k in keys]
-
-        def close(self, key):
-            pass
-
-    class Echo:
-        sample_rate = 16000
-
-        def transcribe_batch(self, waves, options=None, **kw):
-            log.append(("final", len(waves)))
-            return [Transcript(text="t", language="en", duration=len(w) / 16000) for w in waves]
-
-    async def go():
-        s = BatchScheduler(Echo(), max_batch=8, streamer=Rec(), stream_batch=2, final_wait_s=0.05)
-        s.start()
-        opts, z = TranscribeOptions(), np.zeros(160, np.float32)
-        chunk = lambda k: asyncio.ensure_future(s.submit_chunk(k, z, opts))  # noqa: E731
-        out = {}
-        for keys in (["a", "b", "c", "d"], ["e", "f", "final"], ["g", "h", "i", "j"], ["k", "l", "m", "n"]):
-            tasks = {k: (asyncio.ensure_future(s.submit(z, opts, priority=FINAL)) if k == "final" else chunk(k))
-                     for k in keys}
-            for k, t in tasks.items():
-                try:
-                    out[k] = (await asyncio.wait_for(t, 5)) if k != "final" else (await t).text
-                except RuntimeError as e:
-                    out[k] = str(e)
-            log.append("|")
-        await s.stop()
-        return out
-
-    out = asyncio.run(go())
-    assert log == [("begin", ["a", "b"]), ("begin", ["c", "d"]), ("finish", ["a", "b"]), ("finish", ["c", "d"]), "|",
-                   ("begin", ["e", "f"]), ("finish", ["e", "f"]), ("final", 1), "|",
-                   ("begin", ["g", "h"]), ("begin", ["i", "j"]), ("finish", ["g", "h"]), "|",
-                   ("begin", ["k", "l"]), ("begin", ["m", "n"]), ("finish", ["k", "l"]), ("finish", ["m", "n"]), "|"]
-    assert out == {"a": "r-a", "b": "r-b", "c": "r-c", "d": "r-d", "e": "r-e", "f": "r-f", "final": "t",
-                   "g": "r-g", "h": "r-h", "i": "begin failed", "j": "begin failed",
-                   "k": "r-k", "l": "r-l", "m": "finish failed", "n": "finish failed"}
-
-
-def test_a_large_chunk_step_with_none_in_flight_is_split_in_two():
-    """With no chunk step in flight, ``2 * SPLIT_ROWS`` queued chunks or more go in two steps (the
-    older half first: the second is begun while the first computes); with a step in flight, or
-    fewer queued, one step takes all (up to ``stream_batch``)."""
-    from flashasr.options import TranscribeOptions
-    from flashasr.serve.scheduler import SPLIT_ROWS
-
-    async def go():
-        s = BatchScheduler(_NoModel(), streamer=_NoStreamer(), stream_batch=4 * SPLIT_ROWS)
-        s._wake = asyncio.Event()
-        opts, z = TranscribeOptions(), np.zeros(10, np.float32)
-        n = 2 * SPLIT_ROWS + 1
-        items = [s.queue_chunk(f"k{i}", z, opts) for i in range(n)]
-        first = _take(s)
-        assert [it.stream for it in first] == [f"k{i}" for i in range(SPLIT_ROWS + 1)]
-        s._pending = (first, None)  # the first half in flight: the rest in one step
-        assert len(_take(s)) == n - SPLIT_ROWS - 1
-        s._pending = None
-        items += [s.queue_chunk(f"m{i}", z, opts) for i in range(2 * SPLIT_ROWS - 1)]
-        assert len(_take(s)) == 2 * SPLIT_ROWS - 1  # fewer: one step
-        for it in items:
-            it.fut.cancel()
-        await s.stop()
-
-    asyncio.run(go())
-
-
 def test_stream_chunks_over_the_engine_socket_options_cancel_and_disconnect(tmp_path):
     """Stream chunks are queued from the engine's receive loop (no task per chunk): a stream's
     options come with its first chunk and serve its later ones (an unknown stream without options is
@@ -847,7 +746,7 @@ def test_stream_chunks_over_the_engine_socket_options_cancel_and_disconnect(tmp_
     from flashasr.serve.errors import APIError
     from flashasr.types import StreamResult
 
-    class Streamer(_Stepper):
+    class Streamer:
         L, C, frame_seconds = 4, 7, 0.08
         pool = type("P", (), {"capacity": 8})()
 

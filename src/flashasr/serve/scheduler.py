@@ -48,15 +48,9 @@ a long one. A batch whose step raises is redone piece by piece (one bad piece fa
 
 Chunked streaming partials (:meth:`BatchScheduler.submit_chunk`, when a ``streamer`` is given:
 :class:`flashasr.models.parakeet.streaming.ParakeetStreamer`) are ``PARTIAL`` items of their own
-group: the new audio of many streams, one batched streamer step per model call (up to
+group: the new audio of many streams, one batched ``streamer.step`` per model call (up to
 ``stream_batch`` streams), never coalesced away (each carries audio the stream's state needs; a
 stream has at most one in flight, its next one carries everything that arrived meanwhile).
-Chunk steps are *pipelined*: the model-thread call that begins step N+1
-(:meth:`~flashasr.models.parakeet.streaming.ParakeetStreamer.begin`: its windows written and its
-CUDA graph launched) then finishes step N (waits for its graph, its tokens and texts), so the host
-work of one step runs while the GPU computes the next (H200, 256 rows: graph 20 ms, host 12-16 ms
-run one after the other before). A begun step is finished before any other kind of call and as
-soon as no other chunk step is ready to begin (its results never wait for the partial wait).
 """
 
 from __future__ import annotations
@@ -82,10 +76,6 @@ FINAL, PARTIAL, OFFLINE = 0, 1, 2
 KIND = {FINAL: "final", PARTIAL: "partial", OFFLINE: "offline"}
 SHORT_S = 30.0  # a request of at most this much audio is short: it goes before bulk pieces
 BULK_EVERY = 3  # bulk work waiting gets a model call after at most this many short-request calls
-# With no chunk step in flight, this many queued chunks or more (twice a step worth splitting) go in
-# two steps, so the second's host work overlaps the first's graph (a step's fixed cost on the H100:
-# about 5 ms of graph; its host work about 31 us a row, hidden behind the other step's graph).
-SPLIT_ROWS = 64
 
 
 @dataclass
@@ -194,7 +184,6 @@ class BatchScheduler:
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashasr-model")
         self._exec.submit(lambda: None).result()  # start the thread now (constant thread count)
         self._inflight: Future | None = None  # the model call handed to the thread last
-        self._pending: tuple[list[_Item], object] | None = None  # a chunk step begun, not finished (its items, handle)
         self.busy = False
 
     # ------------------------------------------------------------------ public
@@ -213,13 +202,12 @@ class BatchScheduler:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        for q in self._item_lists():
+        for q in [*self._queues.values(), *(r.items for r in self._runs)]:
             for it in q:
                 if not it.fut.done():
                     it.fut.cancel()
             q.clear()
         self._runs.clear()
-        self._pending = None
         self._exec.shutdown(wait=False, cancel_futures=True)
         if self._switch_before is not None:
             sys.setswitchinterval(self._switch_before)
@@ -230,7 +218,7 @@ class BatchScheduler:
         is stopping); a model call running now still ends, its results are dropped. Returns the
         number of items failed."""
         n = 0
-        for q in self._item_lists():
+        for q in [*self._queues.values(), *(r.items for r in self._runs)]:
             for it in q:
                 if not it.fut.done():
                     it.fut.set_exception(make_error())
@@ -246,11 +234,7 @@ class BatchScheduler:
         return f is None or f.done() or not _wait_futures([f], timeout).not_done
 
     def depth(self) -> int:
-        return sum(len(q) for q in self._item_lists())
-
-    def _item_lists(self) -> list[list[_Item]]:
-        """Every list of items not answered yet: the queues, the started batches, the chunk step begun."""
-        return [*self._queues.values(), *(r.items for r in self._runs), *([self._pending[0]] if self._pending else [])]
+        return sum(len(q) for q in self._queues.values()) + sum(len(r.items) for r in self._runs)
 
     def _enqueue(self, samples: np.ndarray, options: TranscribeOptions, priority: int,
                  coalesce_key: str | None = None, tag: float | None = None, speech=None,
@@ -477,14 +461,10 @@ class BatchScheduler:
 
     def _take_streaming(self, p: int, q: list[_Item]) -> list[_Item]:
         """A batch of finals (filled up with partials) or of partials: oldest first (chunked
-        partials: up to ``stream_batch`` streams in one streamer step; with no step in flight and
-        at least ``2 * SPLIT_ROWS`` queued, the older half: the rest is begun while it computes)."""
+        partials: up to ``stream_batch`` streams in one streamer step)."""
         anchor = q[0]
         others = [it for it in q if it is not anchor and it.group == anchor.group]
-        limit = self.stream_batch if anchor.stream else self.max_batch
-        if anchor.stream and self._pending is None and len(others) + 1 >= 2 * SPLIT_ROWS:
-            limit = min(limit, (len(others) + 2) // 2)  # half now, the rest begun while it computes
-        batch = [anchor] + others[: limit - 1]
+        batch = [anchor] + others[: (self.stream_batch if anchor.stream else self.max_batch) - 1]
         chosen = set(id(it) for it in batch)
         self._queues[p] = [it for it in q if id(it) not in chosen]
         if p == FINAL and len(batch) < self.max_batch:  # streaming work shares the batch: partials fill it
@@ -499,27 +479,12 @@ class BatchScheduler:
         return batch
 
     def _infer(self, batch: list[_Item]) -> list:
-        """One model call for the batch (model thread); per item a Transcript or its exception
-        (chunked partials go through :meth:`_pipe`)."""
+        """One model call for the batch (model thread); per item a Transcript (a StreamResult for
+        chunked partials) or its exception."""
+        if batch[0].stream is not None:
+            return self.streamer.step([(it.stream, it.samples, it.stream_new) for it in batch])
         return transcribe_pieces(self.model, [it.samples for it in batch], batch[0].options,
                                  [it.speech for it in batch])
-
-    def _pipe(self, work: tuple[list[_Item], object]) -> tuple:
-        """One pipelined chunk call (model thread): begin the step of ``batch``, then finish the
-        step begun before (``prev``: its handle, or None). Returns ``(handle or None, error of the
-        begin or None, results of prev: a list, an exception, or None)``."""
-        batch, prev = work
-        handle = err = res = None
-        try:
-            handle = self.streamer.begin([(it.stream, it.samples, it.stream_new) for it in batch])
-        except Exception as e:  # noqa: BLE001 - the batch's items get it
-            err = e
-        if prev is not None:
-            try:
-                res = self.streamer.finish(prev)
-            except Exception as e:  # noqa: BLE001 - the previous step's items get it
-                res = e
-        return handle, err, res
 
     def _step(self, run: _Run) -> list | None:
         """One step of an offline batch (model thread): its results when it is done, else None. A
@@ -541,17 +506,16 @@ class BatchScheduler:
         """Run one model call in the model thread: (its items, per item a result; None: a step of
         an offline batch that is not done yet)."""
         loop = asyncio.get_running_loop()
-        items = work if kind == "batch" else work[0] if kind == "chunks" else work.items
+        items = work if kind == "batch" else work.items
         t0 = time.perf_counter()
-        if kind != "run" or work.steps == 0:
+        if kind == "batch" or work.steps == 0:
             for it in items:
                 self._stage["queue"].observe(t0 - it.t_enq)
         self._batch_size[items[0].priority].observe(len(items))
         self.busy = True
         t1 = t2 = None
         try:
-            fn = self._infer if kind == "batch" else self._pipe if kind == "chunks" else self._step
-            self._inflight = self._exec.submit(_timed, fn, work)
+            self._inflight = self._exec.submit(_timed, self._infer if kind == "batch" else self._step, work)
             results, t1, t2 = await asyncio.wrap_future(self._inflight, loop=loop)
         except Exception as e:  # noqa: BLE001
             results = [e] * len(items)
@@ -582,57 +546,6 @@ class BatchScheduler:
         if done:
             self._runs = [r for r in self._runs if r is not run]
 
-    async def _chunks(self, batch: list[_Item]) -> None:
-        """Begin ``batch``'s chunk step and finish the one begun before (one model-thread call)."""
-        prev = self._pending
-        self._pending = None
-        _, out = await self._call("chunks", (batch, prev[1] if prev else None))
-        if isinstance(out, tuple):
-            handle, err, res = out
-        else:  # the call itself failed (the model thread is gone): both steps' items get it
-            handle, err, res = None, out[0], out[0]
-        if prev is not None:
-            self._deliver(prev[0], res)
-        if handle is not None:
-            self._pending = (batch, handle)
-        else:
-            self._deliver(batch, err)
-
-    async def _finish_pending(self) -> None:
-        """Finish the chunk step begun last (a model-thread call) and answer its items."""
-        items, handle = self._pending
-        self._pending = None
-        self.busy = True
-        try:
-            self._inflight = self._exec.submit(_timed, self.streamer.finish, handle)
-            results, t1, t2 = await asyncio.wrap_future(self._inflight, loop=self._loop)
-            self._stage["inference"].observe(t2 - t1)
-            self._inference[PARTIAL].observe(t2 - t1)
-        except Exception as e:  # noqa: BLE001
-            results = e
-        finally:
-            self.busy = False
-        self._deliver(items, results)
-
-    def _deliver(self, items: list[_Item], results) -> None:
-        """Answer a call's items: per item its result or exception (``results`` one exception: all
-        of them); count their audio under each item's kind."""
-        if isinstance(results, BaseException):
-            results = [results] * len(items)
-        audio = dict.fromkeys(self._audio_s, 0)  # a final batch may carry partials too: each under its kind
-        for it in items:
-            audio[it.priority] += len(it.samples)
-        for p, n in audio.items():
-            if n:
-                self._audio_s[p].inc(n / self.sample_rate)
-        for it, r in zip(items, results):
-            if it.fut.done():
-                continue
-            if isinstance(r, BaseException):
-                it.fut.set_exception(r)
-            else:
-                it.fut.set_result(r)
-
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
@@ -642,9 +555,6 @@ class BatchScheduler:
                         0 < len(self._queues[OFFLINE]) < self.max_batch and self.batch_wait_s > 0:
                     await asyncio.sleep(self.batch_wait_s)  # let concurrent uploads join the batch
                 hold = self._hold()
-                if hold > 0 and self._pending is not None:  # nothing to begin now: answer the step begun
-                    await self._finish_pending()
-                    continue
                 if hold > 0:  # let more streams' chunks join the step; other work or a full step ends the wait
                     self._wake.clear()
                     self._holding = True
@@ -657,15 +567,21 @@ class BatchScheduler:
                     continue  # look again: a final, an upload or a full step runs now
                 kind, work = self._pick()
                 self._gauge()
-                if kind == "batch" and work[0].stream is not None:
-                    await self._chunks(work)  # begins this step, finishes the one before
-                    continue
-                if self._pending is not None:  # other work (or none): the step begun is answered first
-                    await self._finish_pending()
-                    if kind == "none":
-                        continue  # look again: its answers may have brought new work
                 if kind == "none":
                     break
                 items, results = await self._call(kind, work)
-                if results is not None:
-                    self._deliver(items, results)
+                if results is None:
+                    continue
+                audio = dict.fromkeys(self._audio_s, 0)  # a final batch may carry partials too: each under its kind
+                for it in items:
+                    audio[it.priority] += len(it.samples)
+                for p, n in audio.items():
+                    if n:
+                        self._audio_s[p].inc(n / self.sample_rate)
+                for it, r in zip(items, results):
+                    if it.fut.done():
+                        continue
+                    if isinstance(r, BaseException):
+                        it.fut.set_exception(r)
+                    else:
+                        it.fut.set_result(r)
