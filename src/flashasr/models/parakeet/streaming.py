@@ -382,8 +382,9 @@ class ParakeetStreamer:
         """:meth:`step` in two halves, so that a caller can overlap the host work of one step with
         the device work of another: ``begin`` takes the audio and launches the step's device work
         (on a GPU it returns without waiting for it), :meth:`finish` waits for it and returns what
-        :meth:`step` returns. Between the two the caller may ``begin`` another step (the server's
-        scheduler begins step N+1, then finishes step N); steps finish in the order they began.
+        :meth:`step` returns. Between the two the caller may ``begin`` another step (begin step N+1,
+        then finish step N); steps finish in the order they began. (The server's scheduler runs
+        whole steps: pipelining them there did not pay, ``docs/SERVING.md``.)
 
         A step with more than ``C`` new frames for some stream runs its earlier rounds at once
         (their tokens are needed in order); only the last round is left in flight. A request for
