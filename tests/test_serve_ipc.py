@@ -819,3 +819,50 @@ def test_stream_chunks_over_the_engine_socket_options_cancel_and_disconnect(tmp_
     assert [new for _, _, new in streamer.seen] == [True, False, True, True]
     assert "e" in streamer.closed  # the dropped front end's stream
     assert depth == 0
+
+
+def test_a_dead_front_end_workers_shared_memory_is_removed():
+    """Found by a new user: a front-end worker killed with SIGKILL left its pooled segments in
+    /dev/shm for good (``cleanup_stale_segments`` keeps a segment while its maker's parent -- the
+    server, alive -- lives). The server now unlinks the dead worker's segments, and its log says
+    how the worker ended."""
+    import subprocess
+    import sys
+
+    import _posixshmem
+
+    from flashasr import shm
+    from flashasr.serve.config import ServeConfig
+    from flashasr.serve.process import _exit_reason, _Workers
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip())
+    mine = [f"{shm.SHM_PREFIX}{dead}_p{os.getpid()}_{i}" for i in (1, 2)]
+    other = f"{shm.SHM_PREFIX}{dead}0_p{os.getpid()}_1"  # another process's: its pid starts with the same digits
+    for n in mine + [other]:
+        os.close(_posixshmem.shm_open("/" + n, os.O_CREAT | os.O_RDWR, mode=0o600))
+
+    class Proc:
+        pid, sentinel, exitcode = dead, -1, -9
+
+        def join(self, timeout=None):
+            pass
+
+    class Loop:
+        def remove_reader(self, fd):
+            pass
+
+    try:
+        shm.cleanup_stale_segments()
+        assert set(mine) <= set(os.listdir("/dev/shm"))  # kept: the parent (this process) lives
+        w = _Workers(ServeConfig(), "unused.sock", None)
+        w.stopping = True  # no replacement started
+        p = Proc()
+        w.procs.append(p)
+        w._on_exit(Loop(), p)
+        left = set(os.listdir("/dev/shm"))
+        assert not set(mine) & left and other in left and not w.procs
+    finally:
+        for n in mine + [other]:
+            shm.unlink_segment(n)
+    assert (_exit_reason(-9), _exit_reason(1), _exit_reason(None)) == ("killed by SIGKILL", "code 1", "code unknown")

@@ -131,3 +131,125 @@ def test_finish_delivers_committed_finals_and_fails_the_late_ones_naming_the_shu
     assert ends[1]["error"] == {"message": "the server is shutting down", "type": "server_error", "param": None,
                                 "code": "engine_unavailable"}
     assert took < 5  # bounded by the time given, not by the stuck model
+
+
+def _committed(x: np.ndarray, packet: int, vad, max_utterance_s: float) -> tuple[list, list]:
+    """Stream ``x`` in packets of ``packet`` samples (no pacing), commit; the committed spans (ms)
+    and the finals (length:checksum of the audio each was given)."""
+
+    async def go():
+        events = []
+
+        async def emit(ev):
+            events.append(ev)
+
+        s = StreamSession(_Backend(), emit, input_rate=16000, vad=vad, partial_interval_ms=0,
+                          max_utterance_s=max_utterance_s)
+        pcm = (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
+        for off in range(0, len(pcm), 2 * packet):
+            await s.append_pcm16(pcm[off:off + 2 * packet])
+        await s.vad_settled()
+        if s.item_id is not None:
+            await s.commit()
+        await s.drain(60)
+        return events
+
+    events = asyncio.run(go())
+    spans = [(e["audio_start_ms"], e["audio_end_ms"]) for e in events if e["type"] == "input_audio_buffer.committed"]
+    finals = [e["transcript"] for e in events if e["type"].endswith("_transcription.completed")]
+    return spans, finals
+
+
+def test_one_huge_packet_is_cut_at_the_utterance_cap_like_small_ones():
+    """Found by a new user: one packet of 44 s went into one utterance past ``--max-utterance-s``
+    (30 s), and one of 16 MB at 8 kHz into one of 1,000 s, whose final then held up every stream's.
+    A packet is now fed in pieces: without VAD the utterances are exactly those of 20 ms packets
+    (cut at the cap, contiguous, every sample in one final); with server VAD none is longer than
+    the cap plus one piece."""
+    x = _speech()[: 16000 * 9 + 1234]
+    small = _committed(x, 320, None, 2.0)
+    huge = _committed(x, x.size, None, 2.0)
+    assert huge == small
+    spans = huge[0]
+    assert len(spans) == 5 and all(b - a == 2000 for a, b in spans[:4]) and spans[-1][1] == round(x.size / 16)
+    assert all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
+    assert sum(int(f.split(":")[0]) for f in huge[1]) == x.size
+    spans, _ = _committed(_speech(), _speech().size, LazyVad(TD), 2.0)
+    assert len(spans) >= 6 and all(b - a <= 2000 + 1000 * stream_mod.FEED_PIECE_S for a, b in spans), spans
+
+
+def test_a_client_gone_while_its_final_is_sent_leaves_no_unretrieved_task_error(caplog):
+    """Found by a new user: a client that left right after its commit made asyncio log "Task
+    exception was never retrieved" (the final's send raised). A session task's error is now taken
+    when it ends: a client going away is not logged, any other error is, as a warning."""
+    import gc
+    import logging
+
+    def run(err: BaseException) -> None:
+        async def go():
+            async def emit(ev):
+                if ev["type"].endswith("_transcription.completed"):
+                    raise err
+
+            s = StreamSession(_Backend(), emit, input_rate=16000, partial_interval_ms=0)
+            await s.append_pcm16(np.full(1600, 1000, "<i2").tobytes())
+            await s.commit()
+            for t in list(s._tasks):
+                await asyncio.wait([t])
+
+        asyncio.run(go())
+        gc.collect()
+
+    with caplog.at_level(logging.WARNING):
+        run(ConnectionResetError("peer gone"))
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+        run(ValueError("a server bug"))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("a server bug" in m and "_final" in m for m in msgs), msgs
+    assert not any("never retrieved" in m for m in msgs), msgs
+
+
+def test_json_nested_past_the_parsers_depth_is_invalid_json():
+    """Found by a new user: 100,000 nested brackets ended a Realtime session with no error event
+    (RecursionError); it is an ``invalid_json`` error like any malformed event."""
+    import pytest
+
+    from flashasr.serve.errors import APIError
+    from flashasr.serve.websocket import parse_event
+
+    with pytest.raises(APIError) as e:
+        parse_event("[" * 100_000 + "]" * 100_000, "event")
+    assert e.value.code == "invalid_json" and "nested too deeply" in e.value.message
+
+
+def test_server_vad_switched_on_mid_utterance_commits_the_buffered_audio():
+    """Found by a new user: manual turns, 1.25 s of speech appended, then a session update to
+    server VAD: the VAD started a new utterance at its next speech start and the 1.25 s were lost
+    with no event. The buffered audio is now committed when server VAD comes on (every sample
+    reaches a final); switching it off leaves the utterance open for the client's commit."""
+    x = _speech()
+    head = x[2 * 16000: 2 * 16000 + 20000]  # 1.25 s of speech
+
+    async def go():
+        events = []
+
+        async def emit(ev):
+            events.append(ev)
+
+        s = StreamSession(_Backend(), emit, input_rate=16000, partial_interval_ms=0)
+        await s.append_pcm16((head * 32767).astype("<i2").tobytes())
+        await s.set_vad(LazyVad(TD), TD["prefix_padding_ms"])
+        n_committed = sum(e["type"] == "input_audio_buffer.committed" for e in events)
+        await s.append_pcm16((x[:16000] * 32767).astype("<i2").tobytes())
+        await s.set_vad(None)
+        await s.append_pcm16((head * 32767).astype("<i2").tobytes())
+        open_item = s.item_id
+        await s.drain(30)
+        return events, n_committed, open_item
+
+    events, n_committed, open_item = asyncio.run(go())
+    com = [e for e in events if e["type"] == "input_audio_buffer.committed"]
+    assert n_committed == 1 and (com[0]["audio_start_ms"], com[0]["audio_end_ms"]) == (0, 1250)
+    finals = [e["transcript"] for e in events if e["type"].endswith("_transcription.completed")]
+    assert finals[0].startswith(f"{head.size}:")  # the buffered audio, whole
+    assert open_item is not None  # server VAD off: manual mode goes on with an open utterance

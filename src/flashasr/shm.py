@@ -102,6 +102,21 @@ def cleanup_stale_segments() -> int:
     return n
 
 
+def unlink_segments_of(pid: int) -> int:
+    """Unlink every ``/dev/shm/flashasr_<pid>_*`` segment (the process ``pid`` is gone and nobody
+    needs its segments: a server's front-end worker, whose parent -- the server -- lives on, so
+    :func:`cleanup_stale_segments` keeps them); returns the count. A process that still maps one
+    keeps its memory until it unmaps it (POSIX)."""
+    head = f"{SHM_PREFIX}{int(pid)}_"
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(head)]
+    except OSError:
+        return 0
+    for name in names:
+        unlink_segment(name)
+    return len(names)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -396,14 +396,14 @@ class _Workers:
         loop.add_reader(p.sentinel, self._on_exit, loop, p)
 
     def _on_exit(self, loop, p) -> None:  # a front-end worker died: replace it (its clients' connections are gone)
-        from ..shm import cleanup_stale_segments
+        from ..shm import unlink_segments_of
 
         loop.remove_reader(p.sentinel)
-        p.join(0)
+        p.join(0.5)  # the sentinel closes before the exit is reaped: wait a moment for its code
         self.procs.remove(p)
-        cleanup_stale_segments()  # its pooled shared memory
+        unlink_segments_of(p.pid)  # its pooled shared memory (its parent, this process, lives on)
         if not self.stopping:
-            log.warning("front-end worker %s exited (code %s); starting another", p.pid, p.exitcode)
+            log.warning("front-end worker %s exited (%s); starting another", p.pid, _exit_reason(p.exitcode))
             loop.call_later(0.5, self.start, loop)
 
     def begin_stop(self, loop) -> None:
@@ -420,6 +420,8 @@ class _Workers:
         """Stop every worker and wait for them, up to ``timeout`` s; SIGKILL for any still running."""
         import time
 
+        from ..shm import unlink_segments_of
+
         self.begin_stop(loop)
         t_end = time.monotonic() + timeout
         for p in self.procs:
@@ -428,7 +430,23 @@ class _Workers:
                 log.warning("front-end worker %s did not stop within %.0f s; killing it", p.pid, timeout)
                 p.kill()
             p.join(1)
+            if not p.is_alive():
+                unlink_segments_of(p.pid)  # what a worker stopped hard left behind
         self.procs.clear()
+
+
+def _exit_reason(code: int | None) -> str:
+    """A process's exit code in words: ``code 1``, ``killed by SIGKILL``, ``code unknown``."""
+    if code is None:
+        return "code unknown"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"code {code}"
 
 
 def _run_multi(cfg: ServeConfig, make_app) -> int:

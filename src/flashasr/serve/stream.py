@@ -54,6 +54,7 @@ SR = 16000
 # Server VAD: received audio waits here while the stream's VAD catches up; beyond this much the
 # receive loop waits too (the socket then pushes back on the client), so memory stays bounded.
 VAD_BACKLOG_S = 5.0
+FEED_PIECE_S = 0.5  # a longer packet is fed as pieces of at most this (StreamSession._feed)
 MIN_RATE, MAX_RATE = 8000, 192000
 
 
@@ -243,6 +244,17 @@ async def _ended(task: asyncio.Task) -> None:
         task.exception()  # retrieved: no "exception was never retrieved" at exit
 
 
+def _client_gone(e: BaseException) -> bool:
+    """Whether an error is the client's connection going away (closed, reset, a send timing out or
+    refused after the close), not a fault of the server."""
+    if isinstance(e, (ConnectionError, asyncio.TimeoutError)):
+        return True
+    if type(e).__name__ in ("WebSocketDisconnect", "ClientDisconnected", "ConnectionClosed", "ConnectionClosedOK",
+                            "ConnectionClosedError"):
+        return True
+    return isinstance(e, RuntimeError) and "websocket" in str(e).lower()
+
+
 def _words(text: str) -> list[str]:
     return text.split()
 
@@ -329,8 +341,19 @@ class StreamSession:
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        t.add_done_callback(self._task_done)
         return t
+
+    def _task_done(self, t: asyncio.Task) -> None:
+        """A session task ended: its error is taken here (no "Task exception was never retrieved"
+        when a client leaves while its final is sent: found by a new user), logged unless it is
+        the client going away."""
+        self._tasks.discard(t)
+        if t.cancelled():
+            return
+        e = t.exception()
+        if e is not None and not _client_gone(e):
+            log.warning("stream %s: %s failed: %s", self.id, t.get_coro().__qualname__, e, exc_info=e)
 
     def _start_utt(self, start_sample: int) -> None:
         self._buf, self._buf_n = [], 0
@@ -371,7 +394,21 @@ class StreamSession:
         await self._feed(x)
 
     async def _feed(self, x: np.ndarray) -> None:
+        """One packet of 16 kHz samples; a packet longer than ``FEED_PIECE_S`` goes through as
+        pieces of at most that length (and, without VAD, cut exactly at the utterance cap), so one
+        huge packet is committed at ``max_utterance_s`` like a run of small ones, never held whole
+        in one utterance."""
         self._raise_vad_error()
+        piece = int(FEED_PIECE_S * SR)
+        off = 0
+        while x.size - off > piece or (self.vad is None and self.item_id is not None
+                                       and self._buf_n + x.size - off > self.max_utt):
+            n = piece if self.vad is not None or self.item_id is None else max(1, min(piece, self.max_utt - self._buf_n))
+            await self._feed_one(x[off:off + n])
+            off += n
+        await self._feed_one(x[off:] if off else x)
+
+    async def _feed_one(self, x: np.ndarray) -> None:
         if not x.size:
             return
         start = self.pos
@@ -494,6 +531,22 @@ class StreamSession:
         prev = self._final_chain
         self._final_chain = self._transcribing[item] = self._spawn(self._final(item, audio, emitted, prev))
         return item
+
+    async def set_vad(self, vad, prefix_padding_ms: float | None = None) -> None:
+        """Switch turn detection (a session update): ``vad`` a :class:`LazyVad` (server VAD) or None
+        (manual commits). Audio buffered by manual mode when server VAD comes on is committed first
+        (found by a new user: the VAD began a new utterance at its next speech start and the
+        buffered audio was lost without a word); server VAD going off leaves the utterance open for
+        the client's commit. Audio received before the switch goes through the old settings first."""
+        await self.vad_settled()
+        if vad is not None and self.vad is None and self.item_id is not None and self._buf_n:
+            await self.commit(reason="turn_detection")
+        if vad is None:
+            self.vad, self.in_speech = None, False
+        else:
+            if prefix_padding_ms is not None:
+                self.prefix = int(prefix_padding_ms * SR / 1000)
+            self.vad = vad
 
     async def clear(self) -> None:
         """Drop buffered audio (``input_audio_buffer.clear``)."""

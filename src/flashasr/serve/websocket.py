@@ -51,7 +51,7 @@ from .offline import UploadTranscriber
 from .routes import check_auth
 from .scheduler import FINAL
 from .shutdown import GOING_AWAY
-from .stream import SR, LazyVad, Resampler, StreamSession, check_rate
+from .stream import LazyVad, Resampler, StreamSession, check_rate
 
 log = logging.getLogger("flashasr.serve")
 
@@ -326,13 +326,13 @@ class Realtime(_Handler):
             # checked against the model as it is now (an engine restarting: waited for, as an upload
             # waits; still away: an error event, the session keeps its settings)
             self.caps = await self.ctx.capabilities()
-            self.apply(parse_session_update(ev.get("session") or {}, s.options, self.caps, self.ctx.cfg))
+            await self.apply(parse_session_update(ev.get("session") or {}, s.options, self.caps, self.ctx.cfg))
             await self.emit({"type": "session.updated" if typ == "session.update" else
                              "transcription_session.updated", "session": self.view()})
         else:
             raise APIError(f"unknown event type {typ!r}", param="type", code="unknown_event")
 
-    def apply(self, upd: SessionUpdate) -> None:
+    async def apply(self, upd: SessionUpdate) -> None:
         """Apply a parsed (wholly valid) session update to the live session."""
         s = self.session
         if upd.options is not UNCHANGED:
@@ -343,11 +343,7 @@ class Realtime(_Handler):
             s.partial_interval = upd.partial_interval
         if upd.turn_detection is not UNCHANGED:
             td = self.turn_detection = upd.turn_detection
-            if td is None:
-                s.vad, s.in_speech = None, False
-            else:
-                s.prefix = int(td["prefix_padding_ms"] * SR / 1000)
-                s.vad = LazyVad(td)
+            await s.set_vad(None if td is None else LazyVad(td), None if td is None else td["prefix_padding_ms"])
 
 
 class Binary(_Handler):
@@ -384,13 +380,16 @@ def parse_event(text, what: str, types: str | None = None) -> dict:
     "control message", ``types``: the types to name, both for the errors).
 
     Raises:
-        APIError: ``invalid_json`` (not JSON); ``invalid_request`` with param ``type`` (valid JSON
+        APIError: ``invalid_json`` (not JSON, or nested past the parser's depth); ``invalid_request``
+        with param ``type`` (valid JSON
         that is not an object, an object without ``type``, a ``type`` that is not a string).
     """
     try:
         ev = json.loads(text or "")
     except ValueError as e:
         raise APIError(f"malformed JSON {what}: {e}", code="invalid_json") from None
+    except RecursionError:  # found by a new user: 100,000 nested brackets ended the session
+        raise APIError(f"malformed JSON {what}: nested too deeply", code="invalid_json") from None
     if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
         say = f" ({types})" if types else ""
         raise APIError(f"every {what} must be a JSON object with a string 'type'{say}; got {_described(ev)[:100]}",
