@@ -866,3 +866,37 @@ def test_a_dead_front_end_workers_shared_memory_is_removed():
         for n in mine + [other]:
             shm.unlink_segment(n)
     assert (_exit_reason(-9), _exit_reason(1), _exit_reason(None)) == ("killed by SIGKILL", "code 1", "code unknown")
+
+
+def test_the_engine_restart_back_off_starts_over_after_a_steady_run(monkeypatch):
+    """Found by a new user: the wait before an engine restart grew with every restart of the
+    server's life (0.2 s each, up to 5 s). It grows with crashes in a row (engines that died
+    within ``RESTART_STEADY_S`` of their start) and starts over after an engine that ran steadily;
+    ``restarts`` still counts them all."""
+    from flashasr.serve import engine_proc
+    from flashasr.serve.config import ServeConfig
+
+    now = [1000.0]
+    monkeypatch.setattr(engine_proc.time, "monotonic", lambda: now[0])
+    delays = []
+
+    class Loop:
+        def remove_reader(self, fd):
+            pass
+
+        def call_later(self, delay, fn, *a):
+            delays.append(round(delay, 3))
+
+    class Proc:
+        pid, sentinel, exitcode = 1, -1, -9
+
+        def join(self, timeout=None):
+            pass
+
+    sup = engine_proc.EngineSupervisor(ServeConfig(), "unused.sock")
+    sup._loop = Loop()
+    for lived in (1, 1, 1, engine_proc.RESTART_STEADY_S + 1, 1):
+        sup._started_at = now[0]
+        now[0] += lived
+        sup._on_exit(Proc())
+    assert delays == [0.2, 0.4, 0.6, 0.2, 0.4] and sup.restarts == 5

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import time
 
 
 from ..errors import FlashASRError
@@ -305,8 +306,13 @@ def engine_main(cfg_dict: dict, path: str, restarts: int = 0) -> None:
         asyncio.run(_engine_async(cfg, path, restarts))
 
 
+RESTART_STEADY_S = 60.0  # an engine that lived this long died on its own: the restart back-off starts over
+
+
 class EngineSupervisor:
-    """Starts the engine process and restarts it whenever it exits (event-driven, no polling thread)."""
+    """Starts the engine process and restarts it whenever it exits (event-driven, no polling thread).
+    A restart waits 0.2 s per exit in a row of engines that died within ``RESTART_STEADY_S`` of
+    their start (at most 5 s); ``restarts`` counts every restart of the server's life."""
 
     def __init__(self, cfg: ServeConfig, path: str, metrics=None):
         self.cfg = cfg
@@ -314,6 +320,8 @@ class EngineSupervisor:
         self.metrics = metrics
         self.proc: mp.process.BaseProcess | None = None
         self.restarts = 0
+        self._streak = 0  # exits in a row, each within RESTART_STEADY_S of its start (the back-off)
+        self._started_at = 0.0
         self.on_fatal = None  # called when the engine cannot load its model
         self._ctx = mp.get_context("spawn")
         self._closing = False
@@ -334,6 +342,7 @@ class EngineSupervisor:
                               daemon=True)
         p.start()
         self.proc = p
+        self._started_at = time.monotonic()
         self._loop.add_reader(p.sentinel, self._on_exit, p)
 
     def begin_shutdown(self) -> None:
@@ -358,7 +367,9 @@ class EngineSupervisor:
         if self.metrics is not None:
             self.metrics.engine_restarts.set(self.restarts)
         log.warning("engine process %s exited (code %s); restarting (#%d)", p.pid, p.exitcode, self.restarts)
-        delay = min(0.2 * self.restarts, 5.0)
+        # found by a new user: the back-off grew with every restart of the server's life
+        self._streak = 1 if time.monotonic() - self._started_at >= RESTART_STEADY_S else self._streak + 1
+        delay = min(0.2 * self._streak, 5.0)
         self._loop.call_later(delay, self._spawn)
 
     def stop(self, timeout: float = 5.0) -> None:
