@@ -253,3 +253,47 @@ def test_server_vad_switched_on_mid_utterance_commits_the_buffered_audio():
     finals = [e["transcript"] for e in events if e["type"].endswith("_transcription.completed")]
     assert finals[0].startswith(f"{head.size}:")  # the buffered audio, whole
     assert open_item is not None  # server VAD off: manual mode goes on with an open utterance
+
+
+def test_turn_detection_resent_or_changed_mid_turn():
+    """Found by a new user: the same server VAD settings sent again mid-turn replaced the VAD with a
+    fresh one, which never saw the turn start and so never ended it (silence went on into the
+    item). The same settings now keep the running VAD; other settings commit the open turn first.
+    At another input rate the switch's commit keeps the resampler's last milliseconds."""
+    x = _speech()
+    speech, silence = x[2 * 16000: 2 * 16000 + 20000], np.zeros(3 * 16000, np.float32)
+
+    def run(update: dict | None, rate: int = 16000):
+        async def go():
+            events = []
+
+            async def emit(ev):
+                events.append(ev)
+
+            s = StreamSession(_Backend(), emit, input_rate=rate, vad=LazyVad(TD), partial_interval_ms=0)
+            pcm = lambda a: (np.interp(np.arange(int(a.size * rate / 16000)) * 16000 / rate, np.arange(a.size), a)
+                             * 32767).astype("<i2").tobytes()  # noqa: E731
+            for off in range(0, speech.size, 320):
+                await s.append_pcm16(pcm(speech[off:off + 320]))
+            await s.vad_settled()
+            old = s.vad
+            if update is not None:
+                await s.set_vad(LazyVad(update), update["prefix_padding_ms"])
+            for off in range(0, silence.size, 320):
+                await s.append_pcm16(pcm(silence[off:off + 320]))
+            await s.vad_settled()
+            await s.drain(30)
+            return events, s.vad is old
+
+        events, kept = asyncio.run(go())
+        return [e["type"].rsplit(".", 1)[-1] for e in events if e["type"].startswith("input_audio_buffer.")], \
+            [(e["audio_start_ms"], e["audio_end_ms"]) for e in events if e["type"] == "input_audio_buffer.committed"], kept
+
+    ref, ref_spans, _ = run(None)
+    assert ref == ["speech_started", "speech_stopped", "committed"]
+    again, spans, kept = run(dict(TD))
+    assert kept and (again, spans) == (ref, ref_spans)  # the same settings: the turn ends at the silence
+    changed, spans, kept = run({**TD, "silence_duration_ms": 700})
+    assert not kept and changed == ["speech_started", "committed"] and spans[0][1] >= 1250
+    _, spans, _ = run({**TD, "silence_duration_ms": 700}, rate=24000)
+    assert spans[0][1] >= 1250  # the resampler's tail is in the committed audio

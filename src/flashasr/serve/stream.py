@@ -503,7 +503,7 @@ class StreamSession:
         """Close the current utterance: emit ``committed`` and queue its final transcript."""
         if reason == "client":
             await self.vad_settled()  # the utterance holds all audio received before the commit
-        if reason == "client" and self.resampler.rate != SR:
+        if reason in ("client", "turn_detection") and self.resampler.rate != SR:
             tail = self.resampler.flush()  # soxr holds back a few ms: the end of speech must not be lost
             self.resampler.reset()
             if tail.size and self.item_id is not None:
@@ -534,13 +534,18 @@ class StreamSession:
 
     async def set_vad(self, vad, prefix_padding_ms: float | None = None) -> None:
         """Switch turn detection (a session update): ``vad`` a :class:`LazyVad` (server VAD) or None
-        (manual commits). Audio buffered by manual mode when server VAD comes on is committed first
-        (found by a new user: the VAD began a new utterance at its next speech start and the
-        buffered audio was lost without a word); server VAD going off leaves the utterance open for
-        the client's commit. Audio received before the switch goes through the old settings first."""
+        (manual commits). When server VAD comes on, or its settings change, the open utterance is
+        committed first (found by a new user: manual mode's buffered audio was lost without an
+        event when a fresh VAD began a new utterance; a fresh VAD that never saw an open turn's
+        start never ended it); the same server VAD settings again change nothing; server VAD going
+        off leaves the utterance open for the client's commit. Audio received before the switch
+        goes through the old settings first."""
         await self.vad_settled()
-        if vad is not None and self.vad is None and self.item_id is not None and self._buf_n:
-            await self.commit(reason="turn_detection")
+        if vad is not None and self.vad is not None and getattr(vad, "cfg", None) == getattr(self.vad, "cfg", None):
+            return  # the same settings again: the running VAD keeps its state (an open turn stays open)
+        if vad is not None and self.item_id is not None and self._buf_n:
+            await self.commit(reason="turn_detection")  # the open turn ends where its detection changes
+            self.in_speech = False
         if vad is None:
             self.vad, self.in_speech = None, False
         else:
