@@ -833,7 +833,8 @@ def test_a_dead_front_end_workers_shared_memory_is_removed():
 
     from flashasr import shm
     from flashasr.serve.config import ServeConfig
-    from flashasr.serve.process import _exit_reason, _Workers
+    from flashasr.serve.engine_proc import exit_reason as _exit_reason
+    from flashasr.serve.process import _Workers
 
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout.strip())

@@ -306,6 +306,18 @@ def engine_main(cfg_dict: dict, path: str, restarts: int = 0) -> None:
         asyncio.run(_engine_async(cfg, path, restarts))
 
 
+def exit_reason(code: int | None) -> str:
+    """A process's exit code in words: ``code 1``, ``killed by SIGKILL``, ``code unknown``."""
+    if code is None:
+        return "code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"code {code}"
+
+
 RESTART_STEADY_S = 60.0  # an engine that lived this long died on its own: the restart back-off starts over
 
 
@@ -366,7 +378,7 @@ class EngineSupervisor:
         self.restarts += 1
         if self.metrics is not None:
             self.metrics.engine_restarts.set(self.restarts)
-        log.warning("engine process %s exited (code %s); restarting (#%d)", p.pid, p.exitcode, self.restarts)
+        log.warning("engine process %s exited (%s); restarting (#%d)", p.pid, exit_reason(p.exitcode), self.restarts)
         # found by a new user: the back-off grew with every restart of the server's life
         self._streak = 1 if time.monotonic() - self._started_at >= RESTART_STEADY_S else self._streak + 1
         delay = min(0.2 * self._streak, 5.0)

@@ -397,13 +397,14 @@ class _Workers:
 
     def _on_exit(self, loop, p) -> None:  # a front-end worker died: replace it (its clients' connections are gone)
         from ..shm import unlink_segments_of
+        from .engine_proc import exit_reason
 
         loop.remove_reader(p.sentinel)
         p.join(0.5)  # the sentinel closes before the exit is reaped: wait a moment for its code
         self.procs.remove(p)
         unlink_segments_of(p.pid)  # its pooled shared memory (its parent, this process, lives on)
         if not self.stopping:
-            log.warning("front-end worker %s exited (%s); starting another", p.pid, _exit_reason(p.exitcode))
+            log.warning("front-end worker %s exited (%s); starting another", p.pid, exit_reason(p.exitcode))
             loop.call_later(0.5, self.start, loop)
 
     def begin_stop(self, loop) -> None:
@@ -433,20 +434,6 @@ class _Workers:
             if not p.is_alive():
                 unlink_segments_of(p.pid)  # what a worker stopped hard left behind
         self.procs.clear()
-
-
-def _exit_reason(code: int | None) -> str:
-    """A process's exit code in words: ``code 1``, ``killed by SIGKILL``, ``code unknown``."""
-    if code is None:
-        return "code unknown"
-    if code < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"code {code}"
 
 
 def _run_multi(cfg: ServeConfig, make_app) -> int:

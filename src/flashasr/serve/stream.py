@@ -399,14 +399,12 @@ class StreamSession:
         huge packet is committed at ``max_utterance_s`` like a run of small ones, never held whole
         in one utterance."""
         self._raise_vad_error()
-        piece = int(FEED_PIECE_S * SR)
-        off = 0
-        while x.size - off > piece or (self.vad is None and self.item_id is not None
-                                       and self._buf_n + x.size - off > self.max_utt):
-            n = piece if self.vad is not None or self.item_id is None else max(1, min(piece, self.max_utt - self._buf_n))
-            await self._feed_one(x[off:off + n])
-            off += n
-        await self._feed_one(x[off:] if off else x)
+        while x.size:
+            n = int(FEED_PIECE_S * SR)
+            if self.vad is None and self.item_id is not None:
+                n = min(n, max(1, self.max_utt - self._buf_n))  # cut where the utterance reaches its cap
+            await self._feed_one(x[:n])
+            x = x[n:]
 
     async def _feed_one(self, x: np.ndarray) -> None:
         if not x.size:
