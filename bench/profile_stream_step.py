@@ -4,12 +4,8 @@ For each batch of live streams (``--batches``), one step of ``--cadence-ms`` of 
 stream through :class:`~flashasr.engine.stream_graphs.GraphedStreamer` (what the server runs):
 
 * ``step_ms``: the whole :meth:`step` (host work + device), median of ``--reps``;
-* ``device_step_ms``: inside it, the graph launch with its copies in and out and the wait for it
-  (:meth:`device_launch` and its collector); ``host_ms`` = the difference (segments, results,
-  tokenizer);
-* ``pipelined_step_ms``: the period of steps as the server's scheduler runs them under load: two
-  groups of ``B`` streams, each call begins one group's step and finishes the other's
-  (:meth:`begin` / :meth:`finish`), so one step's host work overlaps the next one's graph;
+* ``device_step_ms``: inside it, the graph replay with its copies in and out
+  (:meth:`device_step`); ``host_ms`` = the difference (segments, results, tokenizer);
 * ``replay_gpu_ms``: the captured graph alone, replayed back to back (CUDA events);
 * the same replay for other left contexts (``--left-variants``, encoder frames of 80 ms);
 * a ``torch.profiler`` table of one eager step (no graphs) at the largest batch: CUDA time per
@@ -65,27 +61,20 @@ def _audio(n_streams: int, seconds: float, seed: int = 0) -> list[np.ndarray]:
 
 
 def time_steps(s, B: int, n: int, reps: int) -> dict:
-    """Median whole step, its device part (launch + wait) and the host rest, for ``B`` streams."""
+    """Median whole step, its device_step part and the host rest, for ``B`` streams."""
     import torch
 
     audio = _audio(B, n * (reps + 3) / 16000)
-    inner = s.device_launch
+    inner = s.device_step
     spent = []
 
     def timed(*args):
         t0 = time.perf_counter()
-        collect = inner(*args)
-        launch = time.perf_counter() - t0
+        r = inner(*args)
+        spent.append(time.perf_counter() - t0)
+        return r
 
-        def timed_collect():
-            t1 = time.perf_counter()
-            r = collect()
-            spent.append(launch + time.perf_counter() - t1)
-            return r
-
-        return timed_collect
-
-    s.device_launch = timed
+    s.device_step = timed
     whole = []
     try:
         for k in range(reps + 2):
@@ -95,38 +84,13 @@ def time_steps(s, B: int, n: int, reps: int) -> dict:
             torch.cuda.synchronize()
             whole.append(time.perf_counter() - t0)
     finally:
-        s.device_launch = inner
+        s.device_step = inner
         for i in range(B):
             s.close(f"b{B}s{i}")
     w, d = np.array(whole[2:]), np.array(spent[2:])
     return {"streams": B, "step_ms": round(1000 * float(np.median(w)), 3),
             "device_step_ms": round(1000 * float(np.median(d)), 3),
             "host_ms": round(1000 * float(np.median(w - d)), 3), "reps": len(w)}
-
-
-def pipelined_ms(s, B: int, n: int, reps: int) -> float:
-    """Median period of a call that begins one group's step of ``B`` streams and finishes the other
-    group's (the scheduler under load)."""
-    import torch
-
-    audio = [_audio(B, n * (reps + 3) / 16000, seed=1 + g) for g in (0, 1)]
-    keys = [[f"p{B}g{g}s{i}" for i in range(B)] for g in (0, 1)]
-    torch.cuda.synchronize()
-    period, prev = [], None
-    try:
-        for k in range(reps + 2):
-            for g in (0, 1):
-                t0 = time.perf_counter()
-                h = s.begin([(key, a[k * n:(k + 1) * n]) for key, a in zip(keys[g], audio[g])])
-                if prev is not None:
-                    s.finish(prev)
-                prev = h
-                period.append(time.perf_counter() - t0)
-        s.finish(prev)
-    finally:
-        for key in keys[0] + keys[1]:
-            s.close(key)
-    return round(1000 * float(np.median(period[4:])), 3)
 
 
 def replay_ms(s, B: int, reps: int) -> float:
@@ -211,11 +175,10 @@ def main(argv=None) -> int:
     model = _model(a.model)
     result["conditions"]["model_build_s"] = round(time.perf_counter() - t0, 1)
     n = int(a.cadence_ms * 16)
-    s = _streamer(model, a.cadence_ms, left, slots=2 * max(batches))
+    s = _streamer(model, a.cadence_ms, left, slots=max(batches))
     result["steps"] = []
     for B in batches:
         r = time_steps(s, B, n, a.reps)
-        r["pipelined_step_ms"] = pipelined_ms(s, B, n, a.reps)
         r["replay_gpu_ms"] = replay_ms(s, B, a.reps)
         result["steps"].append(r)
         print(json.dumps(r), flush=True)

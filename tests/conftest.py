@@ -90,17 +90,3 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def run_pipelined(streamer, steps: list) -> list:
-    """Each step's results from ``streamer.begin`` / ``finish`` as the server's scheduler pipelines
-    them: step N+1 is begun before step N is finished."""
-    got, prev = [], None
-    for reqs in steps:
-        h = streamer.begin(reqs)
-        if prev is not None:
-            got.append(streamer.finish(prev))
-        prev = h
-    if prev is not None:
-        got.append(streamer.finish(prev))
-    return got

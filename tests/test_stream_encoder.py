@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import PARAKEET_FIXTURES, run_pipelined
+from conftest import PARAKEET_FIXTURES
 from flashasr.models.parakeet.decoder import (DecoderCarry, greedy_tdt_label_looping, label_looping_chunk)
 from flashasr.models.parakeet.encoder import _rel_shift, relative_positions
 from flashasr.models.parakeet.model import ParakeetASR, load_parakeet
@@ -377,46 +377,6 @@ def test_errors_are_per_request_and_streams_close(tiny, speech):
     assert isinstance(s.step([("a", speech[:100])])[0], StreamError)  # closed streams do not come back
     assert not isinstance(s.step([("e", speech[:100])])[0], Exception)  # its slot was given back
     assert s.live() == 2
-
-
-def test_begun_steps_finished_in_order_equal_steps(tiny, speech):
-    """``begin`` / ``finish`` (what the server's scheduler pipelines: step N+1 begun before step N
-    is finished) give exactly what ``step`` gives for the same requests in the same order: results,
-    tokens and frames; a step for a stream whose step is still in flight finishes that one first; a
-    request with more than ``C`` new frames runs its earlier rounds at once; errors stay per request."""
-    cfg = StreamingConfig(chunk_frames=6, left_frames=10, slots=2, max_slots=4)
-    x = {"a": speech[:60000], "b": speech[15000:70000], "c": speech[30000:90000]}
-    sizes = [8000, 3200, 20000, 900]  # 20000 samples: more than C frames, two rounds
-    pos = dict.fromkeys(x, 0)
-    steps = []
-    for t in range(10):
-        # "b" and "a" in consecutive steps: a later step of a stream begun while its earlier one is in
-        # flight (also when only another stream of that step had a second round left in flight)
-        for group in (["a", "b"], ["b"], ["c"], ["a"]):
-            reqs = []
-            for k in group:
-                n = sizes[(t + "abc".index(k) + len(group)) % len(sizes)]
-                reqs.append((k, x[k][pos[k]: pos[k] + n]))
-                pos[k] += n
-            steps.append(reqs)
-    bad = speech[:800].copy()
-    bad[3] = np.inf
-    steps.insert(5, [("b", bad), ("zz", speech[:100], False)])  # bad audio, a lost stream: per request
-
-    ref = ParakeetStreamer(tiny, cfg)
-    want = [ref.step(r) for r in steps]
-    s = ParakeetStreamer(tiny, cfg)
-    got = run_pipelined(s, steps)
-
-    def same(u, v):
-        return type(u) is type(v) and (str(u) == str(v) if isinstance(u, Exception) else u == v)
-
-    assert len(got) == len(want) and all(len(g) == len(w) and all(map(same, g, w)) for g, w in zip(got, want))
-    assert sum(isinstance(r, Exception) for g in got for r in g) == 2
-    assert all(s.streams[k].tokens == ref.streams[k].tokens and s.streams[k].frames == ref.streams[k].frames
-               for k in x)
-    assert sum(len(ref.streams[k].tokens) for k in x) > 20  # real speech decoded, not an empty comparison
-    assert not s._in_flight and s.counters == ref.counters
 
 
 def test_idle_streams_are_evicted_and_their_slots_reused(tiny, speech):

@@ -9,11 +9,7 @@ CUDA graph: the decoder's loops are WHILE conditional nodes (:mod:`.cuda_conditi
 samples and indices, one graph launch and one device-to-host copy of the new tokens, whatever
 the number of streams in the bucket. Shapes are fixed by the bucket ``B``, the chunk ``C`` and
 the left context ``L``; the data (which slot, how many new frames, first chunk or not) lives in
-the static input tensors. A launch returns before the GPU is done (:meth:`GraphedStreamer.device_launch`,
-the streamer's ``begin``/``finish``): its windows and tokens go through pinned host buffers of
-their own (two or more per bucket), so the host can write the next step's windows and read the
-last step's tokens while this one's graph runs; the device-side buffers are reused in CUDA
-stream order.
+the static input tensors.
 
 Fallbacks, each logged once and then kept: the WHILE-node graph cannot be captured -> the
 encoder part as a graph and the decoder eager (one host synchronisation per loop test); that
@@ -58,22 +54,6 @@ class _CarryDecoder(TDTGraphDecoder):
         return s
 
 
-class _HostSet:
-    """Pinned host buffers of one launch of a bucket's graph: the windows and indices going up, the
-    tokens coming back, and the event after the copy back. A bucket has several, so that the next
-    step's windows are written while the previous step's graph runs (``busy`` from launch to
-    collect)."""
-
-    def __init__(self, B: int, window_samples: int, out_like: torch.Tensor):
-        pin = dict(pin_memory=True)
-        self.seg = torch.zeros(B, window_samples, dtype=torch.float32, **pin)
-        self.idx = torch.zeros(4, B, dtype=torch.long, **pin)  # n_new, first, feat_valid, slots
-        self.out = torch.zeros_like(out_like, device="cpu").pin_memory()
-        self.n = torch.zeros(B, dtype=torch.long, **pin)
-        self.done = torch.cuda.Event()
-        self.busy = False
-
-
 class _StepGraph:
     """Static inputs, decoder buffers and the captured graph of one row bucket."""
 
@@ -85,27 +65,17 @@ class _StepGraph:
         self.first = torch.zeros(B, dtype=torch.bool, device=dev)
         self.feat_valid = torch.zeros(B, dtype=torch.long, device=dev)
         self.slots = torch.full((B,), owner.pool.scratch, dtype=torch.long, device=dev)
+        pin = dict(pin_memory=True)
+        self.h_seg = torch.zeros(B, owner.window_samples, dtype=torch.float32, **pin)
+        self.h_idx = torch.zeros(4, B, dtype=torch.long, **pin)  # n_new, first, feat_valid, slots
         J = owner.model.joint.enc.out_features
         self.dec = owner.decoder.buffers(B, owner.C, J, dev, torch.float32)
-        self.window_samples = owner.window_samples
-        self.sets = [_HostSet(B, owner.window_samples, self.dec.out)]
+        self.h_out = torch.zeros_like(self.dec.out, device="cpu").pin_memory()
+        self.h_n = torch.zeros(B, dtype=torch.long, **pin)
         self.graph = None
         self.mode = None  # "full" (encoder + WHILE-loop decoder) or "encoder" (decoder eager)
         self.keep: list = []
         self.version = owner.pool.version
-
-    def free_set(self, seg: np.ndarray | None = None) -> _HostSet:
-        """A host set not in flight: the one ``seg`` lives in if it is one, else the first free
-        (a new one when all are in flight)."""
-        free = [h for h in self.sets if not h.busy]
-        if seg is not None:
-            mine = next((h for h in free if h.seg.data_ptr() == seg.ctypes.data), None)
-            if mine is not None:
-                return mine
-        if not free:
-            self.sets.append(_HostSet(self.B, self.window_samples, self.dec.out))
-            free = self.sets[-1:]
-        return free[0]
 
 
 class GraphedStreamer(ParakeetStreamer):
@@ -147,12 +117,12 @@ class GraphedStreamer(ParakeetStreamer):
         return (B // top) * top + (self._bucket(B % top) if B % top else 0)
 
     def _window_buffer(self, B: int) -> np.ndarray:
-        """A step of at most the largest bucket writes its windows straight into a free pinned
-        upload buffer of that bucket (:meth:`_launch` then skips the copy)."""
+        """A step of at most the largest bucket writes its windows straight into that bucket's
+        pinned upload buffer (``_replay`` then skips the copy)."""
         if not (self.use_graphs and self._graph_ok) or B > self.buckets[-1]:
             return super()._window_buffer(B)
         g = self._graph(self._bucket(B))
-        return super()._window_buffer(B) if g is None else g.free_set().seg[:B].numpy()
+        return super()._window_buffer(B) if g is None else g.h_seg[:B].numpy()
 
     def warmup(self, steps: int = 4) -> None:
         """Capture every bucket's graph (seconds), then the parent's throwaway stream."""
@@ -161,14 +131,6 @@ class GraphedStreamer(ParakeetStreamer):
                 self._graph(b)
         super().warmup(steps)
 
-    def device_launch(self, seg: np.ndarray, n_new: np.ndarray, first: np.ndarray, feat_valid: np.ndarray,
-                      slots: np.ndarray):
-        """The step's graph launched, not waited for (at most the largest bucket's rows; more run at
-        once, bucket by bucket, as :meth:`device_step`)."""
-        if not (self.use_graphs and self._graph_ok) or len(slots) > self.buckets[-1]:
-            return super().device_launch(seg, n_new, first, feat_valid, slots)
-        return self._launch(seg, n_new, first, feat_valid, slots)
-
     def device_step(self, seg: np.ndarray, n_new: np.ndarray, first: np.ndarray, feat_valid: np.ndarray,
                     slots: np.ndarray) -> list[list[int]]:
         if not (self.use_graphs and self._graph_ok):
@@ -176,31 +138,26 @@ class GraphedStreamer(ParakeetStreamer):
         out: list[list[int]] = []
         top = self.buckets[-1]
         for a in range(0, len(slots), top):
-            out += self._launch(seg[a:a + top], n_new[a:a + top], first[a:a + top], feat_valid[a:a + top],
-                                slots[a:a + top])()
+            out += self._replay(seg[a:a + top], n_new[a:a + top], first[a:a + top], feat_valid[a:a + top],
+                                slots[a:a + top])
         return out
 
-    def _launch(self, seg, n_new, first, feat_valid, slots):
-        """Copies up, graph replay and copy of the new tokens back, queued on the current CUDA
-        stream; returns the collector (waits for this launch's copy back alone, so a later launch
-        may already be queued behind it)."""
+    def _replay(self, seg, n_new, first, feat_valid, slots) -> list[list[int]]:
         B = len(slots)
         g = self._graph(self._bucket(B))
         if g is None:  # capture failed just now: eager from here on
-            hyps = ParakeetStreamer.device_step(self, seg, n_new, first, feat_valid, slots)
-            return lambda: hyps
-        hs = g.free_set(seg)
-        if seg.ctypes.data != hs.seg.data_ptr():  # not already in place (_window_buffer)
-            hs.seg[:B].copy_(torch.from_numpy(seg))
-        hs.seg[B:].zero_()
-        idx = hs.idx
+            return super().device_step(seg, n_new, first, feat_valid, slots)
+        if seg.ctypes.data != g.h_seg.data_ptr():  # not already in place (_window_buffer)
+            g.h_seg[:B].copy_(torch.from_numpy(seg))
+        g.h_seg[B:].zero_()
+        idx = g.h_idx
         idx.zero_()
         idx[3].fill_(self.pool.scratch)
         idx[0, :B] = torch.from_numpy(n_new)
         idx[1, :B] = torch.from_numpy(first.astype(np.int64))
         idx[2, :B] = torch.from_numpy(feat_valid)
         idx[3, :B] = torch.from_numpy(slots)
-        g.seg.copy_(hs.seg, non_blocking=True)
+        g.seg.copy_(g.h_seg, non_blocking=True)
         d_idx = idx.to(self.device, non_blocking=True)
         g.n_new.copy_(d_idx[0])
         g.first.copy_(d_idx[1].bool())
@@ -208,21 +165,13 @@ class GraphedStreamer(ParakeetStreamer):
         g.slots.copy_(d_idx[3])
         g.graph.replay()
         if g.mode == "encoder":  # decoder eager on the graph's encoder output
-            hyps = self._decode_eager(g, B)
-            return lambda: hyps
-        hs.n.copy_(g.dec.n, non_blocking=True)
-        hs.out.copy_(g.dec.out, non_blocking=True)
-        hs.done.record()
-        hs.busy = True
-
-        def collect() -> list[list[int]]:
-            hs.done.synchronize()
-            n = hs.n[:B].tolist()
-            rows = hs.out[:B, : max(n, default=0), 0].tolist()  # one conversion for all rows
-            hs.busy = False
-            return [r[:k] for r, k in zip(rows, n)]
-
-        return collect
+            return self._decode_eager(g, B)
+        g.h_n.copy_(g.dec.n, non_blocking=True)
+        g.h_out.copy_(g.dec.out, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        n = g.h_n[:B].tolist()
+        rows = g.h_out[:B, : max(n, default=0), 0].tolist()  # one conversion for all rows
+        return [r[:k] for r, k in zip(rows, n)]
 
     def _decode_eager(self, g: _StepGraph, B: int) -> list[list[int]]:
         return self.decode_step(g.f_out[:B], g.n_new[:B], g.slots[:B])

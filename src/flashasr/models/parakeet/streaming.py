@@ -257,21 +257,6 @@ class _Stream:
     flushed: bool = False        # its audio ended (a flushed step): no more audio
 
 
-class StepHandle:
-    """A streamer step begun (:meth:`ParakeetStreamer.begin`), for :meth:`ParakeetStreamer.finish`:
-    per request its result slot, the streams it feeds and the round still on the device."""
-
-    __slots__ = ("out", "flush", "todo", "before", "last", "done")
-
-    def __init__(self, out: list, flush: bool):
-        self.out = out                  # per request: a StreamResult or its exception (at finish)
-        self.flush = flush
-        self.todo: list[tuple[int, _Stream]] = []  # (request index, stream) of the valid requests
-        self.before: dict[int, int] = {}  # id(stream) -> its tokens before this step
-        self.last = None                # (plan, collect) of the round in flight, until collected
-        self.done = False
-
-
 class ParakeetStreamer:
     """Chunked streaming partials for a :class:`~flashasr.models.parakeet.model.ParakeetASR`.
 
@@ -279,8 +264,8 @@ class ParakeetStreamer:
         model: the loaded model (any device; its encoder dtype is used for the caches).
         config: :class:`StreamingConfig`.
 
-    Thread-safety: :meth:`step` (:meth:`begin`, :meth:`finish`) and :meth:`close` may be called
-    from different threads (a lock serialises them); the server calls them on its model thread.
+    Thread-safety: :meth:`step` and :meth:`close` may be called from different threads (a lock
+    serialises them); the server calls both on its model thread.
 
     Counters (``counters``): ``encoder_frames`` (valid new frames through the Conformer layers),
     ``subsampling_frames`` (encoder frames out of the subsampling, one overlap frame per row and
@@ -313,7 +298,6 @@ class ParakeetStreamer:
         self._closed: dict[str, float] = {}  # recently closed keys (refused if they come back)
         self._next_evict = 0.0  # when _evict_idle scans again
         self._fresh: list[int] = []  # slots acquired since the last step, not reset yet (StatePool.reset_many)
-        self._in_flight: dict[str, StepHandle] = {}  # stream key -> its step begun, not finished
         self._lock = threading.RLock()
         self._pe = relative_positions(0, enc.d_model, self.device, left=self.L + self.C - 1,
                                       right=self.C - 1)
@@ -354,6 +338,7 @@ class ParakeetStreamer:
             self._closed.pop(key, None)
             self.counters.update(saved)  # the counters count the streams' work only
 
+    @torch.no_grad()
     def step(self, requests: Sequence[tuple[str, np.ndarray]], *, flush: bool = False) -> list:
         """Feed new audio to streams and encode/decode what became complete.
 
@@ -375,28 +360,10 @@ class ParakeetStreamer:
             (:class:`StreamError` for a closed or flushed stream or no slot; ``AudioError`` for
             samples that are not finite floats); the other requests are unaffected.
         """
-        return self.finish(self.begin(requests, flush=flush))
-
-    @torch.no_grad()
-    def begin(self, requests: Sequence[tuple[str, np.ndarray]], *, flush: bool = False) -> "StepHandle":
-        """:meth:`step` in two halves, so that a caller can overlap the host work of one step with
-        the device work of another: ``begin`` takes the audio and launches the step's device work
-        (on a GPU it returns without waiting for it), :meth:`finish` waits for it and returns what
-        :meth:`step` returns. Between the two the caller may ``begin`` another step (begin step N+1,
-        then finish step N); steps finish in the order they began. (The server's scheduler runs
-        whole steps: pipelining them there did not pay, ``docs/SERVING.md``.)
-
-        A step with more than ``C`` new frames for some stream runs its earlier rounds at once
-        (their tokens are needed in order); only the last round is left in flight. A request for
-        a stream whose step is still in flight finishes that step first (its tokens come first).
-
-        Args and errors: as :meth:`step`.
-        Returns:
-            a :class:`StepHandle` for :meth:`finish` (each handle is finished once).
-        """
         with self._lock:
             self._evict_idle()
-            h = StepHandle([None] * len(requests), flush)
+            out: list = [None] * len(requests)
+            todo: list[tuple[int, _Stream]] = []
             seen = set()
             for i, req in enumerate(requests):
                 key, samples, new = req if len(req) == 3 else (*req, None)
@@ -405,21 +372,18 @@ class ParakeetStreamer:
                         raise StreamError(f"stream {key!r} appears twice in one step")
                     seen.add(key)
                     a = self._check(key, samples)
-                    pending = self._in_flight.get(key)
-                    if pending is not None:  # its earlier step's tokens go first
-                        self._complete(pending)
                     st = self._open(key, new)
                     if st.flushed and a.size:
                         raise StreamError(f"stream {key!r} was flushed (its audio ended): it takes no more "
                                           f"audio; the next utterance is a new stream")
                     self._append(st, a)
-                    h.todo.append((i, st))
+                    todo.append((i, st))
                 except FlashASRError as e:
-                    h.out[i] = e
-            work = {id(st): self._frames_to_do(st, flush) for _, st in h.todo}
-            h.before = {id(st): len(st.tokens) for _, st in h.todo}
+                    out[i] = e
+            work = {id(st): self._frames_to_do(st, flush) for _, st in todo}
+            before = {id(st): len(st.tokens) for _, st in todo}
             while True:
-                rows = [(st, work[id(st)]) for _, st in h.todo if work[id(st)][0] > 0]
+                rows = [(st, work[id(st)]) for _, st in todo if work[id(st)][0] > 0]
                 if not rows:
                     break
                 plan = []
@@ -428,44 +392,11 @@ class ParakeetStreamer:
                     last = k == n
                     plan.append((st, k, f_end if (flush and last) else None))
                     work[id(st)] = (n - k, f_end)
-                collect = self._launch_rows(plan)
-                if flush or any(n for n, _ in work.values()):
-                    self._collect_rows(plan, collect())  # another round follows: its tokens now
-                else:
-                    h.last = (plan, collect)
-            for _, st in h.todo:
+                self._run_rows(plan)
+            for i, st in todo:
                 st.flushed = st.flushed or flush
-            if h.last is None:  # nothing in flight: the results now (a later step may move these streams on)
-                self._complete(h)
-            else:  # every stream of the step, also one done in an earlier round: its result is read at finish
-                for _, st in h.todo:
-                    self._in_flight[st.key] = h
-            return h
-
-    @torch.no_grad()
-    def finish(self, h: "StepHandle") -> list:
-        """Wait for a step begun by :meth:`begin` and return its results (as :meth:`step`).
-
-        Raises:
-            the device's error, if its work failed (every request of the step is lost then).
-        """
-        with self._lock:
-            self._complete(h)
-            return h.out
-
-    def _complete(self, h: "StepHandle") -> None:
-        """The step's last round's tokens into its streams, then its results (once)."""
-        if h.last is not None:
-            plan, collect = h.last
-            h.last = None
-            for _, st in h.todo:
-                if self._in_flight.get(st.key) is h:
-                    del self._in_flight[st.key]
-            self._collect_rows(plan, collect())
-        if not h.done:
-            h.done = True
-            for i, st in h.todo:
-                h.out[i] = self._result(st, len(st.tokens) - h.before[id(st)])
+                out[i] = self._result(st, len(st.tokens) - before[id(st)])
+            return out
 
     # ------------------------------------------------------------------ host side
     def _open(self, key: str, new: bool | None) -> _Stream:
@@ -559,9 +490,7 @@ class ParakeetStreamer:
             st.x = st.x[cut:]
             st.x_start += cut
 
-    def _launch_rows(self, plan: list[tuple[_Stream, int, int | None]]):
-        """One round's windows to the device (:meth:`device_launch`); the streams move on by their
-        frames now, their tokens come with :meth:`_collect_rows`. Returns the launch's collector."""
+    def _run_rows(self, plan: list[tuple[_Stream, int, int | None]]) -> None:
         if self._fresh:  # the slots of streams opened since the last step start from a clean state
             self.pool.reset_many(self._fresh)
             self._fresh.clear()
@@ -578,7 +507,7 @@ class ParakeetStreamer:
             w0 = self.sub * (st.frames - 1)  # window start in feature frames (may be negative)
             feat_valid[b] = (f_end - w0) if f_end is not None else self.sub * (k + 1)
             slots[b] = st.slot
-        collect = self.device_launch(seg, n_new, first, feat_valid, slots)
+        hyps = self.device_step(seg, n_new, first, feat_valid, slots)
         c = self.counters
         c["steps"] += 1
         c["rows"] += B
@@ -586,17 +515,13 @@ class ParakeetStreamer:
         c["subsampling_frames"] += int(n_new.sum()) + B
         c["feature_frames"] += B * self.window_frames
         c["padded_frames"] += self.padded_rows(B) * self.C
-        for st, k, _ in plan:
-            self._advance(st, k)
-        return collect
-
-    def _collect_rows(self, plan: list[tuple[_Stream, int, int | None]], hyps: list[list[int]]) -> None:
-        """A round's new token ids (per row, in plan order) appended to their streams."""
-        for (st, _, _), ids in zip(plan, hyps):
+        for b, (st, k, _) in enumerate(plan):
+            ids = hyps[b]
             for t in ids:
                 if self._starts_word(t):
                     st.word_start = len(st.tokens)
                 st.tokens.append(t)
+            self._advance(st, k)
 
     def _joined(self, head: str, tokens: list, a: int, b: int) -> str:
         """decode(tokens[:b]) from ``head`` = decode(tokens[:a]) where ``tokens[a]`` starts a word:
@@ -654,14 +579,6 @@ class ParakeetStreamer:
                             tokens=len(st.tokens))
 
     # ------------------------------------------------------------------ device side
-    def device_launch(self, seg: np.ndarray, n_new: np.ndarray, first: np.ndarray, feat_valid: np.ndarray,
-                      slots: np.ndarray):
-        """Start one batched step (arguments as :meth:`device_step`); returns a callable that waits
-        for it and gives each row's new token ids. Here the step runs now (the callable only hands
-        its result over); a device subclass returns before the device is done."""
-        hyps = self.device_step(seg, n_new, first, feat_valid, slots)
-        return lambda: hyps
-
     def device_step(self, seg: np.ndarray, n_new: np.ndarray, first: np.ndarray, feat_valid: np.ndarray,
                     slots: np.ndarray) -> list[list[int]]:
         """One batched step (see the module docstring); returns each row's new token ids.
@@ -836,4 +753,4 @@ class ParakeetStreamer:
         return [h.token_ids for h in hyps]
 
 
-__all__ = ["ParakeetStreamer", "StreamingConfig", "StreamResult", "StatePool", "StreamError", "StepHandle"]
+__all__ = ["ParakeetStreamer", "StreamingConfig", "StreamResult", "StatePool", "StreamError"]
