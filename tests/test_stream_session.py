@@ -297,3 +297,57 @@ def test_turn_detection_resent_or_changed_mid_turn():
     assert not kept and changed == ["speech_started", "committed"] and spans[0][1] >= 1250
     _, spans, _ = run({**TD, "silence_duration_ms": 700}, rate=24000)
     assert spans[0][1] >= 1250  # the resampler's tail is in the committed audio
+
+
+def test_a_commit_between_the_two_bytes_of_a_sample_keeps_the_byte_stream_aligned():
+    """Found by a new user: at an input rate other than 16 kHz, a commit that came after an odd
+    number of bytes dropped the held half sample, so every later sample was read one byte off
+    (full-scale noise in the next utterance's final). The half sample now waits for its other byte."""
+    x = _speech()[2 * 16000: 5 * 16000]
+
+    def finals(rate_pcm: bytes, rate: int, split: int) -> list:
+        async def go():
+            events = []
+
+            async def emit(ev):
+                events.append(ev)
+
+            s = StreamSession(_Backend(), emit, input_rate=rate, partial_interval_ms=0)
+            await s.append_pcm16(rate_pcm[:split])
+            await s.commit()
+            await s.append_pcm16(rate_pcm[split:])
+            await s.commit()
+            await s.drain(30)
+            return [e["transcript"] for e in events if e["type"].endswith("_transcription.completed")]
+
+        return asyncio.run(go())
+
+    rate = 8000
+    down = (np.interp(np.arange(x.size // 2) * 2, np.arange(x.size), x) * 20000).astype("<i2").tobytes()
+    odd, even = finals(down, rate, 16001), finals(down, rate, 16000)
+    n_odd, n_even = (int(f[1].split(":")[0]) for f in (odd, even))
+    sums = [float(f[1].split(":")[1]) for f in (odd, even)]
+    assert abs(n_odd - n_even) <= 8 and abs(sums[0] - sums[1]) < 0.05 * abs(sums[1]) + 1.0, (odd, even)
+
+
+def test_a_sample_rate_change_mid_utterance_keeps_the_old_resamplers_tail():
+    """Found by a new user: a session update of the input rate mid-utterance replaced the resampler
+    without its held tail (up to 58 ms lost at each change). The tail is fed first now: 1 s at
+    44.1 kHz then 1 s at 16 kHz commit as 2 s."""
+
+    async def go():
+        events = []
+
+        async def emit(ev):
+            events.append(ev)
+
+        s = StreamSession(_Backend(), emit, input_rate=44100, partial_interval_ms=0)
+        await s.append_pcm16(np.full(44100, 1000, "<i2").tobytes())
+        await s.set_rate(16000)
+        await s.append_pcm16(np.full(16000, 1000, "<i2").tobytes())
+        await s.commit()
+        await s.drain(30)
+        return [e for e in events if e["type"] == "input_audio_buffer.committed"]
+
+    [com] = asyncio.run(go())
+    assert abs(com["audio_end_ms"] - com["audio_start_ms"] - 2000) <= 2, com

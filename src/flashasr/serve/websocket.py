@@ -51,7 +51,7 @@ from .offline import UploadTranscriber
 from .routes import check_auth
 from .scheduler import FINAL
 from .shutdown import GOING_AWAY
-from .stream import LazyVad, Resampler, StreamSession, check_rate
+from .stream import LazyVad, StreamSession, check_rate
 
 log = logging.getLogger("flashasr.serve")
 
@@ -337,8 +337,8 @@ class Realtime(_Handler):
         s = self.session
         if upd.options is not UNCHANGED:
             s.options = upd.options
-        if upd.rate is not UNCHANGED and upd.rate != s.resampler.rate:
-            s.resampler = Resampler(upd.rate)
+        if upd.rate is not UNCHANGED:
+            await s.set_rate(upd.rate)
         if upd.partial_interval is not UNCHANGED:
             s.partial_interval = upd.partial_interval
         if upd.turn_detection is not UNCHANGED:
