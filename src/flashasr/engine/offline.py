@@ -120,6 +120,8 @@ class OfflineParakeetEngine:
                 p.eval()
         self.model = model
         self._lock = threading.RLock()
+        self._open: OfflineTicket | None = None  # the call submitted last whose last decode is unread
+        self._last_decode = None  # CUDA event: the decode launched last has read its input (static output)
         self.decoder_priority = int(decoder_priority)
         if decode_group_rows is None:
             decode_group_rows = int(os.environ.get("FLASHASR_DECODE_GROUP_ROWS", DECODE_GROUP_ROWS))
@@ -244,13 +246,35 @@ class OfflineParakeetEngine:
         with self._lock:
             return self._transcribe_checked(waves, pipelined)
 
+    @torch.no_grad()
+    def submit(self, waveforms: Sequence[np.ndarray], *, checked: bool = False) -> "OfflineTicket":
+        """:meth:`transcribe_arrays` without waiting: the call's uploads, encoder replays and decoder
+        launches are queued on the device and its :class:`OfflineTicket` returned; ``result()``
+        gives the :class:`OfflineOutput`, ``wait_encoded()`` blocks until its encoders are done.
+
+        Calls overlap: a call submitted while an earlier one is still on the device queues its
+        encoders behind that call's and its decoder behind that call's decoder (whose results are
+        read first: the decoder's output buffers are shared), so the earlier call's decoder and
+        host work (results, transcripts) run while the device encodes the next call. Results equal
+        :meth:`transcribe_arrays`' (same plan, same graphs). On the CPU the call runs at once.
+        Arguments and errors as :meth:`transcribe_arrays`.
+        """
+        waves = list(waveforms) if checked else [as_waveform(w, f"input {i}") for i, w in enumerate(waveforms)]
+        with self._lock:
+            if self.device.type != "cuda":
+                return OfflineTicket.finished(self._transcribe_checked(waves, False))
+            return self._launch(waves, [len(w) for w in waves])
+
     def _transcribe_checked(self, waves: list[np.ndarray], pipelined: bool | None) -> OfflineOutput:
         lengths = [len(w) for w in waves]
+        if self._open is not None:  # a submitted call's decode is read before the buffers are reused
+            self._open._finish_pending()
+            self._open = None
         cuda = self.device.type == "cuda"
         if pipelined is None:
             pipelined = cuda
         if pipelined and cuda:
-            return self._run_pipelined(waves, lengths)
+            return self._launch(waves, lengths).result()
         items: list[OfflineItem | None] = [None] * len(waves)
         t = {"host_prep": 0.0, "upload": 0.0, "encoder": 0.0, "decoder": 0.0}
         batches, modes = [], {}
@@ -328,82 +352,153 @@ class OfflineParakeetEngine:
                 rows = len(idx)
         return groups
 
-    def _run_pipelined(self, waves, lengths) -> OfflineOutput:
-        """Encoders on the current stream, decoders on a side stream: the decode of group g runs
-        while the encoders of group g + 1 do (:meth:`decode_groups`)."""
+    def _launch(self, waves, lengths) -> "OfflineTicket":
+        """Queue one call's work (lock held): encoders on the current stream, decoders on a side
+        stream, the decode of group g running while the encoders of group g + 1 do
+        (:meth:`decode_groups`); the last group's decode is left running (the ticket's
+        ``result()`` reads it). The call before it (``self._open``) keeps running meanwhile: its
+        last decode's results are read just before this call's first decoder launch."""
         main = torch.cuda.current_stream()
         if getattr(self, "_side", None) is None:
             self._side = torch.cuda.Stream(priority=self.decoder_priority)
         side = self._side
-        items: list[OfflineItem | None] = [None] * len(waves)
-        t = {"host_prep": 0.0, "wait": 0.0}
-        batches, modes, enc_ev, dec_ev = [], {}, [], []
-        pending = None  # (PendingDecode, input indices in row order, the decoder's input kept alive, it is a
-        # view of the encoder graphs' static output)
-
-        def finish(p):
-            pend, idx, _keep, _static = p
-            w0 = time.perf_counter()
-            res = pend.result()
-            t["wait"] += time.perf_counter() - w0
-            modes[res.mode] = modes.get(res.mode, 0) + 1
-            for k, i in enumerate(idx):
-                items[i] = OfflineItem(res.token_ids[k], res.token_frames[k], res.token_durations[k])
-
+        tk = OfflineTicket(self, len(waves), lengths)
         plan = self.plan(lengths)
         captures = self.decoder.captures
-        torch.cuda.synchronize()
-        t_start = time.perf_counter()
-        for group in self.decode_groups(plan):
-            outs = []  # per entry: (encoder output [rows, T, J], lengths [rows]), copied when the group has several
-            for k in group:
-                prof, idx = plan[k]
-                h0 = time.perf_counter()
-                audio, alen = self.uploader.upload([waves[i] for i in idx])
-                t["host_prep"] += time.perf_counter() - h0
-                if pending is not None and pending[3] and pending[0].input_consumed is not None:
-                    main.wait_event(pending[0].input_consumed)  # the static encoder outputs may be reused
-                e0 = torch.cuda.Event(enable_timing=True)
-                e1 = torch.cuda.Event(enable_timing=True)
-                e0.record(main)
-                if prof is None:
-                    f, flen = self.encoder.forward_eager(audio, alen)
+        if self._open is None:
+            torch.cuda.synchronize()  # timings of a call alone start with an idle device
+        tk.t_start = time.perf_counter()
+        try:
+            for group in self.decode_groups(plan):
+                outs = []  # per entry: (encoder output [rows, T, J], lengths [rows]), copied when the group has several
+                for k in group:
+                    prof, idx = plan[k]
+                    h0 = time.perf_counter()
+                    audio, alen = self.uploader.upload([waves[i] for i in idx])
+                    tk.t["host_prep"] += time.perf_counter() - h0
+                    last = self._last_decode
+                    if last is not None:
+                        main.wait_event(last)  # the static encoder outputs may be reused
+                    e0 = torch.cuda.Event(enable_timing=True)
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e0.record(main)
+                    if prof is None:
+                        f, flen = self.encoder.forward_eager(audio, alen)
+                    else:
+                        f, flen = self.encoder.run(audio, alen, prof)
+                    if len(group) > 1:  # the next profile run overwrites the graphs' static outputs
+                        f, flen = f.clone(), flen.clone()
+                    e1.record(main)
+                    tk.enc_ev.append((e0, e1))
+                    outs.append((f, flen))
+                    tk.batches.append((prof.batch if prof else None, prof.seconds if prof else None, len(idx)))
+                if len(outs) == 1:
+                    f, flen = outs[0]
                 else:
-                    f, flen = self.encoder.run(audio, alen, prof)
-                if len(group) > 1:  # the next profile run overwrites the graphs' static outputs
-                    f, flen = f.clone(), flen.clone()
-                e1.record(main)
-                enc_ev.append((e0, e1))
-                outs.append((f, flen))
-                batches.append((prof.batch if prof else None, prof.seconds if prof else None, len(idx)))
-            if len(outs) == 1:
-                f, flen = outs[0]
-            else:
-                T = max(o[0].shape[1] for o in outs)
-                f = torch.cat([o[0] if o[0].shape[1] == T else
-                               torch.nn.functional.pad(o[0], (0, 0, 0, T - o[0].shape[1])) for o in outs])
-                flen = torch.cat([o[1] for o in outs])
-            if pending is not None:
-                finish(pending)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                d0 = torch.cuda.Event(enable_timing=True)
-                d0.record(side)
-                pend = self.decoder.decode_async(f, flen, projected=True, lengths_checked=True)
-                d1 = torch.cuda.Event(enable_timing=True)
-                d1.record(side)
-            dec_ev.append((d0, d1))
-            pending = (pend, [i for k in group for i in plan[k][1]], (f, outs), len(outs) == 1)
-        if pending is not None:
-            finish(pending)
-        torch.cuda.synchronize()
-        t["total"] = time.perf_counter() - t_start
-        t["encoder_gpu"] = sum(a.elapsed_time(b) for a, b in enc_ev) / 1e3
-        t["decoder_gpu"] = sum(c.elapsed_time(d) for c, d in dec_ev) / 1e3
-        t["decoder_launches"] = len(dec_ev)
-        t["decoder_captures"] = self.decoder.captures - captures  # graphs captured during the call (their
-        # capture time is inside decoder_gpu)
-        return self._output(items, t, lengths, batches, modes)
+                    T = max(o[0].shape[1] for o in outs)
+                    f = torch.cat([o[0] if o[0].shape[1] == T else
+                                   torch.nn.functional.pad(o[0], (0, 0, 0, T - o[0].shape[1])) for o in outs])
+                    flen = torch.cat([o[1] for o in outs])
+                # the decoder's buckets are shared: the decode launched last is read before the next launch
+                if tk.pending is not None:
+                    tk._finish_pending()
+                elif self._open is not None:
+                    self._open._finish_pending()
+                    self._open = None
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    d0 = torch.cuda.Event(enable_timing=True)
+                    d0.record(side)
+                    pend = self.decoder.decode_async(f, flen, projected=True, lengths_checked=True)
+                    d1 = torch.cuda.Event(enable_timing=True)
+                    d1.record(side)
+                tk.dec_ev.append((d0, d1))
+                tk.pending = (pend, [i for k in group for i in plan[k][1]], (f, outs), len(outs) == 1)
+                # a decode that reads an encoder graph's static output: the next encoder replays wait for it
+                self._last_decode = pend.input_consumed if len(outs) == 1 else None
+        except BaseException:
+            if tk.pending is not None:  # leave no launch unread behind a failed call
+                tk.pending[0].result()
+                tk.pending = None
+            raise
+        tk.captures0 = captures
+        if tk.pending is not None:  # (a call with nothing to decode leaves the open one open)
+            self._open = tk
+        return tk
 
 
-__all__ = ["OfflineParakeetEngine", "OfflineOutput", "OfflineItem"]
+class OfflineTicket:
+    """One call of :meth:`OfflineParakeetEngine.submit`, queued on the device.
+
+    ``wait_encoded()`` blocks until the call's encoder work is done (its decoder may still run;
+    ``encoded()`` asks without blocking);
+    ``result()`` waits for the rest and returns the :class:`OfflineOutput` (the same object on
+    every call). Both may be called from any thread (the engine's lock serialises them with other
+    calls)."""
+
+    def __init__(self, engine: OfflineParakeetEngine | None, n: int, lengths: Sequence[int]):
+        self.engine = engine
+        self.lengths = list(lengths)
+        self.items: list[OfflineItem | None] = [None] * n
+        self.t = {"host_prep": 0.0, "wait": 0.0}
+        self.batches: list = []
+        self.modes: dict = {}
+        self.enc_ev: list = []
+        self.dec_ev: list = []
+        self.pending = None  # (PendingDecode, input indices in row order, the decoder's input kept alive, it is a
+        # view of the encoder graphs' static output)
+        self.t_start = time.perf_counter()
+        self.captures0 = 0
+        self._output: OfflineOutput | None = None
+
+    @classmethod
+    def finished(cls, out: OfflineOutput) -> "OfflineTicket":
+        """A ticket whose output is already computed (the synchronous path)."""
+        tk = cls(None, 0, [])
+        tk._output = out
+        return tk
+
+    def _finish_pending(self) -> None:
+        """Read the decode launched last (its results into ``items``)."""
+        if self.pending is None:
+            return
+        pend, idx, _keep, _static = self.pending
+        self.pending = None
+        w0 = time.perf_counter()
+        res = pend.result()
+        self.t["wait"] += time.perf_counter() - w0
+        self.modes[res.mode] = self.modes.get(res.mode, 0) + 1
+        for k, i in enumerate(idx):
+            self.items[i] = OfflineItem(res.token_ids[k], res.token_frames[k], res.token_durations[k])
+
+    def wait_encoded(self) -> None:
+        """Block until the call's encoder work on the device is done (no lock: only an event)."""
+        if self._output is None and self.enc_ev:
+            self.enc_ev[-1][1].synchronize()
+
+    def encoded(self) -> bool:
+        """Whether the call's encoder work on the device is done (does not block)."""
+        return self._output is not None or not self.enc_ev or self.enc_ev[-1][1].query()
+
+    def result(self) -> OfflineOutput:
+        """The call's output (waits for its decoder)."""
+        if self._output is not None:
+            return self._output
+        eng = self.engine
+        with eng._lock:
+            if self._output is None:
+                self._finish_pending()
+                if eng._open is self:
+                    eng._open = None
+                t = self.t
+                t["total"] = time.perf_counter() - self.t_start
+                t["encoder_gpu"] = sum(a.elapsed_time(b) for a, b in self.enc_ev) / 1e3
+                t["decoder_gpu"] = sum(c.elapsed_time(d) for c, d in self.dec_ev) / 1e3
+                t["decoder_launches"] = len(self.dec_ev)
+                t["decoder_captures"] = eng.decoder.captures - self.captures0  # graphs captured during the
+                # call (their capture time is inside decoder_gpu)
+                self._output = eng._output(self.items, t, self.lengths, self.batches, self.modes)
+        return self._output
+
+
+__all__ = ["OfflineParakeetEngine", "OfflineOutput", "OfflineItem", "OfflineTicket"]

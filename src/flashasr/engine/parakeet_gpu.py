@@ -16,11 +16,15 @@ pinned buffers): the server's scheduler and the job runner each call from one th
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 import numpy as np
 
+from ..models.base import as_waveform
 from ..models.parakeet.decoder import Hypothesis
 from ..models.parakeet.model import ParakeetASR
+from ..options import TranscribeOptions
+from .offline import OfflineTicket
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +81,32 @@ class ParakeetGPUASR(ParakeetASR):
 
     def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
         """All pieces in one engine call (it sorts and packs them into profiles itself)."""
+        return self._hypotheses(self._submit(pieces))
+
+    def _submit(self, pieces: list[np.ndarray]) -> OfflineTicket:
+        """The engine call of ``pieces`` queued on the device (checked by ASRModel.transcribe_batch or
+        submit_batch; serialised by the engine's lock)."""
         self.count_encoder_work([len(p) for p in pieces if len(p) >= self.engine.min_samples])
-        out = self.engine.transcribe_arrays(pieces, checked=True)  # serialised by the engine's lock; checked by
-        # ASRModel.transcribe_batch
+        return self.engine.submit(pieces, checked=True)
+
+    def _hypotheses(self, ticket: OfflineTicket) -> list[Hypothesis]:
+        out = ticket.result()
         self._count("features_upload", float(out.timings.get("host_prep", 0.0)))  # one thread: wall ~ CPU
         self.last_timings = dict(out.timings)  # the job report's per-call engine timings
         return [Hypothesis(list(it.token_ids), list(it.token_frames), list(it.token_durations)) for it in out.items]
+
+    def submit_batch(self, waveforms: Sequence[np.ndarray], options: TranscribeOptions | None = None, *,
+                     checked: bool = False) -> "SubmittedBatch":
+        """:meth:`transcribe_batch` queued on the device without waiting for it: the returned
+        :class:`SubmittedBatch`'s ``result()`` gives the transcripts (equal to
+        :meth:`transcribe_batch`'s: the same engine call). A batch submitted before an earlier one's
+        ``result()`` is read runs its encoders right behind that one's on the device, while that
+        one's decoder runs and its transcripts are built (:meth:`OfflineParakeetEngine.submit`).
+        Arguments and errors (raised here) as :meth:`transcribe_batch`."""
+        opts = TranscribeOptions.build(options).resolve(self.capabilities)
+        waves = list(waveforms) if checked else [as_waveform(w, f"waveform {i}") for i, w in enumerate(waveforms)]
+        pieces, shifts = self._padded(waves)
+        return SubmittedBatch(self, self._submit(pieces), waves, shifts, opts)
 
     def make_streamer(self, config=None):
         """Chunked streaming partials on this GPU: a
@@ -97,4 +121,29 @@ class ParakeetGPUASR(ParakeetASR):
         return self.engine.encoder.memory_report()
 
 
-__all__ = ["ParakeetGPUASR"]
+class SubmittedBatch:
+    """A batch of :meth:`ParakeetGPUASR.submit_batch`, queued on the device: ``wait_encoded()``
+    blocks until its encoder work is done (``encoded()`` asks without blocking), ``result()``
+    returns one Transcript per waveform."""
+
+    def __init__(self, model: ParakeetGPUASR, ticket: OfflineTicket, waves, shifts, options: TranscribeOptions):
+        self._model, self._ticket, self._waves, self._shifts, self._options = model, ticket, waves, shifts, options
+        self._out: list | None = None
+
+    def wait_encoded(self) -> None:
+        if self._ticket is not None:
+            self._ticket.wait_encoded()
+
+    def encoded(self) -> bool:
+        """Whether its encoder work is done (does not block)."""
+        return self._ticket is None or self._ticket.encoded()
+
+    def result(self) -> list:
+        if self._out is None:
+            m = self._model
+            self._out = m._transcripts(m._hypotheses(self._ticket), self._waves, self._shifts, self._options)
+            self._ticket = self._waves = None
+        return list(self._out)
+
+
+__all__ = ["ParakeetGPUASR", "SubmittedBatch"]

@@ -578,11 +578,15 @@ class PendingDecode:
     def __init__(self, dec, s, B, consumed, done, t0, res: TDTDecodeOutput | None = None):
         self._dec, self._s, self._B, self._done, self._t0, self._res = dec, s, B, done, t0, res
         self.input_consumed = consumed
+        # the stream it was launched on: its results are copied back there, so reading them never
+        # waits for work queued on other streams since (the next call's encoders)
+        self._stream = torch.cuda.current_stream() if done is not None else None
 
     def result(self) -> TDTDecodeOutput:
         if self._res is None:
             self._done.synchronize()
-            self._res = self._dec._collect(self._s, self._B)
+            with torch.cuda.stream(self._stream):
+                self._res = self._dec._collect(self._s, self._B)
             self._res.mode = DecodeMode.FULL_GRAPH.value
             self._res.seconds = time.perf_counter() - self._t0
             self._s = None

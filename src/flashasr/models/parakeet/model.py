@@ -310,8 +310,13 @@ class ParakeetASR(ASRModel):
         one encoder frame (hop x subsampling = 80 ms for v2/v3) gives an empty transcript. A
         waveform longer than ``max_segment_seconds`` is encoded in one pass (full attention: memory
         grows with the square of its length); the pipeline cuts long recordings before this."""
-        sr = self.sample_rate
-        min_len = int(round(self.pad_min_seconds * sr))
+        pieces, shifts = self._padded(waveforms)
+        return self._transcripts(self._decode_pieces(pieces), waveforms, shifts, options)
+
+    def _padded(self, waveforms: list[np.ndarray]) -> tuple[list[np.ndarray], list[int]]:
+        """The pieces the encoder sees: a waveform shorter than ``pad_min_seconds`` zero-padded half
+        each side (NeMo's ``transcribe()``), with its left padding in samples."""
+        min_len = int(round(self.pad_min_seconds * self.sample_rate))
         pieces, shifts = [], []
         for w in waveforms:
             left = 0
@@ -320,7 +325,12 @@ class ParakeetASR(ASRModel):
                 w = np.concatenate([np.zeros(left, np.float32), w, np.zeros(min_len - len(w) - left, np.float32)])
             pieces.append(w)
             shifts.append(left)
-        hyps = self._decode_pieces(pieces)
+        return pieces, shifts
+
+    def _transcripts(self, hyps: list[Hypothesis], waveforms: list[np.ndarray], shifts: list[int],
+                     options: TranscribeOptions) -> list[Transcript]:
+        """One transcript per waveform from its decoded piece (times back on the waveform's clock)."""
+        sr = self.sample_rate
         c0 = time.thread_time()
         out = [self.transcript_of(h, len(w) / sr, offset=-left / sr, options=options)
                for h, w, left in zip(hyps, waveforms, shifts)]
