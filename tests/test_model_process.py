@@ -149,8 +149,19 @@ def test_parakeet_on_cuda_in_a_model_process_equals_in_process(waves):
     with ModelProcess(str(nemo), device="cuda") as m:
         assert m.device.startswith("cuda") and m.capabilities == here.capabilities
         a, b = here.transcribe_batch(waves, opts), m.transcribe_batch(waves, opts)
+        # calls sent ahead (two in flight): the process queues each behind the one before on the
+        # device (ParakeetGPUASR.submit_batch); every call still gets its own transcripts
+        calls = [waves[k:] + waves[:k] for k in range(len(waves))] * 2
+        want = [[t.text for t in here.transcribe_batch(c, opts)] for c in calls]
+        got, pend = [], []
+        for c in calls:
+            if len(pend) == 2:
+                got.append([t.text for t in pend.pop(0).result()])
+            pend.append(m.start_pieces(c, opts))
+        got += [[t.text for t in p.result()] for p in pend]
     assert [[s.tokens for s in t.segments] for t in a] == [[s.tokens for s in t.segments] for t in b]
     assert [t.text for t in a] == [t.text for t in b]
+    assert got == want
 
 
 def test_a_piece_whose_samples_are_gone_fails_alone_and_its_error_crosses(remote, local, waves):

@@ -214,6 +214,53 @@ def test_one_bad_piece_fails_alone():
         transcribe_pieces(Interrupt(), waves, TranscribeOptions())
 
 
+def test_started_pieces_equal_transcribe_pieces_and_a_failed_batch_is_redone_piece_by_piece():
+    """start_pieces: a model with submit_batch gets the batch submitted (its result read later); the
+    result equals transcribe_pieces', a batch whose result fails is redone piece by piece (one bad
+    piece fails alone), a submit that raises runs the call at once, and a model without
+    submit_batch runs the call at once."""
+    from flashasr.pipeline.run import start_pieces
+
+    class Submitting(Fake):
+        def __init__(self, fail_len=None, refuse=False):
+            super().__init__(fail_len)
+            self.refuse, self.submitted = refuse, []
+
+        def submit_batch(self, waves, options=None, *, checked=False):
+            if self.refuse:
+                raise RuntimeError("cannot submit")
+            self.submitted.append([len(w) for w in waves])
+            model = self
+
+            class Sub:
+                def encoded(self):
+                    return False
+
+                def result(self):
+                    return model.transcribe_batch(waves, options, checked=checked)
+            return Sub()
+
+    waves = [np.zeros(n, np.float32) for n in (100, 300, 200)]
+    opts = TranscribeOptions()
+    want = [t.text for t in transcribe_pieces(Fake(), waves, opts)]
+    m = Submitting()
+    started = start_pieces(m, waves, opts)
+    assert m.submitted == [[100, 300, 200]] and m.calls == [] and not started.encoded()  # nothing run yet
+    assert [t.text for t in started.result()] == want and started.result() is started.result()
+    m = Submitting(fail_len=300)
+    got = start_pieces(m, waves, opts).result()
+    assert isinstance(got[1], RuntimeError) and [got[0].text, got[2].text] == [want[0], want[2]]
+    assert [c[0] for c in m.calls] == [[100, 300, 200], [100, 300, 200], [100], [300], [200]]
+    m = Submitting(refuse=True)
+    started = start_pieces(m, waves, opts)
+    assert started.encoded() and [c[0] for c in m.calls] == [[100, 300, 200]]  # ran at once
+    assert [t.text for t in started.result()] == want
+    plain = Fake()
+    started = start_pieces(plain, waves, opts)
+    assert plain.calls and started.encoded() and [t.text for t in started.result()] == want
+    assert start_pieces(Submitting(), [], opts).result() == []
+
+
 def test_merge_sets_duration_language_task_and_global_times():
     opts = TranscribeOptions(language="de", word_timestamps=True)
     a = Transcript(" eins ", None, 2.0, [Segment(0, 0.5, 1.5, " eins", seek=10, words=[Word(" eins", 0.5, 1.5)])],

@@ -18,7 +18,10 @@ the options and speech spans, pickled through a pipe; the samples themselves nev
 
 The answer is one :class:`~flashasr.types.Transcript` or exception per waveform (the child runs
 :func:`flashasr.pipeline.transcribe_pieces`: one bad piece fails alone), plus the child's CPU
-seconds for the call and its model's ``stage_cpu_s``. The child ignores SIGINT (the parent decides
+seconds for the call and its model's ``stage_cpu_s``. With Parakeet on the GPU engine the child
+starts a call that arrives while the one before still encodes right behind it on the device
+(:func:`flashasr.pipeline.run.start_pieces`) and then answers the earlier one, whose decoder and
+transcripts thus run while the next one encodes. The child ignores SIGINT (the parent decides
 when to stop), and ends when the pipe closes, so it never outlives the parent's job.
 """
 
@@ -442,7 +445,7 @@ def _serve_calls(fd: int, parent: int | None) -> None:
     _kind, (path, spec, device, dtype, engine) = conn.recv()
     sys.path[:] = path + [p for p in sys.path if p not in path]
     from . import load_model
-    from .run import transcribe_pieces
+    from .run import start_pieces
 
     try:
         model = load_model(spec, device=device, dtype=dtype, engine=engine)
@@ -457,27 +460,61 @@ def _serve_calls(fd: int, parent: int | None) -> None:
     conn.send(("hello", info))
     prepared: queue.Queue = queue.Queue()
     threading.Thread(target=_prepare_calls, args=(conn, prepared), name="flashasr-model-prepare", daemon=True).start()
-    while True:
-        call = prepared.get()
-        if call is None:
-            return
-        seq, waves, outs, options, speech, maps = call
-        c0 = time.process_time()  # the whole process: the model's intra-op threads too
+    pending = None  # the call started last: its device work may still run (start_pieces)
+
+    def finish(p) -> bool:
+        """Wait for a started call, answer it; False: the call itself failed (the process ends)."""
+        seq, started, waves, outs, maps, c0 = p
         try:
-            if waves:
-                got = transcribe_pieces(model, [w for _i, w in waves], options,
-                                        None if speech is None else [speech[i] for i, _w in waves], checked=True)
-                for (i, _w), o in zip(waves, got):
+            if started is not None:
+                for (i, _w), o in zip(waves, started.result()):
                     outs[i] = o
-            del waves, call
         except BaseException as e:  # noqa: BLE001 - the call itself failed: the parent decides
             conn.send(("gone", f"{type(e).__name__}: {e}"))
-            return
+            return False
         finally:
             maps.maps.clear()
         stages = dict(getattr(model, "stage_cpu_s", None) or {}) or None
         timings = getattr(model, "last_timings", None)
         conn.send(("done", (seq, [_portable(o) for o in outs], time.process_time() - c0, stages, timings)))
+        return True
+
+    while True:
+        call = _NOTHING
+        while pending is not None and call is _NOTHING:
+            # the next call, if it comes while the one started last still encodes on the device,
+            # starts right behind it; else that one is answered first
+            try:
+                call = prepared.get(timeout=0.001)
+            except queue.Empty:
+                if pending[1] is None or pending[1].encoded():
+                    if not finish(pending):
+                        return
+                    pending = None
+        if call is _NOTHING:
+            call = prepared.get()
+        if call is None:
+            if pending is not None:
+                finish(pending)
+            return
+        seq, waves, outs, options, speech, maps = call
+        del call
+        c0 = time.process_time()  # the whole process: the model's intra-op threads too
+        try:
+            # queued on the device behind the call before it (Parakeet on the GPU engine), whose
+            # decoder and transcripts then run while this one's encoders do; other models run now
+            started = start_pieces(model, [w for _i, w in waves], options,
+                                   None if speech is None else [speech[i] for i, _w in waves],
+                                   checked=True) if waves else None
+        except BaseException as e:  # noqa: BLE001 - the call itself failed: the parent decides
+            conn.send(("gone", f"{type(e).__name__}: {e}"))
+            return
+        if pending is not None and not finish(pending):
+            return
+        pending = (seq, started, waves, outs, maps, c0)
+
+
+_NOTHING = object()  # no call taken from the queue yet
 
 
 def _prepare_calls(conn, prepared: "queue.Queue") -> None:

@@ -64,4 +64,58 @@ def transcribe_pieces(model, waveforms: Sequence[np.ndarray], options: Transcrib
     return out
 
 
-__all__ = ["transcribe_pieces", "speech_kw"]
+class StartedPieces:
+    """A :func:`transcribe_pieces` call begun by :func:`start_pieces`; :meth:`result` gives what
+    :func:`transcribe_pieces` gives (the same isolation of failing pieces)."""
+
+    def __init__(self, out: list | None = None, *, submitted=None, redo=None):
+        self._out, self._submitted, self._redo = out, submitted, redo
+
+    def encoded(self) -> bool:
+        """Whether its encoder work is done (a call run at once: True; does not block): a good
+        moment to answer it when no next call is there to start behind it."""
+        if self._submitted is None:
+            return True
+        try:
+            return self._submitted.encoded()
+        except Exception:  # noqa: BLE001 - result() says what went wrong
+            return True
+
+    def result(self) -> list[Transcript | BaseException]:
+        if self._out is None:
+            try:
+                got = self._submitted.result()
+                if len(got) != self._redo[1]:
+                    raise FlashASRError(f"submit_batch returned {len(got)} results for {self._redo[1]} inputs")
+                self._out = list(got)
+            except Exception:  # noqa: BLE001 - redone with the per-piece isolation
+                self._out = self._redo[0]()
+            self._submitted = self._redo = None
+        return self._out
+
+
+def start_pieces(model, waveforms: Sequence[np.ndarray], options: TranscribeOptions,
+                 speech: Sequence | None = None, *, checked: bool = False) -> StartedPieces:
+    """:func:`transcribe_pieces` whose device work may still be running when this returns.
+
+    A model with ``submit_batch`` (Parakeet on the GPU engine: :meth:`ParakeetGPUASR.submit_batch
+    <flashasr.engine.parakeet_gpu.ParakeetGPUASR.submit_batch>`) gets the batch queued on the
+    device; a call started before the previous one's ``result()`` is read has its encoders follow
+    that one's without a gap. Any other model runs the whole call now. A batch that fails is redone
+    by :func:`transcribe_pieces` (each piece alone) when its result is asked for. Arguments as
+    :func:`transcribe_pieces`.
+    """
+    waves = list(waveforms)
+    submit = getattr(model, "submit_batch", None)
+    if waves and submit is not None and not getattr(model, "isolates_pieces", False):
+
+        def redo():
+            return transcribe_pieces(model, waves, options, speech, checked=checked)
+        try:
+            return StartedPieces(submitted=submit(waves, options, checked=checked), redo=(redo, len(waves)))
+        except Exception:  # noqa: BLE001 - isolated below
+            pass
+    return StartedPieces(transcribe_pieces(model, waves, options, speech, checked=checked))
+
+
+__all__ = ["transcribe_pieces", "start_pieces", "StartedPieces", "speech_kw"]
