@@ -10,6 +10,8 @@ engine's model thread, as ``BatchScheduler`` runs it). For batches of ``--batche
   ``rest_ms`` = the difference (options, checks, Transcript building, detokenising);
 * ``plan``: the encoder profiles the batch ran in (rows x seconds, rows used); ``plan_ms`` the host
   time of ``OfflineParakeetEngine.plan`` alone;
+* per ``--launch-costs``: the planner's price of one profile launch (seconds of audio), so a
+  higher one packs a call into fewer, more padded launches;
 * per ``--joint-steps``: the decoder's head/inner steps fused (``engine/tdt_fused.py``) or the
   PyTorch steps (graphs captured again for each);
 * a ``cProfile`` of ``--cprofile-batch`` (host functions by cumulative time) and a
@@ -151,6 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--joint-steps", default="fused,pytorch",
                     help="decoder joint steps to time per batch: fused (engine/tdt_fused.py) and/or pytorch")
+    ap.add_argument("--launch-costs", default="",
+                    help="comma-separated OfflineParakeetEngine.launch_cost_s values to time each batch with "
+                         "(seconds of audio a profile launch is worth to the planner; default: the engine's)")
     ap.add_argument("--json-out", default=str(REPO / "bench" / "results" / "profile_final_call_h200.json"))
     a = ap.parse_args(argv)
     from bench_offline_e2e import environment
@@ -173,14 +178,19 @@ def main(argv=None) -> int:
     result["conditions"]["model_build_s"] = round(time.perf_counter() - t0, 1)
     result["calls"] = []
     dec = model.engine.decoder
+    default_cost = model.engine.launch_cost_s
+    costs = [float(c) for c in a.launch_costs.split(",") if c] or [default_cost]
     for B in [int(b) for b in a.batches.split(",") if b]:
         for step in a.joint_steps.split(","):
             dec.fused = step == "fused"
             dec._buckets.clear()  # graphs captured with the other step: capture again
-            r = {"joint_step": step, **time_calls(model, _utterances(B, clips), a.reps)}
-            result["calls"].append(r)
-            print(json.dumps(r), flush=True)
-            save()
+            for cost in costs:
+                model.engine.launch_cost_s = cost
+                r = {"joint_step": step, "launch_cost_s": cost, **time_calls(model, _utterances(B, clips), a.reps)}
+                result["calls"].append(r)
+                print(json.dumps(r), flush=True)
+                save()
+    model.engine.launch_cost_s = default_cost
     dec.fused = True
     dec._buckets.clear()
     waves = _utterances(a.cprofile_batch, clips)

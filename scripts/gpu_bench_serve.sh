@@ -11,5 +11,6 @@ timeout 575 python3 -W ignore bench/bench_serve.py --name ${NAME:-serve_gpu} --m
   --clips .devserve/shared/audio/en --clip-min-s 4 --clip-max-s 12 \
   --streams ${STREAMS:-100,500,1000,250,750} --packets 20 --extra ${EXTRA:-1000:200,1000:20:1000,2000:200:1000} \
   --gc-compare ${GC:-500:20,1000:20} --offline-requests 2048 --offline-concurrency 256 --no-in-process \
+  --offline-clients aiohttp,httpx --offline-repeats 3 \
   --budget-s ${BUDGET:-560} 2>&1 | grep -v "Warning"
 ls -la $OUT

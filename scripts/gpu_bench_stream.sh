@@ -36,7 +36,8 @@ if [ "${1:-}" = prepare ]; then
   pins=()
   for p in fastapi opentelemetry-api starlette uvicorn uvloop websockets httpx httpcore h11 anyio sniffio idna certifi pydantic \
            pydantic_core annotated-types typing_extensions typing-inspection prometheus_client python-multipart \
-           soxr silero-vad sentencepiece PyYAML; do
+           soxr silero-vad sentencepiece PyYAML httptools aiohttp multidict yarl frozenlist aiosignal propcache \
+           aiohappyeyeballs attrs; do
     v=$(python -m pip show "$p" 2>/dev/null | awk '/^Version:/{print $2}')
     [ -n "$v" ] && pins+=("$p==$v") || echo "not installed here, left out: $p"
   done
