@@ -185,6 +185,49 @@ def test_a_key_in_the_query_string_stays_out_of_the_log(server):
     assert KEY not in text, text
 
 
+@pytest.mark.parametrize("path", ["/v1/realtime", "/v1/stream?sample_rate=16000"])
+def test_a_text_frame_that_is_not_utf8_is_closed_1007_and_logged_in_one_line(server, path):
+    """Found by a new user: uvicorn logged an ERROR with a traceback for every such frame (a client
+    could flood the log with them). Now one INFO line per connection; the close code is 1007."""
+    import base64
+
+    offset = server.log_path.stat().st_size
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        key = base64.b64encode(os.urandom(16)).decode()
+        s.sendall((f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nUpgrade: websocket\r\n"
+                   f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += s.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 101"), reply
+        payload, mask = b"\xff\xfe\xfd", os.urandom(4)
+        s.sendall(bytes([0x81, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        data, code = reply.split(b"\r\n\r\n", 1)[1], None
+        t_end = time.monotonic() + 10
+        while code is None and time.monotonic() < t_end:  # the server's frames (unmasked) until its close
+            while len(data) >= 2:
+                n, head = data[1] & 0x7F, 2
+                if n >= 126:
+                    head = 4 if n == 126 else 10
+                    n = int.from_bytes(data[2:head], "big") if len(data) >= head else 1 << 62
+                if len(data) < head + n:
+                    break
+                if data[0] & 0x0F == 8:
+                    code = int.from_bytes(data[head: head + 2], "big")
+                    break
+                data = data[head + n:]
+            if code is None:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        assert code == 1007, data
+    text = _wait_for(server, offset, "not UTF-8")
+    assert "Traceback" not in text and "ERROR" not in text, text
+    assert text.count("the client sent a text frame that is not UTF-8") == 1, text
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
 def test_openai_realtime_client_reads_the_bad_key(server):
     bad = openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0, timeout=30)
     with bad.realtime.connect(model="whisper-1", extra_query={"intent": "transcription"}) as conn:

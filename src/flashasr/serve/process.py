@@ -133,7 +133,7 @@ async def _serve(cfg: ServeConfig, app, sock: socket.socket, on_stop=None) -> in
                           ws_max_size=16 << 20, timeout_keep_alive=30, backlog=4096,
                           timeout_graceful_shutdown=GRACE_S, ssl_certfile=cfg.ssl_certfile,
                           ssl_keyfile=cfg.ssl_keyfile)
-    _redact_api_keys()  # uvicorn.Config set up uvicorn's log handlers just now
+    _install_log_filters()  # uvicorn.Config set up uvicorn's log handlers just now
     server = _quiet_stop_server(uvicorn)(ucfg)
     status = {"code": 0, "stopping": False}
     loop = asyncio.get_running_loop()
@@ -264,16 +264,38 @@ def _configure_logging(cfg: ServeConfig) -> None:
     unless ``--no-access-log``) at INFO whatever the level of the rest."""
     logging.basicConfig(level=cfg.log_level.upper())
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if cfg.access_log else logging.CRITICAL + 1)
-    _redact_api_keys()
+    _install_log_filters()
 
 
-def _redact_api_keys() -> None:
+def _install_log_filters() -> None:
     """:class:`RedactApiKeys` on every handler of the root and uvicorn loggers (uvicorn installs its
-    own handlers when its Config is made: call this again after)."""
+    own handlers when its Config is made: call this again after) and :class:`ClientFaultLog` on
+    uvicorn's error logger."""
     for name in ("", "uvicorn", "uvicorn.error", "uvicorn.access"):
         for h in logging.getLogger(name).handlers:
             if not any(isinstance(f, RedactApiKeys) for f in h.filters):
                 h.addFilter(RedactApiKeys())
+    errors = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, ClientFaultLog) for f in errors.filters):
+        errors.addFilter(ClientFaultLog())
+
+
+class ClientFaultLog(logging.Filter):
+    """A client's protocol fault that uvicorn answers itself is one INFO line, not an ERROR with a
+    traceback: a text WebSocket frame that is not UTF-8 (uvicorn closes the connection with 1007 and
+    logs the decode error's traceback, so a client could flood the log with them). Other records
+    pass unchanged."""
+
+    FAULTS = {"Invalid UTF-8 sequence received from client.":
+              "WebSocket closed (1007): the client sent a text frame that is not UTF-8"}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        line = self.FAULTS.get(record.msg) if isinstance(record.msg, str) else None
+        if line is not None:
+            record.msg, record.args, record.exc_info, record.exc_text = line, None, None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        return True
 
 
 class RedactApiKeys(logging.Filter):
