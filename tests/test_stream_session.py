@@ -178,6 +178,45 @@ def test_one_huge_packet_is_cut_at_the_utterance_cap_like_small_ones():
     assert len(spans) >= 6 and all(b - a <= 2000 + 1000 * stream_mod.FEED_PIECE_S for a, b in spans), spans
 
 
+def test_a_commit_right_after_the_utterance_cap_is_no_error_and_an_empty_one_still_is():
+    """Found by a new user: a client that sent exactly the cap's worth of audio (manual commits)
+    and committed got ``input_audio_buffer_commit_empty``: the cap had committed it all. That commit
+    is now answered without an error (the item went out at the cap); an empty commit at the start,
+    a second one, or one after audio that came after the cap behave as before."""
+    from flashasr.errors import FlashASRError
+
+    async def go():
+        events = []
+
+        async def emit(ev):
+            events.append(ev)
+
+        s = StreamSession(_Backend(), emit, input_rate=16000, partial_interval_ms=0, max_utterance_s=1.0)
+        codes = []
+
+        async def commit():
+            try:
+                return await s.commit()
+            except FlashASRError as e:
+                codes.append(e.code)
+
+        await commit()  # nothing received yet
+        for _ in range(50):  # exactly 1 s in 20 ms packets: cut at the cap
+            await s.append_pcm16(np.full(320, 1000, "<i2").tobytes())
+        got = await commit()
+        await commit()  # the second time: no cap since
+        await s.append_pcm16(np.full(320, 1000, "<i2").tobytes())
+        tail = await commit()
+        await s.drain(10)
+        return events, codes, got, tail
+
+    events, codes, got, tail = asyncio.run(go())
+    assert codes == ["input_audio_buffer_commit_empty", "input_audio_buffer_commit_empty"]
+    assert got is None and tail is not None
+    spans = [(e["audio_start_ms"], e["audio_end_ms"]) for e in events if e["type"] == "input_audio_buffer.committed"]
+    assert spans == [(0, 1000), (1000, 1020)]
+
+
 def test_a_client_gone_while_its_final_is_sent_leaves_no_unretrieved_task_error(caplog):
     """Found by a new user: a client that left right after its commit made asyncio log "Task
     exception was never retrieved" (the final's send raised). A session task's error is now taken

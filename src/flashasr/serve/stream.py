@@ -301,6 +301,7 @@ class StreamSession:
         self.full_partials = full_partials  # extension: also send every partial hypothesis in full
         self.finalize = finalize
         self.pos = 0                      # 16 kHz samples received so far (stream clock)
+        self._cap_end: int | None = None  # where the last item ended, when the utterance cap cut it
         self._pre: deque = deque()        # (start_sample, chunk) before speech (VAD mode)
         self._pre_n = 0
         self._buf: list[np.ndarray] = []  # current utterance
@@ -500,7 +501,10 @@ class StreamSession:
 
     # ---------------------------------------------------------------- control
     async def commit(self, reason: str = "client") -> str | None:
-        """Close the current utterance: emit ``committed`` and queue its final transcript."""
+        """Close the current utterance: emit ``committed`` and queue its final transcript (None: no
+        item). A client's commit of an empty buffer raises ``input_audio_buffer_commit_empty``,
+        except right after the utterance cap committed everything received (found by a new user: a
+        client that sent exactly the cap's worth of audio and committed got that error)."""
         if reason == "client":
             await self.vad_settled()  # the utterance holds all audio received before the commit
         if reason in ("client", "turn_detection") and self.resampler.rate != SR:
@@ -510,6 +514,9 @@ class StreamSession:
                 self.pos += tail.size
                 self._append_utt(tail)
         if self.item_id is None or self._buf_n == 0:
+            if reason == "client" and self._cap_end == self.pos:
+                self._cap_end = None  # every sample received went out at the utterance cap just now
+                return None
             if reason == "client":
                 raise APIError("input audio buffer is empty: nothing to commit", code="input_audio_buffer_commit_empty")
             self.item_id = None
@@ -528,6 +535,7 @@ class StreamSession:
                          "item_id": item, "audio_start_ms": self._ms(start),
                          "audio_end_ms": self._ms(start + audio.size)})
         self.prev_item = item
+        self._cap_end = start + audio.size if reason == "max_utterance" else None
         prev = self._final_chain
         self._final_chain = self._transcribing[item] = self._spawn(self._final(item, audio, emitted, prev))
         return item
