@@ -109,7 +109,8 @@ class ModelProcess(ASRModel):
         self._recv_lock = threading.Lock()
         self._seq = 0
         self._pending: list[PendingPieces] = []  # calls sent and not yet answered
-        self._answers: dict[int, tuple] = {}  # answers read for a later call than the one waited on
+        self._answers: dict[int, tuple] = {}  # answers read while waiting for another call's
+        self._given_up: set[int] = set()  # calls whose wait was interrupted: their answers are dropped
         self._transfer = [None] * IN_FLIGHT  # this object's transfer segments (SharedMemory), reused
         self.remote_cpu_s = 0.0
         self.copied_bytes = 0
@@ -169,7 +170,7 @@ class ModelProcess(ASRModel):
         """:meth:`run_pieces` without waiting: the batch is sent and the model process takes it
         as soon as the calls before it are done (it maps and checks the samples of the next batch
         while the current one runs). At most :data:`IN_FLIGHT` calls may be pending: keep the
-        waveforms alive and call ``result()`` in order.
+        waveforms alive until their ``result()`` (in any order).
 
         Raises:
             ModelProcessError: the process died or was closed, or ``IN_FLIGHT`` calls are pending.
@@ -199,17 +200,28 @@ class ModelProcess(ASRModel):
             return pend
 
     def _answer(self, seq: int):
-        """The child's answer to call ``seq`` (answers come in call order; one to a call given up,
-        cut short by an interrupt, is dropped)."""
+        """The child's answer to call ``seq`` (answers come in call order; those read on the way to
+        it are kept for their own calls, whose results may be asked for later -- found by a new
+        user: read out of order, the earlier call waited forever --, except one to a call given up,
+        cut short by an interrupt, which is dropped)."""
         with self._recv_lock:
             while seq not in self._answers:
                 try:
                     kind, payload = self._recv()
                 except (OSError, EOFError) as e:
                     raise self._died(e) from None
-                if kind == "done" and payload[0] >= seq:
-                    self._answers[payload[0]] = payload
+                if kind == "done":
+                    if payload[0] in self._given_up:
+                        self._given_up.discard(payload[0])
+                    else:
+                        self._answers[payload[0]] = payload
             return self._answers.pop(seq)
+
+    def _give_up(self, seq: int) -> None:
+        """Call ``seq``'s wait was interrupted: its answer, read or still to come, is dropped."""
+        with self._recv_lock:
+            if self._answers.pop(seq, None) is None:
+                self._given_up.add(seq)
 
     def _place(self, waves: list, slot: int = 0) -> tuple[list, list]:
         """Per waveform ``(segment name, byte offset, samples)`` (where the child maps it), or None
@@ -346,6 +358,7 @@ class PendingPieces:
             raise
         except BaseException:  # interrupted: its answer, when it comes, is dropped
             self._error = ModelProcessError(f"the wait for model call {self.seq} was interrupted")
+            self._owner._give_up(self.seq)
             raise
         finally:
             self.done = True
@@ -483,14 +496,19 @@ def _serve_calls(fd: int, parent: int | None) -> None:
         call = _NOTHING
         while pending is not None and call is _NOTHING:
             # the next call, if it comes while the one started last still encodes on the device,
-            # starts right behind it; else that one is answered first
-            try:
-                call = prepared.get(timeout=0.001)
-            except queue.Empty:
-                if pending[1] is None or pending[1].encoded():
-                    if not finish(pending):
-                        return
-                    pending = None
+            # starts right behind it; else that one is answered first (at once when it ran at once:
+            # a model without submit_batch, found by a new user: on the CPU each answer waited for
+            # the next call)
+            if pending[1] is not None and pending[1].on_device:
+                try:
+                    call = prepared.get(timeout=0.001)
+                    break
+                except queue.Empty:
+                    if not pending[1].encoded():
+                        continue
+            if not finish(pending):
+                return
+            pending = None
         if call is _NOTHING:
             call = prepared.get()
         if call is None:

@@ -71,6 +71,12 @@ class StartedPieces:
     def __init__(self, out: list | None = None, *, submitted=None, redo=None):
         self._out, self._submitted, self._redo = out, submitted, redo
 
+    @property
+    def on_device(self) -> bool:
+        """Whether the call was queued on the device and its result is not read yet (False: it ran
+        at once, its result is there)."""
+        return self._out is None
+
     def encoded(self) -> bool:
         """Whether its encoder work is done (a call run at once: True; does not block): a good
         moment to answer it when no next call is there to start behind it."""
