@@ -212,6 +212,12 @@ def test_one_bad_piece_fails_alone():
 
     with pytest.raises(KeyboardInterrupt):
         transcribe_pieces(Interrupt(), waves, TranscribeOptions())
+    # a bad piece's error names its own place in the call (found by a new user: "waveform 0" for any)
+    bad = [np.zeros(100, np.float32), np.zeros(200, np.float32), np.array([0.0, np.nan], np.float32),
+           np.zeros((2, 10), np.float32)]
+    got = transcribe_pieces(Fake(), bad, TranscribeOptions())
+    assert got[0].text.strip() == "n100" and got[1].text.strip() == "n200"
+    assert "waveform 2" in str(got[2]) and "waveform 3" in str(got[3]), got
 
 
 def test_started_pieces_equal_transcribe_pieces_and_a_failed_batch_is_redone_piece_by_piece():

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import FlashASRError
+from ..models.base import as_waveform
 from ..options import TranscribeOptions
 from ..types import Transcript
 
@@ -56,8 +57,10 @@ def transcribe_pieces(model, waveforms: Sequence[np.ndarray], options: Transcrib
         if len(waves) == 1:
             return [e]
     out: list[Transcript | BaseException] = []
-    for w, sp in zip(waves, spans):
+    for i, (w, sp) in enumerate(zip(waves, spans)):
         try:
+            if not checked:  # a bad piece's error names its place in the call (alone it is "waveform 0")
+                as_waveform(w, f"waveform {i}")
             out.append(model.transcribe_batch([w], options, **ck, **speech_kw(model, [sp]))[0])
         except Exception as e:  # noqa: BLE001 - this piece's own failure
             out.append(e)
