@@ -338,6 +338,8 @@ class PendingPieces:
     def __init__(self, owner: ModelProcess, seq: int, keep: list[int], out: list):
         self._owner, self.seq, self._keep, self._out = owner, seq, keep, out
         self.done = False
+        self.child_times: tuple[float, float] | None = None  # the model process's time.time() when it
+        # started the call and when it answered it (after result(); None for a call with nothing to run)
         self._error: BaseException | None = None
 
     def result(self) -> list:
@@ -352,7 +354,7 @@ class PendingPieces:
         if self.done:
             return self._out
         try:
-            _seq, outs, cpu_s, stages, timings = self._owner._answer(self.seq)
+            _seq, outs, cpu_s, stages, timings, self.child_times = self._owner._answer(self.seq)
         except ModelProcessError as e:
             self._error = e
             raise
@@ -477,7 +479,7 @@ def _serve_calls(fd: int, parent: int | None) -> None:
 
     def finish(p) -> bool:
         """Wait for a started call, answer it; False: the call itself failed (the process ends)."""
-        seq, started, waves, outs, maps, c0 = p
+        seq, started, waves, outs, maps, c0, t0 = p
         try:
             if started is not None:
                 for (i, _w), o in zip(waves, started.result()):
@@ -489,7 +491,8 @@ def _serve_calls(fd: int, parent: int | None) -> None:
             maps.maps.clear()
         stages = dict(getattr(model, "stage_cpu_s", None) or {}) or None
         timings = getattr(model, "last_timings", None)
-        conn.send(("done", (seq, [_portable(o) for o in outs], time.process_time() - c0, stages, timings)))
+        conn.send(("done", (seq, [_portable(o) for o in outs], time.process_time() - c0, stages, timings,
+                            (t0, time.time()))))
         return True
 
     while True:
@@ -518,6 +521,7 @@ def _serve_calls(fd: int, parent: int | None) -> None:
         seq, waves, outs, options, speech, maps = call
         del call
         c0 = time.process_time()  # the whole process: the model's intra-op threads too
+        t0 = time.time()
         try:
             # queued on the device behind the call before it (Parakeet on the GPU engine), whose
             # decoder and transcripts then run while this one's encoders do; other models run now
@@ -529,7 +533,7 @@ def _serve_calls(fd: int, parent: int | None) -> None:
             return
         if pending is not None and not finish(pending):
             return
-        pending = (seq, started, waves, outs, maps, c0)
+        pending = (seq, started, waves, outs, maps, c0, t0)
 
 
 _NOTHING = object()  # no call taken from the queue yet
