@@ -525,6 +525,13 @@ def _client_kinds(value: str) -> list[str]:
     return kinds
 
 
+def _non_negative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {n}")
+    return n
+
+
 def _at_least_one(value: str) -> int:
     n = int(value)
     if n < 1:
@@ -567,8 +574,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ramp-s", type=float, default=1.0)
     ap.add_argument("--client-procs", type=int, default=max(1, (os.cpu_count() or 2) // 4))
     ap.add_argument("--final-timeout-s", type=float, default=30.0)
-    ap.add_argument("--offline-requests", type=int, default=16)
-    ap.add_argument("--offline-concurrency", type=int, default=256)
+    ap.add_argument("--offline-requests", type=_non_negative, default=16, help="uploads (0: none)")
+    ap.add_argument("--offline-concurrency", type=_at_least_one, default=256)
     ap.add_argument("--offline-clients", type=_client_kinds, default="aiohttp",
                     help="client kinds for the uploads, each run in turn: httpx and/or aiohttp (the first is the "
                          "headline; aiohttp comes with the dev extra)")
@@ -584,8 +591,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only-in-process", action="store_true",
                     help="no server: only the in-process reference on the same clips (its own JSON)")
     a = ap.parse_args(argv)
-    # a SIGTERM (a time limit around the run) unwinds like Ctrl-C, so the server is stopped too
+    # a SIGTERM (a time limit around the run) or SIGHUP (the terminal closed) unwinds like Ctrl-C, so the
+    # server is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     t_start = time.perf_counter()
     import resource
 

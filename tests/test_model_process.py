@@ -202,6 +202,39 @@ def test_a_piece_whose_samples_are_gone_fails_alone_and_its_error_crosses(remote
     shm.release_owner(owner)
 
 
+def test_a_timeout_interrupting_a_wait_gives_up_that_call_only_and_errors_name_their_place(remote, local, waves):
+    """Found by a new user: a TimeoutError (a signal-based time limit) interrupting ``result()`` was
+    taken for the pipe dying (TimeoutError is an OSError): the process was closed for good. Now the
+    call is given up like any interrupted wait and the next calls work. And a bad piece behind one
+    refused before sending names its place in the caller's call (it said "waveform 1")."""
+    import signal
+
+    opts = TranscribeOptions().resolve(local.capabilities)
+
+    def alarm(*_):
+        raise TimeoutError("timed out")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    try:
+        pend = remote.start_pieces(waves * 2, opts)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(TimeoutError):
+            pend.result()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    with pytest.raises(ModelProcessError, match="interrupted"):
+        pend.result()
+    assert remote.alive
+    assert remote.run_pieces(waves[:1], opts)[0].text == local.transcribe_batch(waves[:1], opts)[0].text
+    owner = object()
+    good = shm.take_array(*shm.put_array(waves[0]), keep_for=owner)
+    nan = shm.take_array(*shm.put_array(np.array([0.0, np.nan] * 800, np.float32)), keep_for=owner)
+    got = remote.run_pieces([np.zeros((2, 10), np.float32), good, nan], opts)
+    assert "waveform 0" in str(got[0]) and got[1].text and "waveform 2" in str(got[2]), got
+    shm.release_owner(owner)
+
+
 def test_a_flashasr_module_in_the_current_folder_does_not_shadow_the_package(tmp_path, monkeypatch):
     (tmp_path / "flashasr.py").write_text("raise ImportError('the wrong flashasr')\n")
     monkeypatch.chdir(tmp_path)

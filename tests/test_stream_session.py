@@ -207,14 +207,18 @@ def test_a_commit_right_after_the_utterance_cap_is_no_error_and_an_empty_one_sti
         await commit()  # the second time: no cap since
         await s.append_pcm16(np.full(320, 1000, "<i2").tobytes())
         tail = await commit()
+        for _ in range(50):  # to the cap again, then a clear: the commit after it is an empty one
+            await s.append_pcm16(np.full(320, 1000, "<i2").tobytes())
+        await s.clear()
+        await commit()
         await s.drain(10)
         return events, codes, got, tail
 
     events, codes, got, tail = asyncio.run(go())
-    assert codes == ["input_audio_buffer_commit_empty", "input_audio_buffer_commit_empty"]
+    assert codes == ["input_audio_buffer_commit_empty"] * 3
     assert got is None and tail is not None
     spans = [(e["audio_start_ms"], e["audio_end_ms"]) for e in events if e["type"] == "input_audio_buffer.committed"]
-    assert spans == [(0, 1000), (1000, 1020)]
+    assert spans == [(0, 1000), (1000, 1020), (1020, 2020)]
 
 
 def test_a_client_gone_while_its_final_is_sent_leaves_no_unretrieved_task_error(caplog):

@@ -193,7 +193,7 @@ class ModelProcess(ASRModel):
             spans = None if speech is None else list(speech)
             spans = None if spans is None else [spans[i] for i in keep]
             try:
-                self._conn.send(("run", seq, [refs[i] for i in keep], options, spans))
+                self._conn.send(("run", seq, [refs[i] for i in keep], options, spans, keep))
             except (OSError, EOFError, ValueError) as e:
                 raise self._died(e) from None
             self._pending = live + [pend]
@@ -208,6 +208,8 @@ class ModelProcess(ASRModel):
             while seq not in self._answers:
                 try:
                     kind, payload = self._recv()
+                except TimeoutError:  # an interrupt (a signal-based time limit), not the pipe (found
+                    raise  # by a new user: it made the process look dead for good)
                 except (OSError, EOFError) as e:
                     raise self._died(e) from None
                 if kind == "done":
@@ -552,7 +554,7 @@ def _prepare_calls(conn, prepared: "queue.Queue") -> None:
         if msg is None or msg[0] != "run":
             prepared.put(None)
             return
-        _kind, seq, refs, options, speech = msg
+        _kind, seq, refs, options, speech, places = msg  # places: each piece's index in the caller's call
         maps = _Maps()
         maps.plan(refs)
         waves, outs = [], [None] * len(refs)
@@ -564,7 +566,7 @@ def _prepare_calls(conn, prepared: "queue.Queue") -> None:
                 outs[i] = ModelProcessError(f"the piece's samples are not in shared memory ({r[0]}): {e}")
                 continue
             try:
-                waves.append((i, as_waveform(w, f"waveform {i}")))
+                waves.append((i, as_waveform(w, f"waveform {places[i]}")))
             except Exception as e:  # noqa: BLE001 - this piece's own failure (not finite)
                 outs[i] = e
         prepared.put((seq, waves, outs, options, speech, maps))

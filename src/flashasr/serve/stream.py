@@ -575,6 +575,7 @@ class StreamSession:
         await self.vad_settled()
         self._buf, self._buf_n = [], 0
         self.item_id = None
+        self._cap_end = None  # a commit after the clear finds nothing of its own: an empty commit
         self.in_speech = False
         self._pre.clear()
         self._pre_n = 0
