@@ -235,6 +235,16 @@ def test_a_timeout_interrupting_a_wait_gives_up_that_call_only_and_errors_name_t
     shm.release_owner(owner)
 
 
+def test_a_call_still_pending_when_the_process_is_closed_says_so(local, waves):
+    """Found by a new user: a result asked for after close() said the process "died (exit code 0)"."""
+    opts = TranscribeOptions().resolve(local.capabilities)
+    m = ModelProcess("tiny.en", device="cpu")
+    pend = m.start_pieces(waves[:1], opts)
+    m.close()
+    with pytest.raises(ModelProcessError, match="closed before this call was answered"):
+        pend.result()
+
+
 def test_a_flashasr_module_in_the_current_folder_does_not_shadow_the_package(tmp_path, monkeypatch):
     (tmp_path / "flashasr.py").write_text("raise ImportError('the wrong flashasr')\n")
     monkeypatch.chdir(tmp_path)

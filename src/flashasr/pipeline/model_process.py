@@ -274,6 +274,9 @@ class ModelProcess(ASRModel):
         return kind, payload
 
     def _died(self, e: BaseException) -> ModelProcessError:
+        if getattr(self, "_closed_by_caller", False):  # close() was called: nothing died (found by a new
+            # user: a pending call's result said "died (exit code 0)")
+            return ModelProcessError("the model process was closed before this call was answered")
         try:
             code = self._proc.wait(timeout=1.0)
         except Exception:  # noqa: BLE001 - still running: a broken pipe, not a death
@@ -303,7 +306,7 @@ class ModelProcess(ASRModel):
 
         if getattr(self, "_closed", True) and not any(getattr(self, "_transfer", None) or ()):
             return
-        self._closed = True
+        self._closed = self._closed_by_caller = True
         try:
             self._conn.send(("stop", None))
         except (OSError, EOFError, ValueError):
