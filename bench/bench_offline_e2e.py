@@ -41,6 +41,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import concurrent.futures as cf
+import importlib.util
 import json
 import math
 import os
@@ -59,7 +60,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+if importlib.util.find_spec("flashasr") is None:  # a flashasr on PYTHONPATH (another tree, for an A/B) wins
+    sys.path.insert(0, str(REPO / "src"))
 
 from flashasr.models.base import ASRModel  # noqa: E402 - after the src path (NullModel's base)
 

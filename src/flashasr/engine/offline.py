@@ -413,7 +413,9 @@ class OfflineParakeetEngine:
                     d1 = torch.cuda.Event(enable_timing=True)
                     d1.record(side)
                 tk.dec_ev.append((d0, d1))
-                tk.pending = (pend, [i for k in group for i in plan[k][1]], (f, outs), len(outs) == 1)
+                # kept alive until the decode is read: the joined f and flen were made on this stream and are
+                # read on the decoder's; freed now, the next encoder run could reuse their memory first
+                tk.pending = (pend, [i for k in group for i in plan[k][1]], (f, flen, outs), len(outs) == 1)
                 # a decode that reads an encoder graph's static output: the next encoder replays wait for it
                 self._last_decode = pend.input_consumed if len(outs) == 1 else None
         except BaseException:
