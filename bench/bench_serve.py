@@ -132,8 +132,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _term_with_parent() -> None:
+    """``preexec_fn`` of the server (Linux): SIGTERM when the benchmark's process dies
+    (``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``), so a benchmark killed with SIGKILL does not
+    leave its server running (the server's own processes stop with it); elsewhere nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux
+        pass
+
+
 class Server:
-    """``python -m flashasr.serve.app`` as a subprocess (own process group) on a loopback port."""
+    """``python -m flashasr.serve.app`` as a subprocess (own process group) on a loopback port; it
+    stops when the benchmark's process dies (:func:`_term_with_parent`)."""
 
     def __init__(self, args: list[str], log_path: Path, ready_timeout: float, wrap: list[str] | None = None):
         """``wrap``: a command the server runs under (e.g. ``py-spy record ... --``); :meth:`stop` sends it
@@ -148,7 +161,7 @@ class Server:
         self.wrapped = bool(wrap)
         self.proc = subprocess.Popen([*(wrap or []), sys.executable, "-m", "flashasr.serve.app", "--port", str(self.port), *args],
                                      stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_term_with_parent)
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log()}")
