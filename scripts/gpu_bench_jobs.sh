@@ -20,15 +20,8 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = prepare ]; then
   set -e
   for d in /.whj/ /.devjobs/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
-  pins=()
-  for p in av soxr silero-vad sentencepiece PyYAML; do
-    v=$(python -m pip show "$p" 2>/dev/null | awk '/^Version:/{print $2}')
-    [ -n "$v" ] && pins+=("$p==$v") || echo "not installed here, left out: $p"
-  done
-  mkdir -p .whj
-  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d .whj "${pins[@]}"
+  . scripts/device_wheels.sh
+  device_wheels .whj av soxr silero-vad sentencepiece PyYAML
   [ -d .devjobs/corpus ] || python bench/bench_offline_e2e.py prepare --out .devjobs/corpus
   python bench/bench_offline_e2e.py shared --out .devjobs/shared
   du -sh .whj .devjobs

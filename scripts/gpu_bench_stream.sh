@@ -33,22 +33,11 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = prepare ]; then
   set -e
   SHARED="${FLASHASR_SHARED:-../shared}"
-  pins=()
-  for p in fastapi opentelemetry-api starlette uvicorn uvloop websockets httpx httpcore h11 anyio sniffio idna certifi pydantic \
-           pydantic_core annotated-types typing_extensions typing-inspection prometheus_client python-multipart \
-           soxr silero-vad sentencepiece PyYAML httptools aiohttp multidict yarl frozenlist aiosignal propcache \
-           aiohappyeyeballs attrs; do
-    v=$(python -m pip show "$p" 2>/dev/null | awk '/^Version:/{print $2}')
-    [ -n "$v" ] && pins+=("$p==$v") || echo "not installed here, left out: $p"
-  done
-  mkdir -p .whl
-  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d .whl "${pins[@]}"
-  v=$(python -m pip show av | awk '/^Version:/{print $2}')
-  rm -rf .whav && mkdir -p .whav
-  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whav "av==$v"
+  . scripts/device_wheels.sh
+  device_wheels .whl fastapi opentelemetry-api starlette uvicorn uvloop websockets httpx httpcore h11 anyio sniffio idna \
+    certifi pydantic pydantic_core annotated-types typing_extensions typing-inspection prometheus_client python-multipart \
+    soxr silero-vad sentencepiece PyYAML httptools aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs
+  rm -rf .whav && device_wheels .whav av
   rm -rf .devstream && mkdir -p .devstream/shared/audio/en
   cp -r "$SHARED/fixtures" .devstream/shared/fixtures
   cp "$SHARED"/audio/en/*.wav .devstream/shared/audio/en/
