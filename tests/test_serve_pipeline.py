@@ -137,6 +137,69 @@ def test_long_upload_is_cut_in_the_cpu_pool_and_takes_turns_with_a_short_one(mon
 
 
 
+class EchoParakeet(ASRModel):
+    """A Parakeet-like fake (no speech gate: a recording that fits its window needs no VAD); a piece's
+    text names its length in samples and its first sample (so decodes can be compared)."""
+
+    name, family = "echo-fake", "parakeet"
+    speech_gate = False
+
+    def _transcribe(self, waves, options):
+        return [Transcript(text=f"n{w.size} {float(w[0]):.6f}", language="en", duration=w.size / 16000,
+                           model=self.name) for w in waves]
+
+
+def test_a_short_wav_at_the_model_rate_decodes_and_plans_without_the_cpu_pool(monkeypatch):
+    """A plain PCM WAV at the model's rate of at most INLINE_WAV_S, for a model that needs no VAD on it:
+    decoded and planned on the event loop (no CPU-pool job: under load the pool's queue and its two
+    hand-offs cost more than the work), the same transcript as through the pool. Other rates, longer
+    WAVs and other containers still go to the pool."""
+    from flashasr.serve import offline
+    from flashasr.serve.config import ServeConfig
+    from flashasr.serve.cpu_pool import CPUPool
+
+    jobs = []
+    real = CPUPool.submit
+
+    def counted(self, fn, /, *args, **kw):
+        jobs.append(getattr(fn, "__name__", str(fn)))
+        return real(self, fn, *args, **kw)
+
+    monkeypatch.setattr(CPUPool, "submit", counted)
+    cfg = ServeConfig(max_batch=4, batch_wait_ms=0, cpu_threads=2, warmup=False)
+    rng = np.random.default_rng(3)
+    short16 = wav_bytes((rng.standard_normal(16000 * 7) * 3000).astype("<i2").tobytes())
+    short8 = wav_bytes((rng.standard_normal(8000 * 7) * 3000).astype("<i2").tobytes(), rate=8000)
+    long16 = wav_bytes((rng.standard_normal(16000 * 45) * 3000).astype("<i2").tobytes())
+
+    async def go():
+        base, stop = await _in_process_server(cfg, EchoParakeet())
+        out = {}
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+                for name, body, form in (("short16", short16, {}), ("short8", short8, {}),
+                                         ("long16", long16, {"segmentation": "fixed"})):
+                    jobs.clear()
+                    r = await c.post("/v1/audio/transcriptions", files={"file": (name + ".wav", body)}, data=form)
+                    assert r.status_code == 200, r.text
+                    out[name] = (r.json()["text"], list(jobs))
+                monkeypatch.setattr(offline, "_decodes_inline", lambda up, rate: False)  # the pooled path
+                jobs.clear()
+                r = await c.post("/v1/audio/transcriptions", files={"file": ("short16.wav", short16)})
+                out["short16 pooled"] = (r.json()["text"], list(jobs))
+        finally:
+            await stop()
+        return out
+
+    out = asyncio.run(go())
+    assert out["short16"][1] == [], out["short16"]  # neither decode nor plan in the pool
+    assert out["short16"][0] == out["short16 pooled"][0] and out["short16 pooled"][1] == ["_decode"]
+    assert out["short16"][0].startswith("n112000 ")
+    assert out["short8"][1] == ["_decode"]  # resampled: decoded in the pool, planned inline
+    assert out["long16"][1] == ["_decode", "_plan"]  # longer than INLINE_WAV_S and the window: both in the pool
+    assert out["long16"][0].count("n") == 2  # two fixed pieces (30 s + 15 s)
+
+
 def test_a_short_upload_is_cut_between_a_long_uploads_vad_slices(monkeypatch):
     """Found on the H200 (multi mode, 2 CPU threads): a 3 s upload sent while 32 uploads of 600 s
     were being cut waited 19 s in the CPU pool's queue. Now a long upload's VAD runs as slices of

@@ -6,9 +6,13 @@
          (event loop, streamed)                         options.resolve(model capabilities)
                                                                     │
     file ──load_audio──► float32 [N] 16 kHz ──plan_pieces──► [(start, end)] sample ranges
-         (CPU pool;                           (CPU pool: Silero VAD; never the model thread)
-          a long upload: load_audio_parallel, its time ranges in decode processes;
-          sequential in a multi-mode front end, which may not start processes)
+         (CPU pool;                           (CPU pool: Silero VAD; never the model thread;
+          a long upload: load_audio_parallel,  a short recording without VAD to run: on the
+          its time ranges in decode processes; event loop, it is one piece)
+          sequential in a multi-mode front end,
+          which may not start processes; a
+          short PCM WAV at the model's rate:
+          on the event loop, a conversion)
                                                                     │
     backend.transcribe_pieces ──► Transcript per piece ──merge_pieces──► Transcript ──► reply
          (scheduler: pieces of many uploads batched, uploads take turns piece by piece)
@@ -78,8 +82,11 @@ class UploadTranscriber:
             req = parse_upload(up, task)
             caps = await ctx.capabilities()
             opts = req.options.resolve(caps)
-            wav, damage = await _decoded(ctx.pool.submit(self._decode, up, caps.sample_rate,
-                                                         urgent=up.file_size <= SHORT_UPLOAD_BYTES))
+            if _decodes_inline(up, caps.sample_rate):  # a copy and a conversion: no pool queue, no thread hop
+                wav, damage = self._decode(up, caps.sample_rate)
+            else:
+                wav, damage = await _decoded(ctx.pool.submit(self._decode, up, caps.sample_rate,
+                                                             urgent=up.file_size <= SHORT_UPLOAD_BYTES))
         timing = StageTimes(upload=t1 - t0, decode=time.perf_counter() - t1)
         m.observe("decode", timing.decode)
         for w in damage:  # the server's log says it too (stderr)
@@ -111,9 +118,12 @@ class UploadTranscriber:
         ctx, m = self.ctx, self.ctx.metrics
         t0 = time.perf_counter()
         pool = pool or ctx.pool
-        probs = await self._speech_probabilities(samples, options, caps, pool)
-        pieces = await pool.run(self._plan, samples, options, caps, probs,
-                                urgent=samples.size <= SHORT_S * caps.sample_rate)
+        short = samples.size <= SHORT_S * caps.sample_rate
+        if short and not needs_vad(int(samples.size), options, caps):  # nothing to decide: no pool hop
+            pieces = plan_pieces(samples, options, caps)
+        else:
+            probs = await self._speech_probabilities(samples, options, caps, pool)
+            pieces = await pool.run(self._plan, samples, options, caps, probs, urgent=short)
         t1 = time.perf_counter()
         m.observe("plan", t1 - t0)
         parts = []
@@ -235,9 +245,28 @@ def unlink_segment(name: str | None) -> None:
 
 
 GPU_VAD_MIN_S = 120.0  # longer uploads in single mode on CUDA: the batched VAD on the GPU
+INLINE_WAV_S = 30.0  # a plain PCM WAV at the model's rate of at most this much audio decodes on the event loop
 SHORT_UPLOAD_BYTES = 2 << 20  # an upload this small (>= 65 s of 16 kHz PCM16, ~2 min of 128 kb/s mp3) decodes urgently
 VAD_SLICE_CHUNKS = 4  # a long recording's CPU VAD in jobs of 4 state chunks (65.5 s of audio)
 PARALLEL_MIN_BYTES = 256 << 10  # smaller uploads hold < 60 s at any usual bit rate: decoded from memory
+
+
+def _decodes_inline(up, rate: int) -> bool:
+    """Whether an upload decodes on the event loop instead of in the CPU pool: a plain PCM WAV
+    (:func:`~flashasr.audio.decode.plain_pcm_wav`: read with numpy) already at the model's
+    ``rate`` and at most :data:`INLINE_WAV_S` long (the header's length; the size checked first:
+    at most 30 s of 16-bit stereo). Its decode is a copy and a conversion (about 0.1 ms for 10 s
+    at 16 kHz), less than the pool's queue and two thread hand-offs under load (H100, 256 uploads
+    in flight over 6 front ends: decode p50 9.9 ms in the pool, ``serve_h100_overlap_before.json``)."""
+    from ..audio.decode import plain_pcm_wav
+
+    if up.file is None or up.file_size > int(INLINE_WAV_S * rate) * 4 + 4096:
+        return False
+    try:
+        wav = plain_pcm_wav(up.file)
+    except (OSError, ValueError):
+        return False
+    return wav is not None and wav[0] == rate and wav[1] <= INLINE_WAV_S
 
 
 def _upload_path(f, size: int) -> str | None:
