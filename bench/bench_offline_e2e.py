@@ -41,7 +41,6 @@ from __future__ import annotations
 import _thread
 import argparse
 import concurrent.futures as cf
-import importlib.util
 import json
 import math
 import os
@@ -60,7 +59,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("flashasr") is None:  # a flashasr on PYTHONPATH (another tree, for an A/B) wins
+# the checkout's src, unless a flashasr is on PYTHONPATH (another tree, for an A/B: it then wins)
+if not any((Path(d) / "flashasr" / "__init__.py").is_file()
+           for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d):
     sys.path.insert(0, str(REPO / "src"))
 
 from flashasr.models.base import ASRModel  # noqa: E402 - after the src path (NullModel's base)

@@ -132,16 +132,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _term_with_parent() -> None:
-    """``preexec_fn`` of the server (Linux): SIGTERM when the benchmark's process dies
-    (``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``), so a benchmark killed with SIGKILL does not
-    leave its server running (the server's own processes stop with it); elsewhere nothing."""
+def _die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a client process forked by the benchmark (Linux): ``sig`` when the benchmark's process dies
+    (``prctl(PR_SET_PDEATHSIG)``); a client left behind would block for ever handing its results
+    to a queue nobody reads. Elsewhere nothing."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - not Linux
         pass
+
+
+def _term_with_parent() -> None:
+    """``preexec_fn`` of the server (Linux): SIGTERM when the benchmark's process dies, kept across
+    ``exec``, so a benchmark killed with SIGKILL does not leave its server running (the server's own
+    processes stop with it)."""
+    _die_with_parent(signal.SIGTERM)
 
 
 class Server:
@@ -262,6 +269,7 @@ async def _stream(port: int, pcm: bytes, packet_ms: int, partial_ms: int, delay:
 
 
 def _client_proc(port, pcms, n, packet_ms, partial_ms, ramp_s, seed, final_timeout_s, start_at, q) -> None:
+    _die_with_parent()
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -340,6 +348,7 @@ def _offline_proc(base: str, bodies: list[bytes], order: list[int], concurrency:
     ``Server-Timing`` per request. ``client``: ``httpx`` (a multipart body built per request, pure
     Python HTTP) or ``aiohttp`` (bodies encoded once, C HTTP parser: far less client CPU per
     request, so the client's own time weighs less in the latencies and the in-flight count)."""
+    _die_with_parent()
     lat: list[float] = []
     errors: list[int] = []
     stages: list[dict] = []  # each reply's Server-Timing split (ms), with the client's latency
