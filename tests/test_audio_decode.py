@@ -692,3 +692,27 @@ def test_spooled_upload_and_threads():
         got = list(ex.map(spooled, paths * 2))
     for a, b in zip(ref * 2, got):
         np.testing.assert_array_equal(a, b)
+
+
+def test_absurd_float_magnitudes_are_clipped_with_a_warning():
+    """A float WAV scaled by 1e30 (finite, far beyond full scale) once reached Whisper's sampling as
+    inf probabilities (a 500): such samples are clipped to +-1 and named in a warning; loud but sane
+    float audio (a few times full scale) is left as it is."""
+    import struct
+
+    def float_wav(x, rate=16000):
+        data = x.astype("<f4").tobytes()
+        fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+        return (b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE" + b"fmt "
+                + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
+
+    x = _sine(16000, 0.5).astype(np.float32)
+    x[100:110] *= 1e30
+    x[300] = np.nan
+    d = load_audio(io.BytesIO(float_wav(x)))
+    assert np.isfinite(d.samples).all() and np.abs(d.samples).max() <= 1.0
+    assert any("clipped 10 samples" in w for w in d.warnings) and any("replaced 1 non-finite" in w for w in d.warnings)
+    np.testing.assert_allclose(d.samples[1000:2000], x[1000:2000], atol=1e-6)  # the rest untouched
+    loud = (_sine(16000, 0.5) * 6).astype(np.float32)  # a few times full scale: audio, not damage
+    d = load_audio(io.BytesIO(float_wav(loud)))
+    assert not d.warnings and np.abs(d.samples).max() > 2.9

@@ -52,6 +52,10 @@ _MAX_DEMUX_ERRORS = 200
 _ARRAY_BLOCK_S = 0.1
 
 
+#: a decoded sample beyond this magnitude (full scale is 1) is damage, not audio: clipped to +-1
+ABSURD_SAMPLE = 1e4
+
+
 @dataclass
 class DecodedAudio:
     """Decoded, resampled mono audio.
@@ -222,6 +226,7 @@ class _Pipeline:
         self.first_channels: int | None = None
         self.rate_changes = 0
         self.nonfinite = 0
+        self.clipped = 0  # finite samples beyond ABSURD_SAMPLE, clipped to full scale
         self.in_seconds = 0.0
         self.resample_cpu_s = 0.0  # thread CPU seconds inside soxr
         self._rs = None
@@ -255,10 +260,19 @@ class _Pipeline:
         if self.check_finite:  # before the downmix, whose running energies NaN would poison
             rows = x if x.ndim == 2 else x[None]
             for row in rows:
-                if not np.isfinite(np.dot(row, row)):  # one BLAS pass per channel
+                with np.errstate(over="ignore"):  # an overflow is what the test looks for
+                    energy = np.dot(row, row)  # one BLAS pass per channel
+                if not np.isfinite(energy):
                     bad = ~np.isfinite(row)
                     self.nonfinite += int(bad.sum())
                     row[bad] = 0.0  # x is always a buffer of ours (never the caller's array)
+                    # the sum of squares also overflows for absurd finite magnitudes (a float file
+                    # scaled by 1e30): features of those overflow in the models (Whisper's sampling
+                    # then met inf probabilities: a 500), so they are clipped to full scale
+                    huge = np.abs(row) > ABSURD_SAMPLE
+                    if huge.any():
+                        self.clipped += int(huge.sum())
+                        row[huge] = np.sign(row[huge])
         mono = self.downmix(x, rate)
         if self._rs is None:
             out.append(mono)
@@ -291,6 +305,8 @@ class _Pipeline:
             w.append(f"sample rate changed {self.rate_changes} time(s) mid-stream")
         if self.nonfinite:
             w.append(f"replaced {self.nonfinite} non-finite (NaN/Inf) samples with 0")
+        if self.clipped:
+            w.append(f"clipped {self.clipped} samples beyond +-{ABSURD_SAMPLE:g} to full scale (+-1)")
         return w
 
 
