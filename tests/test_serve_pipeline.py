@@ -361,3 +361,34 @@ def test_realtime_update_refuses_a_language_the_model_cannot_take(server):
     assert ok["session"]["input_audio_transcription"]["language"] == "en"
     assert words(final["transcript"]) == CLIP_WORDS
     assert refused["error"]["code"] == "unsupported_language" and close_code == 1008
+
+
+def test_a_model_failure_is_answered_with_error_json_and_the_server_goes_on():
+    """A model that raises something of its own (Whisper's sampling once met inf probabilities) gets
+    OpenAI's error JSON (500 internal_error, counted and logged as 500), not Starlette's bare text
+    500 that dropped the connection; the next request on the same connection is answered."""
+    from flashasr.serve.config import ServeConfig
+
+    class Broken(EchoParakeet):
+        def _transcribe(self, waves, options):
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    cfg = ServeConfig(max_batch=4, batch_wait_ms=0, cpu_threads=2, warmup=False)
+    body = wav_bytes((np.random.default_rng(5).standard_normal(16000 * 2) * 3000).astype("<i2").tobytes())
+
+    async def go():
+        base, stop = await _in_process_server(cfg, Broken())
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+                r = await c.post("/v1/audio/transcriptions", files={"file": ("a.wav", body)})
+                ready = await c.get("/ready")
+                metrics = (await c.get("/metrics")).text
+                return r, ready, metrics
+        finally:
+            await stop()
+
+    r, ready, metrics = asyncio.run(go())
+    assert r.status_code == 500 and r.headers["content-type"].startswith("application/json"), r.text
+    assert r.json()["error"]["code"] == "internal_error"
+    assert ready.status_code == 200
+    assert 'endpoint="/v1/audio/transcriptions",status="500"' in metrics

@@ -155,7 +155,9 @@ class _RequestLog:
     ``flashasr_http_requests_inflight{endpoint}`` while it runs and, when ``access_log``, one INFO
     line on ``flashasr.serve.access``:
     ``127.0.0.1:50412 "POST /v1/audio/transcriptions" 200 812.4 ms`` (client, method, path without
-    the query, status (499: the client left first), time to the end of the response)."""
+    the query, status (499: the client left first), time to the end of the response). An exception
+    no handler answered (before the response started) is logged with its traceback and answered
+    with OpenAI's error JSON, 500 ``internal_error``."""
 
     def __init__(self, app, metrics: FrontendMetrics, access_log: bool = True):
         self.app = app
@@ -180,6 +182,13 @@ class _RequestLog:
 
         try:
             await self.app(scope, receive, _send)
+        except Exception as e:  # noqa: BLE001 - an error no handler answered (a model's own failure)
+            if status:  # the response had started: nothing more can be said to the client
+                raise
+            log.error("unhandled error answering %s %s", scope.get("method", ""), path, exc_info=e)
+            # OpenAI's error JSON (500 internal_error) instead of Starlette's bare text 500, which also
+            # dropped the connection; the log and the metric say 500, not 499
+            await error_response(e)(scope, receive, _send)
         finally:
             inflight.dec()
             self.metrics.requests.labels(endpoint, str(status or 499)).inc()
