@@ -19,8 +19,8 @@ set -u
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = prepare ]; then
   set -e
-  for d in /.whj/ /.devjobs/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
-  . scripts/device_wheels.sh
+  . scripts/device_prep.sh
+  ignore_here .whj .devjobs
   device_wheels .whj av soxr silero-vad sentencepiece PyYAML
   [ -d .devjobs/corpus ] || python bench/bench_offline_e2e.py prepare --out .devjobs/corpus
   python bench/bench_offline_e2e.py shared --out .devjobs/shared

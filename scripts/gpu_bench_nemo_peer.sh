@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = "fetch" ]; then
   mkdir -p .whl-nemo
-  grep -qx '/.whl-nemo/' .git/info/exclude 2>/dev/null || echo '/.whl-nemo/' >> .git/info/exclude
+  . scripts/device_prep.sh
+  ignore_here .whl-nemo
   plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
         --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"

@@ -33,7 +33,8 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = prepare ]; then
   set -e
   SHARED="${FLASHASR_SHARED:-../shared}"
-  . scripts/device_wheels.sh
+  . scripts/device_prep.sh
+  ignore_here .whl .whav .devstream
   device_wheels .whl fastapi opentelemetry-api starlette uvicorn uvloop websockets httpx httpcore h11 anyio sniffio idna \
     certifi pydantic pydantic_core annotated-types typing_extensions typing-inspection prometheus_client python-multipart \
     soxr silero-vad sentencepiece PyYAML httptools aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs

@@ -14,7 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED="${FLASHASR_SHARED:-../shared}"
-for d in /.whl/ /.devdata/ /.whisperdev/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
+. scripts/device_prep.sh
+ignore_here .whl .devdata .whisperdev
 [ -d .whisperdev ] || python bench/bench_gpu_whisper.py prepare --pack .whisperdev
 mkdir -p .whl
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -11,7 +11,8 @@
 # stop pip's install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for d in /.rayw1/ /.rayw2/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
+. scripts/device_prep.sh
+ignore_here .rayw1 .rayw2
 tmp=$(mktemp -d)
 python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
