@@ -150,7 +150,7 @@ class EchoParakeet(ASRModel):
 
 
 def test_a_short_wav_at_the_model_rate_decodes_and_plans_without_the_cpu_pool(monkeypatch):
-    """A plain PCM WAV at the model's rate of at most INLINE_WAV_S, for a model that needs no VAD on it:
+    """A plain PCM WAV at the model's rate of at most SHORT_S (30 s), for a model that needs no VAD on it:
     decoded and planned on the event loop (no CPU-pool job: under load the pool's queue and its two
     hand-offs cost more than the work), the same transcript as through the pool. Other rates, longer
     WAVs and other containers still go to the pool."""
@@ -196,7 +196,7 @@ def test_a_short_wav_at_the_model_rate_decodes_and_plans_without_the_cpu_pool(mo
     assert out["short16"][0] == out["short16 pooled"][0] and out["short16 pooled"][1] == ["_decode"]
     assert out["short16"][0].startswith("n112000 ")
     assert out["short8"][1] == ["_decode"]  # resampled: decoded in the pool, planned inline
-    assert out["long16"][1] == ["_decode", "_plan"]  # longer than INLINE_WAV_S and the window: both in the pool
+    assert out["long16"][1] == ["_decode", "_plan"]  # longer than SHORT_S and the window: both in the pool
     assert out["long16"][0].count("n") == 2  # two fixed pieces (30 s + 15 s)
 
 

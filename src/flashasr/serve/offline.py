@@ -245,7 +245,6 @@ def unlink_segment(name: str | None) -> None:
 
 
 GPU_VAD_MIN_S = 120.0  # longer uploads in single mode on CUDA: the batched VAD on the GPU
-INLINE_WAV_S = 30.0  # a plain PCM WAV at the model's rate of at most this much audio decodes on the event loop
 SHORT_UPLOAD_BYTES = 2 << 20  # an upload this small (>= 65 s of 16 kHz PCM16, ~2 min of 128 kb/s mp3) decodes urgently
 VAD_SLICE_CHUNKS = 4  # a long recording's CPU VAD in jobs of 4 state chunks (65.5 s of audio)
 PARALLEL_MIN_BYTES = 256 << 10  # smaller uploads hold < 60 s at any usual bit rate: decoded from memory
@@ -254,19 +253,19 @@ PARALLEL_MIN_BYTES = 256 << 10  # smaller uploads hold < 60 s at any usual bit r
 def _decodes_inline(up, rate: int) -> bool:
     """Whether an upload decodes on the event loop instead of in the CPU pool: a plain PCM WAV
     (:func:`~flashasr.audio.decode.plain_pcm_wav`: read with numpy) already at the model's
-    ``rate`` and at most :data:`INLINE_WAV_S` long (the header's length; the size checked first:
-    at most 30 s of 16-bit stereo). Its decode is a copy and a conversion (about 0.1 ms for 10 s
+    ``rate`` and a short request (at most :data:`~flashasr.serve.scheduler.SHORT_S`, 30 s, by its
+    header; the size checked first: at most that much 16-bit stereo). Its decode is a copy and a conversion (about 0.1 ms for 10 s
     at 16 kHz), less than the pool's queue and two thread hand-offs under load (H100, 256 uploads
     in flight over 6 front ends: decode p50 9.9 ms in the pool, ``serve_h100_overlap_before.json``)."""
     from ..audio.decode import plain_pcm_wav
 
-    if up.file is None or up.file_size > int(INLINE_WAV_S * rate) * 4 + 4096:
+    if up.file is None or up.file_size > int(SHORT_S * rate) * 4 + 4096:
         return False
     try:
         wav = plain_pcm_wav(up.file)
     except (OSError, ValueError):
         return False
-    return wav is not None and wav[0] == rate and wav[1] <= INLINE_WAV_S
+    return wav is not None and wav[0] == rate and wav[1] <= SHORT_S
 
 
 def _upload_path(f, size: int) -> str | None:
