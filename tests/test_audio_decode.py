@@ -713,6 +713,10 @@ def test_absurd_float_magnitudes_are_clipped_with_a_warning():
     assert np.isfinite(d.samples).all() and np.abs(d.samples).max() <= 1.0
     assert any("clipped 10 samples" in w for w in d.warnings) and any("replaced 1 non-finite" in w for w in d.warnings)
     np.testing.assert_allclose(d.samples[1000:2000], x[1000:2000], atol=1e-6)  # the rest untouched
+    y = _sine(16000, 0.5).astype(np.float32)
+    y[50:66] = 1e6  # beyond ABSURD_SAMPLE without overflowing a sum of squares: clipped too
+    d = load_audio(io.BytesIO(float_wav(y)))
+    assert np.abs(d.samples).max() <= 1.0 and any("clipped 16 samples" in w for w in d.warnings)
     loud = (_sine(16000, 0.5) * 6).astype(np.float32)  # a few times full scale: audio, not damage
     d = load_audio(io.BytesIO(float_wav(loud)))
     assert not d.warnings and np.abs(d.samples).max() > 2.9

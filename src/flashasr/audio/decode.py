@@ -262,13 +262,14 @@ class _Pipeline:
             for row in rows:
                 with np.errstate(over="ignore"):  # an overflow is what the test looks for
                     energy = np.dot(row, row)  # one BLAS pass per channel
-                if not np.isfinite(energy):
+                if not energy <= ABSURD_SAMPLE ** 2:  # NaN, Inf, or a sample beyond ABSURD_SAMPLE (real audio's
+                    # sum of squares stays far below: a block of a million full-scale samples is 1e6)
                     bad = ~np.isfinite(row)
                     self.nonfinite += int(bad.sum())
                     row[bad] = 0.0  # x is always a buffer of ours (never the caller's array)
-                    # the sum of squares also overflows for absurd finite magnitudes (a float file
-                    # scaled by 1e30): features of those overflow in the models (Whisper's sampling
-                    # then met inf probabilities: a 500), so they are clipped to full scale
+                    # absurd finite magnitudes (a float file scaled by 1e30: its features overflowed in
+                    # the models, Whisper's sampling met inf probabilities, a 500; 1e6 wrecked the text)
+                    # are clipped to full scale
                     huge = np.abs(row) > ABSURD_SAMPLE
                     if huge.any():
                         self.clipped += int(huge.sum())
