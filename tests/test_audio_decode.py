@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 import tracemalloc
 import wave
 
@@ -21,6 +22,7 @@ from flashasr.audio import (
     EmptyAudioError,
     NoAudioStreamError,
     UnsupportedFormatError,
+    UnsupportedSampleRateError,
     iter_audio,
     load_audio,
     probe,
@@ -490,6 +492,34 @@ def test_zero_length_wav(tmp_path):
         load_audio(p)
     _assert_names(e, "zero.wav")
     assert e.value.code == "empty_audio"
+
+
+def _pcm16_wav(rate: int, n: int = 8000) -> bytes:
+    """A mono 16-bit WAV whose header claims ``rate`` Hz (byte rate wrapped at 32 bits, as a writer's
+    overflow would leave it)."""
+    data = (np.sin(np.arange(n) / 10) * 8000).astype("<i2").tobytes()
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, (rate * 2) & 0xFFFFFFFF, 2, 16)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+@pytest.mark.parametrize("rate", [2**31 - 1, 1_000_000, 999, 1])
+def test_a_sample_rate_no_recording_uses_is_refused_by_name(rate):
+    """2^31-1 Hz made a WAV's samples microseconds of audio (an empty transcript, answered 200); 1 Hz
+    made 16 KB hours of audio. Refused from a WAV header (our reader or FFmpeg's), raw PCM and arrays."""
+    with pytest.raises(UnsupportedSampleRateError, match=f"{rate} Hz is outside") as e:
+        load_audio(io.BytesIO(_pcm16_wav(rate)))
+    assert e.value.code == "unsupported_sample_rate" and isinstance(e.value, UnsupportedFormatError)
+    with pytest.raises(UnsupportedSampleRateError):
+        load_audio(np.zeros(4000, np.int16).tobytes(), raw_format="s16le", sample_rate=rate)
+    with pytest.raises(UnsupportedSampleRateError):
+        load_audio(np.zeros(4000, np.float32), sample_rate=rate)
+
+
+@pytest.mark.parametrize("rate", [1000, 8000, 768_000])
+def test_the_sample_rates_recordings_use_still_decode(rate):
+    d = load_audio(io.BytesIO(_pcm16_wav(rate)))
+    assert d.source_sample_rate == rate and abs(d.duration - 8000 / rate) < 1e-3
 
 
 def test_text_renamed_wav(tmp_path):

@@ -14,6 +14,7 @@ import json
 import re
 import resource
 import socket
+import struct
 import time
 from pathlib import Path
 
@@ -211,11 +212,20 @@ def _no_audio_stream_file() -> bytes:
     return buf.getvalue()
 
 
+def _rate_wav(rate: int) -> bytes:
+    """A 16-bit mono WAV of 8,000 samples whose header claims ``rate`` Hz."""
+    data = np.zeros(8000, "<i2").tobytes()
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, (rate * 2) & 0xFFFFFFFF, 2, 16)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
 def test_error_codes(client):
     cases = [
         (b"this is not audio at all, just text\n" * 10, {}, 400, "unsupported_format"),
         (b"", {}, 400, "empty_audio"),
         (_no_audio_stream_file(), {}, 400, "no_audio_stream"),
+        (_rate_wav(2**31 - 1), {}, 400, "unsupported_sample_rate"),  # was 200 with an empty text
         ((AUDIO / "long" / "long-silero-test-60s.wav").read_bytes(), {}, 400, "audio_too_long"),
         (CLIP.read_bytes(), {"response_format": "docx"}, 400, "unsupported_response_format"),
         (CLIP.read_bytes(), {"language": "english!"}, 400, "invalid_request"),

@@ -29,6 +29,7 @@ from .errors import (
     EmptyAudioError,
     NoAudioStreamError,
     UnsupportedFormatError,
+    UnsupportedSampleRateError,
 )
 
 _VAD_NAMES = {"speech_segments", "split_for_asr", "iter_asr_chunks", "StreamingVAD", "VADEvent",
@@ -67,4 +68,5 @@ __all__ = [
     "EmptyAudioError",
     "NoAudioStreamError",
     "UnsupportedFormatError",
+    "UnsupportedSampleRateError",
 ]

@@ -35,6 +35,7 @@ from .errors import (
     EmptyAudioError,
     NoAudioStreamError,
     UnsupportedFormatError,
+    UnsupportedSampleRateError,
 )
 
 #: Raw PCM formats accepted by ``raw_format``: numpy dtype.
@@ -51,6 +52,11 @@ _MAX_CHANNELS = 64
 _MAX_DEMUX_ERRORS = 200
 _ARRAY_BLOCK_S = 0.1
 
+
+#: (lowest, highest) input sample rate in Hz accepted from any source (containers, WAV headers, raw
+#: PCM, arrays): 1 kHz is below any speech recording (telephony is 8 kHz), 768 kHz is the highest PCM
+#: rate in use. Outside it a header is damaged or hostile (UnsupportedSampleRateError).
+SOURCE_RATES = (1_000, 768_000)
 
 #: a decoded sample beyond this magnitude (full scale is 1) is damage, not audio: clipped to +-1
 ABSURD_SAMPLE = 1e4
@@ -247,6 +253,10 @@ class _Pipeline:
             self.first_rate = rate
             self.first_channels = x.shape[0] if x.ndim == 2 else 1
         if rate != self.in_rate:
+            if not SOURCE_RATES[0] <= rate <= SOURCE_RATES[1]:
+                raise UnsupportedSampleRateError(
+                    f"{self.label}: sample rate {rate} Hz is outside "
+                    f"{SOURCE_RATES[0]}..{SOURCE_RATES[1]} Hz (a damaged or hostile header?)")
             if self.in_rate is not None:
                 self.rate_changes += 1
                 out.extend(self.flush())

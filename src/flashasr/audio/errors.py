@@ -28,6 +28,15 @@ class CorruptAudioError(AudioError):
     code = "corrupt_audio"
 
 
+class UnsupportedSampleRateError(UnsupportedFormatError):
+    """The input's sample rate is outside what any recording uses
+    (:data:`flashasr.audio.decode.SOURCE_RATES`): a damaged or hostile header. 2^31-1 Hz made a
+    file's samples a few microseconds of audio (an empty transcript); 1 Hz made a 32 KB upload
+    hours of audio."""
+
+    code = "unsupported_sample_rate"
+
+
 class AudioArgumentError(AudioError, ValueError):
     """The call itself is inconsistent: e.g. a numpy array without ``sample_rate``, raw PCM
     without ``channels``, an unknown ``raw_format``, an array of shape [C, N]."""
@@ -44,4 +53,5 @@ __all__ = [
     "AudioFileNotFoundError",
     "CorruptAudioError",
     "AudioArgumentError",
+    "UnsupportedSampleRateError",
 ]

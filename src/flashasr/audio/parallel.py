@@ -86,6 +86,7 @@ from typing import Any
 import numpy as np
 
 from .decode import (
+    SOURCE_RATES,
     DecodedAudio,
     _ContainerSource,
     _frame_info,
@@ -281,7 +282,7 @@ def _plan(path: str, label: str, target_rate: int | None, workers: int, max_dura
         in_rate = int(first_frame.sample_rate)
         tb = Fraction(st.time_base.numerator, st.time_base.denominator)
         first = first_frame.pts * tb * in_rate
-        if in_rate <= 0 or first.denominator != 1:
+        if not SOURCE_RATES[0] <= in_rate <= SOURCE_RATES[1] or first.denominator != 1:
             return None, src
         out_rate = int(target_rate or in_rate)
         g = math.gcd(in_rate, out_rate)
