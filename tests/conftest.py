@@ -22,6 +22,20 @@ def sigint_default() -> None:
     to its end (seen: every output written, exit 0, "nothing to resume")."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+@pytest.fixture()
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt during the test (Python's own handler), whatever the test
+    process inherited. Started in the background by a shell without job control (``pytest ... &``),
+    pytest ignores SIGINT, and a test that sends itself Ctrl-C waited for a stop that never came
+    (a run started so gave what a new user saw: a job waiting for ever on a stopped model process,
+    and ``interrupted`` False)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 # Keep the 2-core CI machine responsive: tests that use torch run single-threaded
 # unless told otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
