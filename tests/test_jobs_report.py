@@ -389,3 +389,50 @@ def test_a_second_ctrl_c_while_the_job_winds_down_is_noted_not_raised(wavs, tmp_
                 workers=2, progress=False)
     assert len(fired) == 2 and r.interrupted and r.exit_code != 0
     assert _wound_down(r, tmp_path / "out") and len(r.ok) < 4
+
+
+@pytest.mark.parametrize("handler", ["the caller's own"])
+def test_a_ctrl_c_while_the_main_thread_runs_a_decode_callback_interrupts_the_job(wavs, tmp_path, monkeypatch,
+                                                                                 sigint_raises, handler):
+    """A decode done before its completion callback was attached: the main thread runs that callback
+    itself. A Ctrl-C landing there was taken for the file's failure (``KeyboardInterrupt: ``) and the
+    job ran on to its end, ``interrupted`` False. Now the callback passes it on. Made exact: every decode is awaited before its callback is attached,
+    and the SIGINT is sent from the callback's ``result()`` call."""
+    import concurrent.futures as cf
+    import signal
+
+    from flashasr.jobs import feeder as feeder_mod
+
+    class DoneFirst(set):  # the pool's futures: each added once its decode is done
+        def add(self, f):
+            f.exception(timeout=60)
+            super().add(f)
+
+    init = feeder_mod._ThreadWorkers.__init__
+
+    def patched_init(self, *args, **kw):
+        init(self, *args, **kw)
+        self._futures = DoneFirst()
+
+    monkeypatch.setattr(feeder_mod._ThreadWorkers, "__init__", patched_init)
+    result, sent = cf.Future.result, []
+
+    def result_with_ctrl_c(self, timeout=None):
+        if threading.current_thread() is threading.main_thread() and not sent:
+            sent.append(True)
+            _ctrl_c()
+        return result(self, timeout)
+
+    monkeypatch.setattr(cf.Future, "result", result_with_ctrl_c)
+    if handler == "the caller's own":
+        def own(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, own)  # the fixture puts Python's back
+    try:
+        r = run_job([wavs], SleepModel(), tmp_path / "out", "text", batch_size=1, split_fn=fixed_split,
+                    max_segment_s=5, workers=2, progress=False)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped run_job")
+    assert sent and r.interrupted and not r.failed, [x.error_message for x in r.failed]
+    assert _wound_down(r, tmp_path / "out")

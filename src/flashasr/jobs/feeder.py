@@ -235,7 +235,10 @@ class _ThreadWorkers:
             return
         try:
             got = f.result()
-        except BaseException as e:  # noqa: BLE001 - job() catches its errors; not a KeyboardInterrupt
+        except BaseException as e:  # noqa: BLE001 - job() catches its errors
+            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                raise  # a Ctrl-C landing while the main thread ran this callback (the decode was done before
+                # it was attached): the job's interrupt, not the file's failure (the job ran on, not interrupted)
             got = DecodeFailure("internal_error", f"{type(e).__name__}: {e}")
         self.on_result(i, got)
 
@@ -281,7 +284,7 @@ class DecodeFeeder:
             in the job (the model process maps the samples by name; see :meth:`_take_shared`).
 
     The main thread calls :meth:`start` (inside its ``try``: a Ctrl-C held back while forking is
-    raised there), then loops over :meth:`maintain`, :meth:`take_ready`, :meth:`release` (a file
+    delivered there), then loops over :meth:`maintain`, :meth:`take_ready`, :meth:`release` (a file
     finished: its audio leaves the budget) and :meth:`wait`; :meth:`stop` on interrupt,
     :meth:`shutdown` at the end. Worker processes are forked in the constructor, before the job
     starts any thread of its own.
