@@ -391,12 +391,45 @@ def test_a_second_ctrl_c_while_the_job_winds_down_is_noted_not_raised(wavs, tmp_
     assert _wound_down(r, tmp_path / "out") and len(r.ok) < 4
 
 
-@pytest.mark.parametrize("handler", ["the caller's own"])
+@pytest.mark.parametrize("where", ["as the decoding stops", "as the wind-down begins"])
+def test_a_ctrl_c_right_after_the_first_is_noted_not_raised(wavs, tmp_path, monkeypatch, sigint_raises, where):
+    """The second Ctrl-C landing right after the first was caught -- while the job stops its decoding,
+    or before the wind-down had taken the signals over -- escaped run_job: no wind-down (journal not
+    compacted, threads left running). Now every signal after the first is noted. Each moment is
+    made exact here: the second SIGINT is sent from inside the job's own step."""
+    from flashasr.jobs import feeder as feeder_mod
+
+    if where == "as the decoding stops":
+        stop = feeder_mod.DecodeFeeder.stop
+        monkeypatch.setattr(feeder_mod.DecodeFeeder, "stop", lambda self: (stop(self), _ctrl_c()))
+    else:
+        unblock = runner.unblock_sigint
+        monkeypatch.setattr(runner, "unblock_sigint", lambda: (_ctrl_c(), unblock()))
+    m = HeldModel()
+
+    def first():
+        m.started.wait(60)
+        _ctrl_c()
+        time.sleep(0.2)
+        m.release.set()
+
+    threading.Thread(target=first, daemon=True).start()
+    try:
+        r = run_job([wavs], m, tmp_path / "out", "text", batch_size=1, split_fn=fixed_split, max_segment_s=5,
+                    workers=2, progress=False)
+    except KeyboardInterrupt:
+        pytest.fail("the second Ctrl-C escaped run_job")
+    assert r.interrupted and _wound_down(r, tmp_path / "out")
+
+
+@pytest.mark.parametrize("handler", ["Python's", "the caller's own"])
 def test_a_ctrl_c_while_the_main_thread_runs_a_decode_callback_interrupts_the_job(wavs, tmp_path, monkeypatch,
                                                                                  sigint_raises, handler):
     """A decode done before its completion callback was attached: the main thread runs that callback
     itself. A Ctrl-C landing there was taken for the file's failure (``KeyboardInterrupt: ``) and the
-    job ran on to its end, ``interrupted`` False. Now the callback passes it on. Made exact: every decode is awaited before its callback is attached,
+    job ran on to its end, ``interrupted`` False. With Python's handler the job notes the signal and
+    stops at its next turn; a caller's own handler that raises KeyboardInterrupt (left in place) gets
+    it passed on by the callback. Made exact: every decode is awaited before its callback is attached,
     and the SIGINT is sent from the callback's ``result()`` call."""
     import concurrent.futures as cf
     import signal

@@ -10,8 +10,8 @@ Python API::
 Modules, one role each: :mod:`.inputs` (expanding inputs, output keys), :mod:`.feeder` (the CPU
 stage in a worker pool), :mod:`.procpool` (the forked decode worker processes), :mod:`.batcher` (cross-file batches on the model), :mod:`.finish` (merge,
 render, write, journal), :mod:`.outputs` (atomic writes, ``summary.jsonl``, resume), :mod:`.report`
-(results and accounting), :mod:`.gpumon` (NVML sampling) and :mod:`.runner` (:func:`run_job`, the
-conductor). Segmentation, model calls and merging are the pipeline's (:mod:`flashasr.pipeline`).
+(results and accounting), :mod:`.gpumon` (NVML sampling), :mod:`.interrupts` (where a Ctrl-C or
+SIGTERM acts during a job) and :mod:`.runner` (:func:`run_job`, the conductor). Segmentation, model calls and merging are the pipeline's (:mod:`flashasr.pipeline`).
 See ``docs/JOBS.md`` for the pipeline, output naming and resume rules.
 """
 

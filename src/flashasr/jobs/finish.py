@@ -39,6 +39,7 @@ from ..options import ModelCapabilities, TranscribeOptions
 from ..pipeline import merge_pieces
 from .batcher import FileState
 from .inputs import InputItem
+from .interrupts import join
 from .outputs import Summary, atomic_write_text, input_signature
 from .report import FileResult, JobReport
 
@@ -196,7 +197,7 @@ class Finisher:
         """
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join()
+            join(self._thread)  # in slices: a Ctrl-C meanwhile is noted at once (jobs.interrupts)
             self._thread = None
             self._pool.shutdown(wait=True)
         if self.bar is not None:

@@ -27,6 +27,7 @@ from collections import deque
 
 from ..options import TranscribeOptions
 from ..pipeline import transcribe_pieces
+from .interrupts import join
 
 
 class ModelWorker:
@@ -117,7 +118,7 @@ class ModelWorker:
                 break
         self._todo.put(None)
         for t in self._threads:
-            t.join()
+            join(t)  # in slices: a second Ctrl-C that kills a hung model process is acted on at once
 
     def _run(self) -> None:
         while True:

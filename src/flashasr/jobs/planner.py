@@ -19,6 +19,7 @@ from ..options import ModelCapabilities, TranscribeOptions
 from ..pipeline import plan_many, plan_pieces
 from .batcher import FileState
 from .feeder import error_of
+from .interrupts import join
 
 
 class Planner:
@@ -76,7 +77,7 @@ class Planner:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self._thread.join()
+        join(self._thread)  # in slices: a Ctrl-C meanwhile is noted at once (jobs.interrupts)
 
     def _plan(self, states: list[FileState]) -> None:
         try:

@@ -26,7 +26,9 @@ the defaults (:func:`default_workers`, :func:`default_batch_size`, :func:`defaul
 * Batched results equal per-file results (the model contract of
   :meth:`~flashasr.models.base.ASRModel.transcribe_batch`), and one bad file or piece fails alone.
 * Ctrl-C: the job stops starting work, keeps the finished outputs, compacts the journal and
-  returns with ``interrupted=True`` (exit code 130).
+  returns with ``interrupted=True`` (exit code 130). The interrupt is raised only where the
+  conductor waits or begins a turn, and a second one is noted, never raised
+  (:class:`~flashasr.jobs.interrupts.JobInterrupts`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
@@ -46,6 +47,7 @@ from ..pipeline.plan import default_vad_device
 from .batcher import Batcher, FileState
 from .feeder import DecodeFailure, DecodeFeeder, unblock_sigint
 from .finish import Finisher
+from .interrupts import JobInterrupts
 from .model_worker import ModelWorker
 from .planner import Planner
 from .inputs import InputItem, expand_inputs
@@ -232,8 +234,9 @@ class _Conductor:
     def __init__(self, items: list[InputItem], file_opts: list, feeder: DecodeFeeder, batcher: Batcher,
                  model: ModelWorker, finisher: Finisher, report: JobReport, batch_wait_s: float, *,
                  options: TranscribeOptions, caps: ModelCapabilities, vad_device: str, split: Callable | None,
-                 min_batch: int | None = None):
+                 interrupts: JobInterrupts, min_batch: int | None = None):
         self.items, self.file_opts = items, file_opts
+        self.interrupts = interrupts
         self.feeder, self.batcher, self.model, self.finisher = feeder, batcher, model, finisher
         self.report = report
         self.batch_wait_s = batch_wait_s
@@ -251,6 +254,7 @@ class _Conductor:
     def run(self) -> None:
         timed_out = False
         while True:
+            self.interrupts.check()  # a Ctrl-C noted since the last turn: stop now
             self.finisher.check()  # on_result raised: stop now (no other batch starts)
             self.feeder.maintain()
             done_now = self.model.take_done()
@@ -272,7 +276,7 @@ class _Conductor:
             if got_now or done_now or planned:
                 timed_out = False
                 continue
-            fired = self.feeder.wait(self.batch_wait_s if pending else 1.0)
+            fired = self.interrupts.wait(self.feeder.wait, self.batch_wait_s if pending else 1.0)
             timed_out = pending and not fired
 
     def _time_for_a_batch(self, timed_out: bool) -> bool:
@@ -289,7 +293,8 @@ class _Conductor:
                 or len(self.batcher.pending) >= self.min_batch)
 
     def _submit(self) -> None:
-        self.finisher.check()  # and once more right before a batch is handed over
+        self.interrupts.check()  # and once more right before a batch is handed over
+        self.finisher.check()
         batch, options, waves = self.batcher.take_batch()
         self._n += 1
         self.batches[self._n] = batch
@@ -409,8 +414,11 @@ def run_job(
             when it uses processes. With a pool, ``workers`` is its size.
     Returns:
         :class:`JobReport`; ``report.exit_code`` is non-zero when any input failed.
-        On KeyboardInterrupt the job stops starting work, keeps the finished outputs
-        (never a half-written file) and returns with ``interrupted=True``.
+        On Ctrl-C (SIGINT, or a SIGTERM whose handler raises KeyboardInterrupt) the job stops
+        starting work, keeps the finished outputs (never a half-written file) and returns with
+        ``interrupted=True``; a second one is noted, not raised, and kills a model process whose
+        call keeps the job waiting (its ``kill``). Before the job starts (while the inputs are
+        listed and the journal read) a Ctrl-C raises KeyboardInterrupt: nothing was done yet.
     Raises:
         InvalidRequestError (``invalid_request``): bad options, ``fmt``, ``batch_size``, ``workers``,
             ``cpu_pool`` or ``max_buffered_audio_s``; UnsupportedTaskError / UnsupportedLanguageError:
@@ -437,39 +445,45 @@ def run_job(
     finisher = Finisher(items, report=report, out_dir=out_dir, fmt=fmt, summary=summary, caps=caps, options=opts,
                         on_result=on_result, keep_transcripts=keep_transcripts)
     batcher = Batcher(batch_size)
-    # forks the worker processes now, before this job starts any thread of its own
-    feeder = DecodeFeeder([str(it.path) for it in items], todo, options=opts, caps=caps, workers=report.workers,
-                          cpu_pool=report.cpu_pool, max_buffered=int(max_buffered_audio_s * caps.sample_rate),
-                          decode=decode_fn, split=split_fn, plan=vad_device == "cpu", decode_workers=decode_workers,
-                          pool=worker_pool, keep_shared=bool(getattr(model, "maps_shared_memory", False)))
-    finisher.wake = feeder.wake
     model_worker = sampler = conductor = None
     switch = sys.getswitchinterval()
-    if report.cpu_pool == "process":
-        sys.setswitchinterval(JOB_SWITCH_INTERVAL_S)
-    try:
-        finisher.open_progress(progress)
-        finisher.start_writer()
-        for i, res in early:
-            finisher.emit(i, res)
-        sampler = _start_gpu_monitor(device, gpu_monitor)
-        if sampler is None and gpu_monitor:
-            report.nvml = {"available": False, "reason": f"model device is {device!r}, or torch.cuda is unavailable"}
-        model_worker = ModelWorker(model, wake=feeder.wake, synchronize_cuda=device.startswith("cuda") and not
-                                   getattr(model, "isolates_pieces", False))  # a model process answers when done
-        feeder.start()  # a Ctrl-C held back while forking is raised here, inside the try
-        conductor = _Conductor(items, file_opts, feeder, batcher, model_worker, finisher, report, batch_wait_s,
-                               options=opts, caps=caps, vad_device=vad_device, split=split_fn, min_batch=min_batch)
-        conductor.run()
-    except KeyboardInterrupt:
-        report.interrupted = True
-        feeder.stop()
-    finally:
-        sys.setswitchinterval(switch)
-        unblock_sigint()  # whatever happened before the loop started
-        # a second Ctrl-C (or SIGTERM) while the job winds down is noted, not raised: the cleanup below
-        # always runs to its end (journal, shared memory); it only stops waiting for a model process
-        with _interrupts_held(report, abandon=getattr(model, "kill", None)):
+    # from here a Ctrl-C (or a SIGTERM that raises KeyboardInterrupt) is noted and raised only where the
+    # conductor waits or begins a turn; a second one gives a model process up (kills it); see JobInterrupts
+    with JobInterrupts(report, abandon=getattr(model, "kill", None)) as interrupts:
+        # forks the worker processes now, before this job starts any thread of its own
+        feeder = DecodeFeeder([str(it.path) for it in items], todo, options=opts, caps=caps, workers=report.workers,
+                              cpu_pool=report.cpu_pool, max_buffered=int(max_buffered_audio_s * caps.sample_rate),
+                              decode=decode_fn, split=split_fn, plan=vad_device == "cpu",
+                              decode_workers=decode_workers, pool=worker_pool,
+                              keep_shared=bool(getattr(model, "maps_shared_memory", False)))
+        finisher.wake = feeder.wake
+        try:
+            if report.cpu_pool == "process":
+                sys.setswitchinterval(JOB_SWITCH_INTERVAL_S)
+            finisher.open_progress(progress)
+            finisher.start_writer()
+            for i, res in early:
+                finisher.emit(i, res)
+            sampler = _start_gpu_monitor(device, gpu_monitor)
+            if sampler is None and gpu_monitor:
+                report.nvml = {"available": False,
+                               "reason": f"model device is {device!r}, or torch.cuda is unavailable"}
+            model_worker = ModelWorker(model, wake=feeder.wake, synchronize_cuda=device.startswith("cuda") and not
+                                       getattr(model, "isolates_pieces", False))  # a model process answers when done
+            feeder.start()  # a Ctrl-C held back while forking is delivered here (noted; the conductor raises it)
+            conductor = _Conductor(items, file_opts, feeder, batcher, model_worker, finisher, report, batch_wait_s,
+                                   options=opts, caps=caps, vad_device=vad_device, split=split_fn,
+                                   interrupts=interrupts, min_batch=min_batch)
+            conductor.run()
+        except KeyboardInterrupt:
+            report.interrupted = True
+            feeder.stop()
+        finally:
+            # a second Ctrl-C (or SIGTERM) while the job winds down is noted, not raised: the cleanup below
+            # always runs to its end (journal, shared memory); it only stops waiting for a model process
+            interrupts.hold()
+            sys.setswitchinterval(switch)
+            unblock_sigint()  # whatever happened before the loop started
             _wind_down(report, conductor, model_worker, feeder, finisher, batcher, sampler, summary, items,
                        t_job, cpu_job)
     return report
@@ -496,36 +510,6 @@ def _wind_down(report, conductor, model_worker, feeder, finisher, batcher, sampl
                 summary.compact([str(it.path) for it in items])
             except OSError:
                 pass
-
-
-@contextmanager
-def _interrupts_held(report: JobReport, abandon: Callable | None = None):
-    """SIGINT and SIGTERM noted instead of raised while the block runs (main thread only; elsewhere
-    nothing changes): the report says ``interrupted``, and ``abandon`` (a model process's ``kill``)
-    is called so that no wait for a hung model call outlasts the user's second Ctrl-C."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def note(signum, frame):
-        report.interrupted = True
-        if abandon is not None:
-            abandon()
-
-    before = {}
-    for s in (signal.SIGINT, signal.SIGTERM):
-        try:
-            before[s] = signal.signal(s, note)
-        except (ValueError, OSError):
-            pass
-    try:
-        yield
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h)
 
 
 def _workers_plan(workers, cpu_pool, device: str, n_files: int, custom_hooks: bool, pool):
