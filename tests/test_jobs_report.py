@@ -338,12 +338,12 @@ def test_bench_copies_are_distinct_inputs_and_pieces_match_the_runner(wavs, tmp_
     assert sorted(seen) == sorted(want * 3)
 
 
-def _ctrl_c() -> None:
-    """SIGINT to this process (from the main thread its handler runs before the next line)."""
+def _ctrl_c(sig: str = "SIGINT") -> None:
+    """SIGINT (or ``sig``) to this process (from the main thread its handler runs before the next line)."""
     import os
     import signal
 
-    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), getattr(signal, sig))
 
 
 def _wound_down(r, out: Path) -> bool:
@@ -391,20 +391,38 @@ def test_a_second_ctrl_c_while_the_job_winds_down_is_noted_not_raised(wavs, tmp_
     assert _wound_down(r, tmp_path / "out") and len(r.ok) < 4
 
 
+@pytest.fixture()
+def sigterm_as_the_cli_has_it():
+    """SIGTERM with ``flashasr transcribe``'s handler during the test (put back afterwards)."""
+    import signal
+
+    from flashasr import cli
+
+    before = signal.getsignal(signal.SIGTERM)
+    cli._install_sigterm()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("second", ["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("where", ["as the decoding stops", "as the wind-down begins"])
-def test_a_ctrl_c_right_after_the_first_is_noted_not_raised(wavs, tmp_path, monkeypatch, sigint_raises, where):
-    """The second Ctrl-C landing right after the first was caught -- while the job stops its decoding,
-    or before the wind-down had taken the signals over -- escaped run_job: no wind-down (journal not
-    compacted, threads left running). Now every signal after the first is noted. Each moment is
-    made exact here: the second SIGINT is sent from inside the job's own step."""
+def test_a_ctrl_c_right_after_the_first_is_noted_not_raised(wavs, tmp_path, monkeypatch, sigint_raises,
+                                                             sigterm_as_the_cli_has_it, where, second):
+    """The second Ctrl-C (or SIGTERM, with ``flashasr transcribe``'s handler) landing right after the
+    first was caught -- while the job stops its decoding, or before the wind-down had taken the
+    signals over -- escaped run_job: no wind-down (journal not compacted, threads left running). Now
+    every signal after the first is noted. Each moment is made exact here: the second signal is sent
+    from inside the job's own step."""
     from flashasr.jobs import feeder as feeder_mod
 
     if where == "as the decoding stops":
         stop = feeder_mod.DecodeFeeder.stop
-        monkeypatch.setattr(feeder_mod.DecodeFeeder, "stop", lambda self: (stop(self), _ctrl_c()))
+        monkeypatch.setattr(feeder_mod.DecodeFeeder, "stop", lambda self: (stop(self), _ctrl_c(second)))
     else:
         unblock = runner.unblock_sigint
-        monkeypatch.setattr(runner, "unblock_sigint", lambda: (_ctrl_c(), unblock()))
+        monkeypatch.setattr(runner, "unblock_sigint", lambda: (_ctrl_c(second), unblock()))
     m = HeldModel()
 
     def first():
@@ -418,7 +436,7 @@ def test_a_ctrl_c_right_after_the_first_is_noted_not_raised(wavs, tmp_path, monk
         r = run_job([wavs], m, tmp_path / "out", "text", batch_size=1, split_fn=fixed_split, max_segment_s=5,
                     workers=2, progress=False)
     except KeyboardInterrupt:
-        pytest.fail("the second Ctrl-C escaped run_job")
+        pytest.fail(f"the second signal ({second}) escaped run_job")
     assert r.interrupted and _wound_down(r, tmp_path / "out")
 
 

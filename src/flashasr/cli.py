@@ -136,11 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _install_sigterm() -> None:
-    def _handler(signum, frame):  # turn SIGTERM into the same clean stop as Ctrl-C
-        raise KeyboardInterrupt
-
+    """SIGTERM gets Ctrl-C's handler (``signal.default_int_handler``: KeyboardInterrupt), so it is the
+    same clean stop; a job takes both over while it runs (:class:`flashasr.jobs.interrupts.JobInterrupts`)."""
     try:
-        signal.signal(signal.SIGTERM, _handler)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     except (ValueError, OSError):  # not the main thread
         pass
 
