@@ -145,6 +145,113 @@ def test_concurrent_senders_coalesce_and_frames_stay_whole(loop_kind):
     assert last.type == ipc.MsgType.PING and last.req_id == 999
 
 
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_read_frames_hands_every_frame_to_the_callback_in_order(loop_kind):
+    """The engine's way of reading (``Conn.read_frames``): frames read ahead by ``recv_frame`` come
+    first, then every frame as it arrives, whole and in order -- small ones many to a receive, a
+    payload larger than the read-ahead buffer received into its own array, metadata larger than it
+    -- while the reader stays registered; the end of the stream, a malformed frame and an exception
+    of the callback end the reading with that error; a closed connection ends it too."""
+    rng = np.random.default_rng(3)
+    sizes = [int(n) for n in rng.integers(1, 3000, 200)]
+    sizes[20] = 400_000  # 1.6 MB: beyond the 256 KiB read-ahead buffer
+    waves = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    big_meta = {"text": "x" * 300_000}  # beyond the buffer too
+
+    async def go():
+        a, b = socket.socketpair()
+        ca, cb = ipc.Conn(a), ipc.Conn(b)
+        for i in range(2):  # two frames in one send: recv_frame reads both ahead, returns the first
+            await ca.send(ipc.encode(ipc.MsgType.PING, 100 + i))
+        first = await cb.recv_frame()
+        got = []
+        done = cb.read_frames(got.append)
+        for i, w in enumerate(waves):
+            f, m, p, _ = ipc.pack_audio(w, shm_threshold=1 << 30)
+            if i == 50:
+                m.update(big_meta)
+            await ca.send(ipc.encode(ipc.MsgType.TRANSCRIBE, i, m, p, f))
+            if i % 37 == 0:
+                await asyncio.sleep(0.001)
+        while len(got) < len(waves) + 1:
+            await asyncio.sleep(0.01)
+        assert not done.done()
+        ca.close()
+        with pytest.raises(asyncio.IncompleteReadError):
+            await done
+        cb.close()
+
+        ends = []
+        for bad in (b"XX" + ipc.encode(ipc.MsgType.PING, 1)[0][2:], None):  # malformed; a callback that raises
+            a, b = socket.socketpair()
+            c = ipc.Conn(b)
+
+            def boom(f):
+                raise RuntimeError("boom")
+
+            done = c.read_frames(boom if bad is None else got.append)
+            a.sendall(bad or ipc.encode(ipc.MsgType.PING, 1)[0])
+            with pytest.raises((ipc.FramingError, RuntimeError)) as e:
+                await asyncio.wait_for(done, 5)
+            ends.append(type(e.value))
+            c.close()
+            a.close()
+        a, b = socket.socketpair()
+        c = ipc.Conn(b)
+        done = c.read_frames(got.append)
+        c.close()
+        with pytest.raises(ConnectionError):
+            await done
+        a.close()
+        return first, got, ends
+
+    first, got, ends = _run_loop(loop_kind, go())
+    assert first.req_id == 100 and got[0].req_id == 101
+    got = got[1:]
+    assert [g.req_id for g in got] == list(range(len(waves)))
+    for g, w in zip(got, waves):
+        np.testing.assert_array_equal(ipc.unpack_audio(g), w)
+    assert got[50].meta["text"] == big_meta["text"]
+    assert ends == [ipc.FramingError, RuntimeError]
+
+
+def test_read_frames_holds_while_replies_wait_for_a_peer_that_does_not_read():
+    """An engine's STATS or PING reply to a front end that does not read: once more than WRITE_HIGH
+    bytes wait to be sent, ``hold_reading_until_drained`` stops the reading (as awaiting ``send``
+    after the frame did) and the reading goes on once the peer has read them."""
+
+    async def go():
+        a, b = socket.socketpair()
+        peer, c = ipc.Conn(a), ipc.Conn(b)
+        got = []
+
+        def on_frame(f):
+            got.append(f.req_id)
+            if f.req_id == 1:  # a reply far beyond the socket's buffer: most of it waits
+                c.post(ipc.encode(ipc.MsgType.STATS_REPLY, 1, None, bytes(ipc.WRITE_HIGH + (1 << 20))))
+                c.hold_reading_until_drained()
+
+        done = c.read_frames(on_frame)
+        for i in (1, 2, 3):
+            await peer.send(ipc.encode(ipc.MsgType.PING, i))
+        await asyncio.sleep(0.2)
+        held = list(got)
+        reply = await peer.recv_frame()  # the peer reads: the queue drains, the reading goes on
+        for _ in range(100):
+            if len(got) == 3:
+                break
+            await asyncio.sleep(0.01)
+        peer.close()
+        with pytest.raises(asyncio.IncompleteReadError):
+            await done
+        c.close()
+        return held, got, reply
+
+    held, got, reply = asyncio.run(go())
+    assert held == [1] and got == [1, 2, 3]
+    assert reply.type == ipc.MsgType.STATS_REPLY and len(reply.payload) == ipc.WRITE_HIGH + (1 << 20)
+
+
 def _run_loop(kind: str, coro):
     if kind == "uvloop":
         uvloop = pytest.importorskip("uvloop")

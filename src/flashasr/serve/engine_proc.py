@@ -69,38 +69,14 @@ class EngineServer:
         return got
 
     async def handle(self, conn: Conn) -> None:
+        """One front end's connection: HELLO, then every frame handled as it arrives
+        (:meth:`_frame`, called from the connection's reader), until the connection ends."""
         tasks: dict[int, asyncio.Task] = {}
         chunks: dict = {}  # request id -> the scheduler's item of a stream chunk in flight (_chunk)
         streams: dict = {}  # chunked streams this front end opened -> their options; dropped with the connection
         try:
             await conn.send(encode(MsgType.HELLO, 0, self.hello))
-            while True:
-                f = await conn.recv_frame()
-                if f.type == MsgType.TRANSCRIBE:
-                    if isinstance(f.meta.get("stream"), str):
-                        self._chunk(f, conn, chunks, streams)
-                        continue
-                    t = asyncio.get_running_loop().create_task(self._transcribe(f, conn))
-                    tasks[f.req_id] = t
-                    t.add_done_callback(lambda _t, rid=f.req_id: tasks.pop(rid, None))
-                elif f.type == MsgType.STREAM_CLOSE:
-                    key = f.meta.get("stream")
-                    if isinstance(key, str):
-                        streams.pop(key, None)
-                        self.scheduler.close_stream(key)
-                elif f.type == MsgType.CANCEL:
-                    t = tasks.pop(f.req_id, None)
-                    if t:
-                        t.cancel()
-                    it = chunks.pop(f.req_id, None)
-                    if it is not None:
-                        self.scheduler.drop(it)
-                elif f.type == MsgType.STATS:
-                    await conn.send(encode(MsgType.STATS_REPLY, f.req_id, None, self.metrics.text()))
-                elif f.type == MsgType.PING:
-                    await conn.send(encode(MsgType.PONG, f.req_id))
-                else:
-                    raise FramingError(f"unexpected message type {f.type} from a front end")
+            await conn.read_frames(functools.partial(self._frame, conn, tasks, chunks, streams))
         except asyncio.IncompleteReadError:
             pass
         except (FramingError, ConnectionError, OSError) as e:
@@ -113,6 +89,39 @@ class EngineServer:
             for key in streams:
                 self.scheduler.close_stream(key)
             conn.close()
+
+    def _frame(self, conn: Conn, tasks: dict, chunks: dict, streams: dict, f: Frame) -> None:
+        """One frame from a front end, on the event loop as it arrives: a stream chunk is queued
+        here (:meth:`_chunk`), any other transcription runs in a task of its own; a reply that finds
+        the write queue full holds the reading until it drains (as awaiting ``send`` would). Raises
+        FramingError for a message type a front end does not send (the connection is dropped)."""
+        if f.type == MsgType.TRANSCRIBE:
+            if isinstance(f.meta.get("stream"), str):
+                self._chunk(f, conn, chunks, streams)
+                return
+            t = asyncio.get_running_loop().create_task(self._transcribe(f, conn))
+            tasks[f.req_id] = t
+            t.add_done_callback(lambda _t, rid=f.req_id: tasks.pop(rid, None))
+        elif f.type == MsgType.STREAM_CLOSE:
+            key = f.meta.get("stream")
+            if isinstance(key, str):
+                streams.pop(key, None)
+                self.scheduler.close_stream(key)
+        elif f.type == MsgType.CANCEL:
+            t = tasks.pop(f.req_id, None)
+            if t:
+                t.cancel()
+            it = chunks.pop(f.req_id, None)
+            if it is not None:
+                self.scheduler.drop(it)
+        elif f.type == MsgType.STATS:
+            conn.post(encode(MsgType.STATS_REPLY, f.req_id, None, self.metrics.text()))
+            conn.hold_reading_until_drained()
+        elif f.type == MsgType.PING:
+            conn.post(encode(MsgType.PONG, f.req_id))
+            conn.hold_reading_until_drained()
+        else:
+            raise FramingError(f"unexpected message type {f.type} from a front end")
 
     async def _transcribe(self, f: Frame, conn: Conn) -> None:
         self.metrics.active.inc()
@@ -130,7 +139,7 @@ class EngineServer:
             pass
 
     def _chunk(self, f: Frame, conn: Conn, chunks: dict, streams: dict) -> None:
-        """A stream chunk's TRANSCRIBE frame, handled inside the receive loop: queued for the next
+        """A stream chunk's TRANSCRIBE frame, handled as it arrives (:meth:`_frame`): queued for the next
         streamer step with a callback that posts its reply (:meth:`_chunk_done`); no task or
         coroutine per chunk, as at thousands of live streams the event loop's work per chunk is
         what takes the GIL from the model thread's steps. ``chunks``: the connection's chunks in

@@ -143,6 +143,17 @@ def _check_header(fields: tuple) -> tuple[int, int, int, int, int]:
     return mtype, flags, req_id, mlen, plen
 
 
+def _meta(buf, start: int, mlen: int) -> dict:
+    """A frame's metadata: the JSON object in ``buf[start:start + mlen]``."""
+    try:
+        meta = json.loads(buf[start:start + mlen].decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FramingError(f"metadata is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise FramingError("metadata must be a JSON object")
+    return meta
+
+
 WRITE_HIGH = 4 << 20  # queued bytes above which Conn.send waits for the socket to drain ...
 WRITE_LOW = 1 << 20   # ... down to this
 IOV_MAX = 1024        # buffers per sendmsg (Linux's limit)
@@ -151,8 +162,11 @@ IOV_MAX = 1024        # buffers per sendmsg (Linux's limit)
 class Conn:
     """One end of a framed Unix-socket connection on the running event loop.
 
-    Reads use ``loop.sock_recv_into``: a payload lands directly in a preallocated numpy
-    buffer (one kernel copy, no intermediate stream buffer). Writes go out in order, whole: the
+    Reads, in one of two ways: :meth:`recv_frame` awaits one frame (``loop.sock_recv_into``); or
+    :meth:`read_frames` hands every frame to a callback as it arrives, from a reader that stays
+    registered with the event loop (the engine's way: no task, future or poll set-up per frame). A
+    payload not yet read ahead lands directly in its own numpy array (one kernel copy, no
+    intermediate stream buffer). Writes go out in order, whole: the
     frames queued during one turn of the event loop leave together in one ``sendmsg`` at its end
     (no task, future or lock per frame); what the socket does not take goes out from one writer
     task, so a caller cancelled meanwhile never cuts a frame in half (:meth:`send`).
@@ -175,6 +189,11 @@ class Conn:
         self._buf = bytearray(1 << 18)  # read-ahead: many small frames per recv call
         self._start = self._end = 0
         self._ops = 0  # receives and sends in progress on the socket
+        self._on_frame = None  # read_frames(): the callback, the future that ends with the reading, ...
+        self._rdone: asyncio.Future | None = None
+        self._reader = False  # ... whether its reader is registered with the loop,
+        self._rpaused = False  # ... held until the write queue drains (hold_reading_until_drained),
+        self._part: tuple | None = None  # ... a frame whose payload is still arriving: (frame, its bytes so far)
 
     @classmethod
     async def connect(cls, path: str) -> "Conn":
@@ -234,13 +253,8 @@ class Conn:
         if mlen:
             if self._end - self._start < mlen:
                 await self._fill(mlen)
-            try:
-                meta = json.loads(self._buf[self._start:self._start + mlen].decode())
-                self._start += mlen
-            except (ValueError, UnicodeDecodeError) as e:
-                raise FramingError(f"metadata is not JSON: {e}") from None
-            if not isinstance(meta, dict):
-                raise FramingError("metadata must be a JSON object")
+            meta = _meta(self._buf, self._start, mlen)
+            self._start += mlen
         payload = b""
         if plen:
             payload = np.empty(plen, np.uint8)
@@ -253,6 +267,116 @@ class Conn:
         if self._start == self._end:
             self._start = self._end = 0
         return Frame(mtype, req_id, flags, meta, payload)
+
+    def read_frames(self, on_frame) -> asyncio.Future:
+        """Hand every frame to ``on_frame(frame)`` as it arrives (frames as :meth:`recv_frame` returns
+        them, in order), called from a reader that stays registered with the event loop: no task,
+        future, coroutine or poll set-up per frame (``loop.sock_recv_into`` registers the socket
+        with the loop and removes it again for every receive: about ten system calls). Frames
+        already read ahead by :meth:`recv_frame` come first. Returns a future that ends with the
+        reading: its exception says why (``asyncio.IncompleteReadError`` at the end of the stream,
+        :class:`FramingError`, ``OSError``, or what ``on_frame`` raised), ``ConnectionError`` when
+        the connection is closed. Use one way of reading per connection at a time."""
+        if self.closed:
+            raise ConnectionError("connection closed")
+        self._on_frame = on_frame
+        self._rdone = self.loop.create_future()
+        self._resume_reading()
+        return self._rdone
+
+    def hold_reading_until_drained(self) -> None:
+        """:meth:`read_frames`: stop reading while more than :data:`WRITE_HIGH` bytes wait to be sent
+        (a peer that does not read its replies), until they are down to :data:`WRITE_LOW`, as a
+        reader that awaits :meth:`send` after each frame would; nothing while fewer wait."""
+        if self._wbytes > WRITE_HIGH and self._rdone is not None and not self._rdone.done():
+            self._rpaused = True
+            self._unregister_reader()
+
+    def _resume_reading(self) -> None:
+        self._rpaused = False
+        if self.closed or self._rdone is None or self._rdone.done():
+            return
+        try:
+            self._parse_frames()  # what was read ahead before (recv_frame, or before a hold)
+        except BaseException as e:  # noqa: BLE001 - the reading's end, whatever ended it
+            self._end_reading(e)
+            return
+        if not (self._rpaused or self.closed or self._rdone.done() or self._reader):
+            self.loop.add_reader(self.sock, self._on_readable)
+            self._reader = True
+
+    def _unregister_reader(self) -> None:
+        if self._reader:
+            self._reader = False
+            self.loop.remove_reader(self.sock)
+
+    def _end_reading(self, err: BaseException) -> None:
+        self._unregister_reader()
+        if self._rdone is not None and not self._rdone.done():
+            self._rdone.set_exception(err)
+
+    def _on_readable(self) -> None:
+        """The reader: one receive (a payload's rest straight into its array, else into the
+        read-ahead buffer), then every whole frame to the callback."""
+        try:
+            part = self._part
+            if part is not None:
+                frame, got = part
+                n = self.sock.recv_into(memoryview(frame.payload)[got:])
+                if n == 0:
+                    raise asyncio.IncompleteReadError(b"", len(frame.payload) - got)
+                if got + n < len(frame.payload):
+                    self._part = (frame, got + n)
+                    return
+                self._part = None
+                self._on_frame(frame)
+            else:
+                if self._start:  # what is left is part of one frame's header and metadata: to the front
+                    rest = self._end - self._start
+                    self._buf[:rest] = self._buf[self._start:self._end]
+                    self._start, self._end = 0, rest
+                n = self.sock.recv_into(memoryview(self._buf)[self._end:])
+                if n == 0:
+                    raise asyncio.IncompleteReadError(b"", HEADER_SIZE)
+                self._end += n
+            self._parse_frames()
+        except (BlockingIOError, InterruptedError):
+            return
+        except BaseException as e:  # noqa: BLE001 - the reading's end, whatever ended it
+            self._end_reading(e)
+
+    def _parse_frames(self) -> None:
+        """Every whole frame in the read-ahead buffer to the callback; a payload only partly read
+        ahead becomes :attr:`_part` (its rest is received into its own array)."""
+        buf, on_frame = self._buf, self._on_frame
+        while not (self._rpaused or self.closed or self._rdone.done() or self._part is not None):
+            start, avail = self._start, self._end - self._start
+            if avail < HEADER_SIZE:
+                break
+            mtype, flags, req_id, mlen, plen = _check_header(HEADER.unpack_from(buf, start))
+            if avail < HEADER_SIZE + mlen:
+                if HEADER_SIZE + mlen > len(buf):  # a large metadata: a buffer that holds it
+                    big = bytearray(HEADER_SIZE + mlen)
+                    big[:avail] = buf[start:self._end]
+                    self._buf, self._start, self._end = big, 0, avail
+                break
+            meta = _meta(buf, start + HEADER_SIZE, mlen) if mlen else {}
+            p0 = start + HEADER_SIZE + mlen
+            payload = b""
+            if plen:
+                payload = np.empty(plen, np.uint8)
+                have = min(plen, self._end - p0)
+                if have:
+                    payload[:have] = np.frombuffer(buf, np.uint8, have, p0)
+                p0 += have
+            self._start = p0
+            if self._start == self._end:
+                self._start = self._end = 0
+            frame = Frame(mtype, req_id, flags, meta, payload)
+            if plen and have < plen:
+                self._part = (frame, have)
+                break
+            on_frame(frame)
 
     async def send(self, parts: list) -> None:
         """Queue one encoded frame (:func:`encode`) for sending; frames leave whole and in the order
@@ -353,6 +477,8 @@ class Conn:
                 if not f.done():
                     f.set_result(None)
             self._drain.clear()
+            if self._rpaused:
+                self.loop.call_soon(self._resume_reading)
 
     def _broken(self, err: BaseException) -> None:
         """A write failed (or the connection closed): queued frames are dropped, senders waiting
@@ -377,6 +503,7 @@ class Conn:
                     pass
             self.closed = True
             self._broken(ConnectionError("connection closed"))
+            self._end_reading(ConnectionError("connection closed"))
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)  # a receive or send in progress returns now
             except OSError:
