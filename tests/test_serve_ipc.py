@@ -669,6 +669,39 @@ def test_finals_gather_while_partials_wait_then_run_in_time():
     asyncio.run(go())
 
 
+def test_queue_depth_gauges_are_read_when_the_metrics_are():
+    """``flashasr_engine_queue_depth`` by kind is the queue's length when the metrics are read (no
+    gauge update per item): queued chunks and finals count, a chunk dropped or taken into a model
+    call does not."""
+    from flashasr.options import TranscribeOptions
+
+    def depth(s):
+        return {smp.labels["kind"]: smp.value for m in s.metrics.registry.collect()
+                if m.name == "flashasr_engine_queue_depth" for smp in m.samples}
+
+    async def go():
+        s = BatchScheduler(_NoModel(), max_batch=3, streamer=_NoStreamer())
+        s._wake = asyncio.Event()
+        opts, z = TranscribeOptions(), np.zeros(100, np.float32)
+        its = [s.queue_chunk(k, z, opts, new=True) for k in "abc"]
+        final = asyncio.ensure_future(s.submit(z, priority=FINAL))
+        await asyncio.sleep(0)
+        got = [depth(s)]
+        s.drop(its[1])
+        got.append(depth(s))
+        assert [it.priority for it in _take(s)] == [FINAL]  # (chunks are a streamer step: not in its batch)
+        got.append(depth(s))
+        assert [it.stream for it in _take(s)] == ["a", "c"]
+        got.append(depth(s))
+        final.cancel()
+        await s.stop()
+        return got
+
+    got = asyncio.run(go())
+    assert got == [{"final": 1, "partial": 3, "offline": 0}, {"final": 1, "partial": 2, "offline": 0},
+                   {"final": 0, "partial": 2, "offline": 0}, {"final": 0, "partial": 0, "offline": 0}], got
+
+
 def test_finals_share_calls_under_a_stream_of_partials():
     """A running scheduler whose model calls take 5 ms, finals arriving one by one every 2 ms while
     chunked partials are always queued: with ``final_wait_s`` the finals share calls (fewer, larger

@@ -51,6 +51,8 @@ class EngineServer:
         self.hello = {**model_info(model, cfg, streamer), "engine_restarts": int(restarts)}
         self.caps = model.capabilities
         self._options_seen: dict[tuple, TranscribeOptions] = {}  # raw options -> resolved (see _options)
+        self._active = 0  # requests received and not answered yet: read when the metrics are
+        self.metrics.active.set_function(lambda: self._active)
 
     def _options(self, raw) -> TranscribeOptions:
         """A request's options checked against the model; the same raw options (every chunk of a
@@ -124,15 +126,15 @@ class EngineServer:
             raise FramingError(f"unexpected message type {f.type} from a front end")
 
     async def _transcribe(self, f: Frame, conn: Conn) -> None:
-        self.metrics.active.inc()
+        self._active += 1
         try:
             out = encode(MsgType.RESULT, f.req_id, await self._run(f))
         except asyncio.CancelledError:
-            self.metrics.active.dec()
+            self._active -= 1
             return
         except Exception as e:  # noqa: BLE001 - the request's error goes back to it
             out = self._error_frame(f.req_id, e)
-        self.metrics.active.dec()
+        self._active -= 1
         try:
             await conn.send(out)
         except (ConnectionError, OSError):
@@ -164,13 +166,13 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001 - the request's error goes back to it
             self._post(conn, self._error_frame(f.req_id, e))
             return
-        self.metrics.active.inc()
+        self._active += 1
         chunks[f.req_id] = it
         it.fut.add_done_callback(functools.partial(self._chunk_done, f.req_id, conn, chunks))
 
     def _chunk_done(self, rid: int, conn: Conn, chunks: dict, fut: asyncio.Future) -> None:
         chunks.pop(rid, None)
-        self.metrics.active.dec()
+        self._active -= 1
         if fut.cancelled():  # its requester went away: no reply
             return
         e = fut.exception()

@@ -78,7 +78,7 @@ SHORT_S = 30.0  # a request of at most this much audio is short: it goes before 
 BULK_EVERY = 3  # bulk work waiting gets a model call after at most this many short-request calls
 
 
-@dataclass
+@dataclass(slots=True)
 class _Item:
     samples: np.ndarray  # one piece, float32 [n] at the model rate
     options: TranscribeOptions
@@ -165,13 +165,14 @@ class BatchScheduler:
         self._switch_before: float | None = None
         self.metrics = metrics or EngineMetrics(getattr(model, "device", "cpu"))
         m, kinds = self.metrics, (FINAL, PARTIAL, OFFLINE)  # labelled children looked up once, not per item
-        self._depth = {p: m.queue_depth.labels(KIND[p]) for p in kinds}
         self._batch_size = {p: m.batch_size.labels(KIND[p]) for p in kinds}
         self._inference = {p: m.inference.labels(KIND[p]) for p in kinds}
         self._audio_s = {p: m.audio_seconds.labels(KIND[p]) for p in kinds}
         self._stage = {k: m.stage.labels(k) for k in ("queue", "inference", "handoff")}
         self.sample_rate = int(getattr(model, "sample_rate", 16000))
         self._queues: dict[int, list[_Item]] = {FINAL: [], PARTIAL: [], OFFLINE: []}
+        for p in kinds:  # the queue depths are read when the metrics are (no gauge update per item)
+            m.queue_depth.labels(KIND[p]).set_function(lambda q=self._queues, p=p: len(q[p]))
         self._runs: list[_Run] = []  # offline batches started and not finished
         self._partials: dict[str, _Item] = {}
         self._wake: asyncio.Event | None = None
@@ -284,13 +285,11 @@ class BatchScheduler:
         """
         it = self._enqueue(samples, TranscribeOptions.build(options, **changes), priority, coalesce_key,
                            speech=speech)
-        self._gauge()
         self._wake.set()
         try:
             return await it.fut
         finally:
             self._forget(it)
-            self._gauge()
 
     async def submit_pieces(self, samples: np.ndarray, pieces, options: TranscribeOptions, *,
                             priority: int = OFFLINE) -> list:
@@ -316,7 +315,6 @@ class BatchScheduler:
             items.append(self._enqueue(samples[a:b], options, priority, tag=tag, speech=getattr(p, "speech", None),
                                        request_s=total))
             tag += (b - a) / self.sample_rate
-        self._gauge()
         self._wake.set()
         try:
             return list(await asyncio.gather(*(it.fut for it in items)))
@@ -325,7 +323,6 @@ class BatchScheduler:
                 if not it.fut.done():
                     it.fut.cancel()
                 self._forget(it)
-            self._gauge()
 
     async def submit_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False):
         """Queue a stream's new audio (float32 [n]) for the next streamer step (``new``: its first
@@ -335,8 +332,7 @@ class BatchScheduler:
         try:
             return await it.fut
         finally:
-            if self._forget(it):
-                self._gauge(PARTIAL)
+            self._forget(it)
 
     def queue_chunk(self, key: str, samples: np.ndarray, options: TranscribeOptions, *, new: bool = False) -> _Item:
         """:meth:`submit_chunk` without a coroutine: the queued item, whose ``fut`` gets the
@@ -357,7 +353,6 @@ class BatchScheduler:
             raise StreamError("this model has no chunked streaming partials")
         it = self._enqueue(samples, options, PARTIAL)
         it.stream, it.stream_new = key, bool(new)
-        self._gauge(PARTIAL)
         if not self._holding or len(self._queues[PARTIAL]) >= self.stream_batch:
             self._wake.set()
         return it
@@ -366,8 +361,7 @@ class BatchScheduler:
         """Cancel a queued item whose requester went away (no reply will be sent): it leaves the
         queue; one already in a model call is cancelled and its result dropped."""
         it.fut.cancel()
-        if self._forget(it):
-            self._gauge(it.priority)
+        self._forget(it)
 
     def close_stream(self, key: str) -> None:
         """Drop a stream's chunked state, on the model thread after the work already handed to it
@@ -376,11 +370,6 @@ class BatchScheduler:
             self._exec.submit(self.streamer.close, key)
 
     # ---------------------------------------------------------------- internal
-    def _gauge(self, priority: int | None = None) -> None:
-        """Queue-depth gauges: of one priority's queue (after adding to it), or all."""
-        for p, q in self._queues.items() if priority is None else ((priority, self._queues[priority]),):
-            self._depth[p].set(len(q))
-
     def _pick(self) -> tuple[str, object]:
         """The next model call: ``("batch", items)`` of streaming work (or ``("none", None)``), or
         ``("run", _Run)``: one step of an offline batch -- a started one or a new batch of queued
@@ -566,7 +555,6 @@ class BatchScheduler:
                         timer.cancel()
                     continue  # look again: a final, an upload or a full step runs now
                 kind, work = self._pick()
-                self._gauge()
                 if kind == "none":
                     break
                 items, results = await self._call(kind, work)
