@@ -292,6 +292,28 @@ def test_malformed_frames_are_rejected():
         ipc.unpack_audio(ipc.Frame(2, 1, int(ipc.Flag.SHM), {"n": 4}, b""))
 
 
+def test_metadata_codec_is_json_s_own():
+    """The frames' metadata codec (one C encoder, the C scanner of ``json.loads``) writes what
+    ``json.dumps`` with compact separators writes and reads what ``json.loads`` reads; whitespace
+    around the object is still accepted, trailing data is refused."""
+    import json
+
+    ref = json.JSONEncoder(separators=(",", ":"))
+    for m in ({"stream_result": {"text": "h\u00e9llo \"x\"\n\u65e5", "stable_text": "", "frames": 3, "audio_s": 0.24,
+                                 "new_tokens": 0, "tokens": 5}},
+              {"a": [1, 2.5, float("inf"), float("-inf"), None, True, {"b": []}], "n": 2**70, "e": 1e-300}):
+        text = ipc._JSON_ENCODE(m)
+        assert text == ref.encode(m)
+        b = text.encode()
+        assert json.dumps(ipc._meta(b, 0, len(b))) == json.dumps(json.loads(b))
+    assert ipc._meta(b' {"a": 1} ', 0, 10) == {"a": 1}
+    for bad in (b'{"a":1} x', b'{"a":1}{}', b'{x}', b"[1]"):
+        with pytest.raises(ipc.FramingError):
+            ipc._meta(bad, 0, len(bad))
+    with pytest.raises(TypeError):
+        ipc._JSON_ENCODE({"a": object()})
+
+
 def test_transcript_wire_roundtrip():
     w = [Word(" a", 0.0, 0.5, 0.9), Word(" b", 0.5, 1.0, None)]
     t = Transcript("a b", "en", 1.0, [Segment(0, 0.0, 1.0, " a b", [1, 2], -0.1, 0.01, 1.2, 0.0, 0, w)], w,

@@ -177,7 +177,7 @@ class EngineServer:
             return
         e = fut.exception()
         self._post(conn, self._error_frame(rid, e) if e is not None else
-                   encode(MsgType.RESULT, rid, {"stream_result": dict(vars(fut.result()))}))  # flat fields
+                   encode(MsgType.RESULT, rid, {"stream_result": vars(fut.result())}))  # flat fields
 
     @staticmethod
     def _post(conn: Conn, frame: list) -> None:

@@ -113,14 +113,33 @@ class Frame:
     payload: bytes | bytearray | memoryview
 
 
-_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder (json.dumps with options builds one per call)
+def _json_codec():
+    """``(encode, scan)``: compact JSON text of a metadata object, and the C scanner of ``json.loads``
+    (``scan(text, 0) -> (object, end)``). ``JSONEncoder.encode`` builds its C encoder anew on every
+    call and ``json.loads`` checks its argument and skips whitespace with two regular expressions:
+    2-3 us of a frame's few (``bench_engine_chunks.py``). Where this Python's ``json`` has no C
+    encoder of the expected signature, its own ``encode``."""
+    enc = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+    scan = json.JSONDecoder().scan_once
+    try:
+        from json.encoder import c_make_encoder, encode_basestring_ascii
+
+        c = c_make_encoder(None, enc.default, encode_basestring_ascii, None, ":", ",", False, False, True)
+        if "".join(c({"a": [1, 2.5, "\u00e9", None]}, 0)) != enc.encode({"a": [1, 2.5, "\u00e9", None]}):
+            raise TypeError("not json's own encoding")
+        return (lambda o: "".join(c(o, 0))), scan
+    except (ImportError, TypeError):
+        return enc.encode, scan
+
+
+_JSON_ENCODE, _JSON_SCAN = _json_codec()
 _MSG_TYPES = frozenset(int(t) for t in MsgType)
 _SHM, _PCM16, _SHM_POOLED = int(Flag.SHM), int(Flag.PCM16), int(Flag.SHM_POOLED)  # plain ints: IntFlag's & is slow
 
 
 def encode(mtype: int, req_id: int, meta: dict | None = None, payload=b"", flags: int = 0) -> list:
     """Return the frame as a list of buffers for ``writer.writelines`` (payload is not copied)."""
-    m = _JSON.encode(meta).encode() if meta else b""
+    m = _JSON_ENCODE(meta).encode() if meta else b""
     plen = payload.nbytes if isinstance(payload, memoryview) else len(payload)
     return [HEADER.pack(MAGIC, VERSION, int(mtype), int(flags), 0, req_id, len(m), plen) + m, payload]
 
@@ -146,7 +165,13 @@ def _check_header(fields: tuple) -> tuple[int, int, int, int, int]:
 def _meta(buf, start: int, mlen: int) -> dict:
     """A frame's metadata: the JSON object in ``buf[start:start + mlen]``."""
     try:
-        meta = json.loads(buf[start:start + mlen].decode())
+        text = buf[start:start + mlen].decode()
+        try:  # what encode() writes: one JSON value, no whitespace around it
+            meta, end = _JSON_SCAN(text, 0)
+        except (StopIteration, ValueError):
+            end = -1
+        if end != len(text):  # anything else: json.loads accepts it or says why not
+            meta = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise FramingError(f"metadata is not JSON: {e}") from None
     if not isinstance(meta, dict):
