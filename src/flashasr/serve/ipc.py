@@ -389,9 +389,11 @@ class Conn:
             p0 = start + HEADER_SIZE + mlen
             payload = b""
             if plen:
-                payload = np.empty(plen, np.uint8)
                 have = min(plen, self._end - p0)
-                if have:
+                if have == plen:
+                    payload = np.frombuffer(buf, np.uint8, plen, p0).copy()
+                else:
+                    payload = np.empty(plen, np.uint8)
                     payload[:have] = np.frombuffer(buf, np.uint8, have, p0)
                 p0 += have
             self._start = p0

@@ -92,10 +92,10 @@ class _Item:
     short: bool = False  # a piece of a short request (see the module docstring)
     stream: str | None = None  # a chunked streaming partial: the stream's key (its batch is one streamer step)
     stream_new: bool = False   # ... and the first chunk of that stream (its state is created)
+    group: tuple = ()  # items share a model call only within a group: options.decoding, or STREAM_GROUP
 
-    @property
-    def group(self) -> tuple:
-        return ("stream",) if self.stream is not None else self.options.decoding
+
+STREAM_GROUP = ("stream",)  # the group of chunked partials (one streamer step)
 
 
 @dataclass
@@ -113,6 +113,18 @@ class _Run:
     @property
     def live(self) -> bool:
         return any(not it.fut.done() for it in self.items)
+
+
+def _take_group(q: list[_Item], group: tuple, room: int) -> list[_Item]:
+    """The first ``room`` items of ``group`` in ``q``, in order; removed from ``q`` (in place)."""
+    taken, rest = [], []
+    for it in q:
+        if it.group == group and len(taken) < room:
+            taken.append(it)
+        else:
+            rest.append(it)
+    q[:] = rest
+    return taken
 
 
 def _timed(fn, work):
@@ -246,7 +258,7 @@ class BatchScheduler:
             request_s = samples.size / self.sample_rate
         it = _Item(samples, options, priority, coalesce_key, (self._loop or asyncio.get_running_loop()).create_future(),
                    time.perf_counter(), next(self._seq), self._vtime if tag is None else tag, speech,
-                   short=request_s <= self.short_s)
+                   short=request_s <= self.short_s, group=options.decoding)
         if priority == PARTIAL and coalesce_key is not None:
             old = self._partials.pop(coalesce_key, None)
             if old is not None and not old.fut.done():
@@ -352,7 +364,7 @@ class BatchScheduler:
 
             raise StreamError("this model has no chunked streaming partials")
         it = self._enqueue(samples, options, PARTIAL)
-        it.stream, it.stream_new = key, bool(new)
+        it.stream, it.stream_new, it.group = key, bool(new), STREAM_GROUP
         if not self._holding or len(self._queues[PARTIAL]) >= self.stream_batch:
             self._wake.set()
         return it
@@ -430,7 +442,8 @@ class BatchScheduler:
         closest to its length (then the oldest), then bulk pieces no longer than its longest piece;
         a bulk one the pieces closest to the anchor's length (ties in fair order). All of equal
         options."""
-        same = [it for it in q if it is not anchor and it.group == anchor.group]
+        g = anchor.group
+        same = [it for it in q if it is not anchor and it.group == g]
         n = len(anchor.samples)
         if short:
             batch = [anchor] + sorted((it for it in same if it.short),
@@ -450,18 +463,14 @@ class BatchScheduler:
 
     def _take_streaming(self, p: int, q: list[_Item]) -> list[_Item]:
         """A batch of finals (filled up with partials) or of partials: oldest first (chunked
-        partials: up to ``stream_batch`` streams in one streamer step)."""
-        anchor = q[0]
-        others = [it for it in q if it is not anchor and it.group == anchor.group]
-        batch = [anchor] + others[: (self.stream_batch if anchor.stream else self.max_batch) - 1]
-        chosen = set(id(it) for it in batch)
-        self._queues[p] = [it for it in q if id(it) not in chosen]
+        partials: up to ``stream_batch`` streams in one streamer step). One pass over the queue."""
+        g = q[0].group
+        batch = _take_group(q, g, self.stream_batch if q[0].stream else self.max_batch)
+        self._queues[p] = q
         if p == FINAL and len(batch) < self.max_batch:  # streaming work shares the batch: partials fill it
             pq = [it for it in self._queues[PARTIAL] if not it.fut.done()]
-            extra = [it for it in pq if it.group == anchor.group][: self.max_batch - len(batch)]
-            taken = set(id(it) for it in extra)
-            self._queues[PARTIAL] = [it for it in pq if id(it) not in taken]
-            batch += extra
+            batch += _take_group(pq, g, self.max_batch - len(batch))
+            self._queues[PARTIAL] = pq
         for it in batch:
             if it.key is not None and self._partials.get(it.key) is it:
                 del self._partials[it.key]
