@@ -439,22 +439,24 @@ class ParakeetStreamer:
     def _append(self, st: _Stream, a: np.ndarray) -> None:
         """Keep the new samples pre-emphasised (``y[t] = x[t] - preemph * x[t-1]``, ``y[0] = x[0]``,
         as the offline preprocessor): each sample once, so a window is one copy (:meth:`_segment`)."""
-        if not a.size:
+        m = len(a)
+        if not m:
             return
-        n0 = st.x.size
-        x = np.empty(n0 + a.size, np.float32)  # the kept samples and the new ones, pre-emphasised in place
+        n0 = len(st.x)
+        x = np.empty(n0 + m, np.float32)  # the kept samples and the new ones, pre-emphasised in place
         x[:n0] = st.x
-        y = x[n0:]
-        if self.preemph is not None:
-            np.multiply(a[:-1], -self.preemph, out=y[1:])  # a[t] - p a[t-1], rounded as a[t] - (p a[t-1])
-            y[1:] += a[1:]
-            y[0] = a[0] - self.preemph * st.last if st.received else a[0]
+        p = self.preemph
+        if p is not None:
+            y = x[n0 + 1:]
+            np.multiply(a[:-1], -p, out=y)  # a[t] - p a[t-1], rounded as a[t] - (p a[t-1])
+            y += a[1:]
+            x[n0] = a[0] - p * st.last if st.received else a[0]
         else:
-            y[:] = a
+            x[n0:] = a
         st.last = a[-1]
         st.x = x
-        st.received += a.size
-        self.counters["audio_s"] += a.size / float(self.model.sample_rate)
+        st.received += m
+        self.counters["audio_s"] += m / float(self.model.sample_rate)
 
     def _frames_to_do(self, st: _Stream, flush: bool) -> tuple[int, int]:
         """``(new encoder frames, valid feature frames of the stream)``."""
@@ -473,9 +475,11 @@ class ParakeetStreamer:
         p0 = self.hop * self.sub * (st.frames - 1) - self.n_fft // 2
         p1 = p0 + self.window_samples
         lo, hi = max(p0, 0), max(min(p1, st.received), max(p0, 0))
-        out[: lo - p0] = 0
+        if lo > p0:
+            out[: lo - p0] = 0
         out[lo - p0: hi - p0] = st.x[lo - st.x_start: hi - st.x_start]
-        out[hi - p0:] = 0
+        if hi < p1:
+            out[hi - p0:] = 0
 
     def _window_buffer(self, B: int) -> np.ndarray:
         """Host memory for a step's ``[B, window_samples]`` float32 windows (every row is written by
@@ -496,17 +500,15 @@ class ParakeetStreamer:
             self._fresh.clear()
         B = len(plan)
         seg = self._window_buffer(B)
-        n_new = np.zeros(B, np.int64)
-        first = np.zeros(B, bool)
-        feat_valid = np.zeros(B, np.int64)
-        slots = np.zeros(B, np.int64)
-        for b, (st, k, f_end) in enumerate(plan):
+        sub = self.sub
+        for b, (st, _, _) in enumerate(plan):
             self._segment(st, seg[b])
-            n_new[b] = k
-            first[b] = st.frames == 0
-            w0 = self.sub * (st.frames - 1)  # window start in feature frames (may be negative)
-            feat_valid[b] = (f_end - w0) if f_end is not None else self.sub * (k + 1)
-            slots[b] = st.slot
+        n_new = np.array([k for _, k, _ in plan], np.int64)
+        first = np.array([st.frames == 0 for st, _, _ in plan], bool)
+        # valid feature frames of each window (it starts at feature frame sub * (frames - 1), maybe negative)
+        feat_valid = np.array([(f_end - sub * (st.frames - 1)) if f_end is not None else sub * (k + 1)
+                               for st, k, f_end in plan], np.int64)
+        slots = np.array([st.slot for st, _, _ in plan], np.int64)
         hyps = self.device_step(seg, n_new, first, feat_valid, slots)
         c = self.counters
         c["steps"] += 1
