@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import AudioTooLongError, FlashASRError
+from .capture import graph_capture
 from .features_gpu import NemoLogMel
 
 log = logging.getLogger(__name__)
@@ -302,7 +303,7 @@ class EncoderProfiles:
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
         g = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(g, pool=self._pool, stream=stream):
+        with torch.no_grad(), graph_capture(g, pool=self._pool, stream=stream):
             r.out, r.out_len = fn(r.audio, r.lengths)
         torch.cuda.synchronize()
         r.memory_bytes = torch.cuda.memory_reserved() - before + r.audio.numel() * 4

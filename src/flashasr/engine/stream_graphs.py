@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..models.parakeet.streaming import ParakeetStreamer, StreamingConfig
+from .capture import graph_capture
 from .tdt_graphs import TDTGraphDecoder, _Buffers
 
 log = logging.getLogger(__name__)
@@ -261,13 +262,13 @@ class GraphedStreamer(ParakeetStreamer):
             from .cuda_conditional import WhileLoopBuilder, allocate_to_graph_pool, check_support
 
             check_support()
-            with torch.cuda.graph(graph, pool=self._pool_handle, stream=stream, capture_error_mode="thread_local"):
+            with graph_capture(graph, pool=self._pool_handle, stream=stream, capture_error_mode="thread_local"):
                 with allocate_to_graph_pool(self._pool_handle):
                     builder = WhileLoopBuilder()
                     self._body(g, True, builder, streams[1:])
             g.keep += [builder, streams]
         else:
-            with torch.cuda.graph(graph, pool=self._pool_handle, stream=stream):
+            with graph_capture(graph, pool=self._pool_handle, stream=stream):
                 self._body(g, False)
             g.keep.append(streams)
         torch.cuda.synchronize()

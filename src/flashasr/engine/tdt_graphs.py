@@ -45,6 +45,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import FlashASRError
+from .capture import graph_capture
 from .tdt_fused import joint_step, tail_step
 
 log = logging.getLogger(__name__)
@@ -352,7 +353,7 @@ class TDTGraphDecoder:
         stream, outer_body, inner_body = streams
         graph = torch.cuda.CUDAGraph()
         pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with graph_capture(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             with allocate_to_graph_pool(pool):
                 builder = WhileLoopBuilder()
                 self._before(s)
@@ -373,7 +374,7 @@ class TDTGraphDecoder:
         pool = None
         for fn in (self._before, self._head, self._inner, self._tail):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with graph_capture(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 fn(s)
             pool = g.pool()
             graphs.append(g)

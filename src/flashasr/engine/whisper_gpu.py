@@ -51,6 +51,7 @@ from ..models.whisper.decoding import (DecodingResult, LogitRules, compression_r
 from ..models.whisper.asr import WhisperASR
 from ..models.whisper.model import KVCache, WhisperModel
 from ..models.whisper.tokenizer import WhisperTokenizer
+from .capture import graph_capture
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ class WhisperGPUEngine:
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool, stream=s):
+        with graph_capture(g, pool=self._pool, stream=s):
             self._step(bb, span, rules, forced)
         torch.cuda.synchronize()
         self._graphs[(bb, span, without_timestamps, forced)] = g
