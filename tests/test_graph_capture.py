@@ -35,18 +35,22 @@ def test_the_workspaces_are_dropped_right_before_and_after_the_capture(monkeypat
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear"), raising=False)
+    import gc
+
+    monkeypatch.setattr(gc, "collect", lambda: calls.append("gc"))
     with capture.graph_capture("g", pool="p", stream="s", capture_error_mode="thread_local"):
-        calls.append("body")
-    assert calls == ["sync", "clear", ("capture", "p", "s", "thread_local"), "body", "end", "clear"]
+        calls.append(("body", gc.isenabled()))
+    assert calls == ["sync", "gc", "clear", ("capture", "p", "s", "thread_local"), ("body", False), "end", "clear"]
+    assert gc.isenabled()
     calls.clear()
     with pytest.raises(RuntimeError), capture.graph_capture("g"):
         raise RuntimeError("capture failed")
-    assert calls == ["sync", "clear", ("capture", None, None, "global"), "clear"]
+    assert calls == ["sync", "gc", "clear", ("capture", None, None, "global"), "clear"] and gc.isenabled()
 
 
 def _gemm_graph(stream, seed: int, pool=None):
-    """A graph of ``out = a @ b`` (float32, [64, K] x [K, 64]) captured on ``stream``; its inputs,
-    output and the output of the same product run eagerly."""
+    """A graph of ``out = a @ b`` (float32, [64, K] x [K, 64]) captured on ``stream``, its output and
+    that output after one replay alone. The inputs live as long as the graph (``graph.inputs``)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     a = torch.randn(64, K, device="cuda", generator=g)
     b = torch.randn(K, 64, device="cuda", generator=g)
@@ -59,6 +63,7 @@ def _gemm_graph(stream, seed: int, pool=None):
     graph = torch.cuda.CUDAGraph()
     with graph_capture(graph, pool=pool, stream=stream):
         torch.matmul(a, b, out=out)
+    graph.inputs = (a, b)  # the graph reads their memory: freed, the next graph's inputs would take it
     graph.replay()
     torch.cuda.synchronize()
     return graph, out, out.clone()

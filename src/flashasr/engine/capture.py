@@ -22,12 +22,15 @@ share that memory, graphs of different pools never do. The cost is one workspace
 MiB), measured with the engine's load (``docs/ENGINE.md``).
 
 Warm-up before the capture must be finished (synchronized) before entering: dropping a workspace
-frees its memory to the allocator.
+frees its memory to the allocator. Python's cyclic garbage collector is run before the capture and
+held off during it: an engine dropped earlier whose graphs the collector destroyed mid-capture
+(``CUDAGraph::reset`` frees memory, not permitted while a stream captures) invalidated the capture.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Iterator
 
 import torch
@@ -60,11 +63,16 @@ def graph_capture(graph: "torch.cuda.CUDAGraph", *, pool=None, stream: "torch.cu
             conditional nodes, whose bodies are captured on other streams of this thread).
     """
     torch.cuda.synchronize()
+    gc.collect()  # graphs waiting to be destroyed go now: destroyed during a capture, they invalidate it
     clear_cublas_workspaces()
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             yield
     finally:  # nothing captured has run yet: the workspace it holds is not in use
+        if was_enabled:
+            gc.enable()
         clear_cublas_workspaces()
 
 
