@@ -516,6 +516,27 @@ def test_a_sample_rate_no_recording_uses_is_refused_by_name(rate):
         load_audio(np.zeros(4000, np.float32), sample_rate=rate)
 
 
+def test_a_sample_rate_argument_is_checked_before_any_buffer_is_sized_from_it():
+    """sample_rate=2**31-1 for raw PCM with target_rate=None sized a 60 s output buffer from it first
+    (485 GiB: a MemoryError, not the rate's error); NaN, a string or 16000.5 gave bare Python errors;
+    probe() reported any rate."""
+    raw = np.zeros(1000, np.int16).tobytes()
+    for bad in (2**31 - 1, 1, 0, -16000):
+        with pytest.raises(UnsupportedSampleRateError):
+            load_audio(raw, raw_format="s16le", sample_rate=bad, target_rate=None)
+        with pytest.raises(UnsupportedSampleRateError):
+            probe(raw, raw_format="s16le", sample_rate=bad)
+    for bad in (float("nan"), "16000", 16000.5):
+        with pytest.raises(AudioArgumentError, match="whole number of Hz"):
+            load_audio(np.zeros(100, np.float32), sample_rate=bad)
+    assert load_audio(np.zeros(1600, np.float32), sample_rate=16000.0).duration == pytest.approx(0.1)
+    assert load_audio(np.zeros(800, np.float32), sample_rate=np.int64(8000)).source_sample_rate == 8000
+    with pytest.raises(UnsupportedSampleRateError):
+        probe(io.BytesIO(_pcm16_wav(2**31 - 1)))
+    with pytest.raises(UnsupportedSampleRateError):
+        load_audio(io.BytesIO(_pcm16_wav(700_000_000)), target_rate=None)
+
+
 @pytest.mark.parametrize("rate", [1000, 8000, 768_000])
 def test_the_sample_rates_recordings_use_still_decode(rate):
     d = load_audio(io.BytesIO(_pcm16_wav(rate)))

@@ -18,6 +18,7 @@ PyAV's decode and soxr's resample release the GIL, so a thread pool scales over 
 from __future__ import annotations
 
 import io
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -983,6 +984,23 @@ def _raw_blocks(source: Any, raw_format: str, sample_rate: int, channels: int, l
     stats["trailing_bytes"] = len(carry)
 
 
+def _check_rate(rate: Any, label: str, given: bool = False) -> int:
+    """A source's sample rate as whole Hz within :data:`SOURCE_RATES`: raises AudioArgumentError for a
+    caller's ``sample_rate=`` that is not a whole number (NaN, a string, 16000.5; 16000.0 passes) and
+    UnsupportedSampleRateError outside the range (before any buffer is sized from it)."""
+    try:
+        r = operator.index(rate)  # int, numpy integers (bool is refused by the range: 0 or 1 Hz)
+    except TypeError:
+        if not (isinstance(rate, float) and rate.is_integer()):
+            raise AudioArgumentError(f"{label}: sample_rate must be a whole number of Hz, got {rate!r}") from None
+        r = int(rate)
+    if not SOURCE_RATES[0] <= r <= SOURCE_RATES[1]:
+        raise UnsupportedSampleRateError(
+            f"{label}: sample rate {r} Hz is outside {SOURCE_RATES[0]}..{SOURCE_RATES[1]} Hz"
+            + ("" if given else " (a damaged or hostile header?)"))
+    return r
+
+
 def _check_raw_args(raw_format, sample_rate, channels, label):
     if raw_format not in RAW_FORMATS:
         raise AudioArgumentError(
@@ -1008,6 +1026,8 @@ class _Decode:
             raise AudioArgumentError(f"target_rate must be positive, got {target_rate}")
         if max_duration is not None and max_duration <= 0:
             raise AudioArgumentError(f"max_duration must be positive, got {max_duration}")
+        if sample_rate is not None and (raw_format is not None or _is_array(source)):
+            sample_rate = _check_rate(sample_rate, self.label, given=True)
         self.container: _ContainerSource | _WavSource | None = None
         self.raw_stats: dict = {}
         self.declared: float | None = None
@@ -1040,6 +1060,8 @@ class _Decode:
                 _ContainerSource(source, self.label, target_rate)
             self.format = self.container.format
             self.src_rate, self.src_channels = self.container.rate, self.container.channels
+            if self.src_rate:  # a header's rate, checked before load_audio sizes its buffer from it
+                _check_rate(self.src_rate, self.label)
             self.declared = self.container.declared
             check_finite = True
             self._blocks = self.container.blocks()
@@ -1200,6 +1222,8 @@ def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None
     seeked back to where it was (a non-seekable one is consumed). Raises as :func:`load_audio`.
     """
     label = _label(source)
+    if sample_rate is not None and (raw_format is not None or _is_array(source)):
+        sample_rate = _check_rate(sample_rate, label, given=True)
     if raw_format is not None:
         ch = _check_raw_args(raw_format, sample_rate, channels, label)
         total = _raw_total(source, label)
@@ -1221,6 +1245,8 @@ def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None
     src = _ContainerSource(source, label, libopus=False)  # headers only: no decoder
     try:
         br = src.stream.codec_context.bit_rate or src.container.bit_rate or None
+        if src.rate:
+            _check_rate(src.rate, label)
         return {"duration": src.declared, "sample_rate": int(src.rate), "channels": int(src.channels),
                 "codec": _codec_name(src.stream), "format": src.format,
                 "bit_rate": int(br) if br else None}
