@@ -620,3 +620,23 @@ def test_serve_argument_errors_are_one_error_line(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: [invalid_option] flashasr serve: argument --port") \
         and "usage:" not in err
+
+
+def test_transcripts_held_for_an_unfinished_earlier_input_are_printed_at_the_end(capsys):
+    """Without an output folder transcripts go to stdout in input order, each once every earlier input
+    is done; an interrupted job left the ones after an unfinished input unprinted (a trial: 33 done,
+    12 printed). flush_held prints them, in input order, the gap skipped."""
+    from flashasr.cli import StdoutPrinter
+    from flashasr.jobs.inputs import InputItem
+    from flashasr.jobs.report import FileResult
+    from flashasr.types import Transcript
+
+    items = [InputItem(Path(f"/in/{k}.wav"), str(k), f"{k}.wav") for k in range(5)]
+    printer = StdoutPrinter(items, "json", False)
+    for k in (0, 3, 2):  # 1 never finishes (the job was interrupted), 4 neither
+        printer(FileResult(items[k], "ok", transcript=Transcript(text=f" word {k}", language="en", duration=1.0)))
+    assert [json.loads(x)["path"] for x in capsys.readouterr().out.splitlines()] == ["0.wav"]
+    assert printer.flush_held() == 2
+    assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == [
+        {"path": "2.wav", "text": "word 2"}, {"path": "3.wav", "text": "word 3"}]
+    assert printer.flush_held() == 0 and capsys.readouterr().out == ""

@@ -287,6 +287,7 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
                          workers=args.workers, cpu_pool=args.cpu_pool, resume=args.resume, progress=args.progress,
                          on_result=printer, keep_transcripts=False, worker_pool=pool)
     except FlashASRError as e:
+        _flush_held(printer)
         print_error(e.code, str(e))
         if e.code == "model_process_error":  # the job ran and stopped: not a usage error
             if args.output_dir:
@@ -295,6 +296,8 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
         return EXIT_USAGE
     except BrokenPipeError:  # `| head` closed stdout: stop quietly, as command-line tools do
         _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    if not _flush_held(printer):
         return EXIT_BROKEN_PIPE
     return _report(args, items, missing, report)
 
@@ -340,10 +343,13 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
                              decode_tasks=args.workers, resume=args.resume, progress=args.progress,
                              on_result=printer, keep_transcripts=False)
     except FlashASRError as e:
+        _flush_held(printer)
         print_error(e.code, str(e))
         return EXIT_USAGE
     except BrokenPipeError:
         _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    if not _flush_held(printer):
         return EXIT_BROKEN_PIPE
     return _report(args, items, missing, report)
 
@@ -433,6 +439,19 @@ class StdoutPrinter:
                 sys.stdout.write(out if out.endswith("\n") else out + "\n")
                 sys.stdout.flush()
 
+    def flush_held(self) -> int:
+        """The transcripts still held back for an earlier input that never finished (an interrupted
+        job, a failed model process): printed now, in input order with the gaps skipped, so a
+        finished transcript is never lost. Returns how many were printed."""
+        n = 0
+        for k in sorted(self.ready):
+            out = self.ready.pop(k)
+            if out is not None:
+                sys.stdout.write(out if out.endswith("\n") else out + "\n")
+                n += 1
+        sys.stdout.flush()
+        return n
+
     def _render(self, res) -> str | None:
         import json
 
@@ -452,6 +471,18 @@ class StdoutPrinter:
             return None
         text = render(res.transcript, self.fmt, words=True if self.words else None)
         return f"==> {res.item.display} <==\n{text}" if self.several else text
+
+
+def _flush_held(printer: "StdoutPrinter | None") -> bool:
+    """:meth:`StdoutPrinter.flush_held` after a job (False: stdout was closed meanwhile)."""
+    if printer is None:
+        return True
+    try:
+        printer.flush_held()
+    except BrokenPipeError:
+        _quiet_stdout()
+        return False
+    return True
 
 
 def _quiet_stdout() -> None:
