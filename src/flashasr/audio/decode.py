@@ -254,10 +254,7 @@ class _Pipeline:
             self.first_rate = rate
             self.first_channels = x.shape[0] if x.ndim == 2 else 1
         if rate != self.in_rate:
-            if not SOURCE_RATES[0] <= rate <= SOURCE_RATES[1]:
-                raise UnsupportedSampleRateError(
-                    f"{self.label}: sample rate {rate} Hz is outside "
-                    f"{SOURCE_RATES[0]}..{SOURCE_RATES[1]} Hz (a damaged or hostile header?)")
+            _check_rate(rate, self.label)  # a rate change mid-stream too
             if self.in_rate is not None:
                 self.rate_changes += 1
                 out.extend(self.flush())
