@@ -531,6 +531,11 @@ def test_a_sample_rate_argument_is_checked_before_any_buffer_is_sized_from_it():
             load_audio(np.zeros(100, np.float32), sample_rate=bad)
     assert load_audio(np.zeros(1600, np.float32), sample_rate=16000.0).duration == pytest.approx(0.1)
     assert load_audio(np.zeros(800, np.float32), sample_rate=np.int64(8000)).source_sample_rate == 8000
+    from decimal import Decimal
+    from fractions import Fraction
+
+    for whole in (np.float32(16000), Fraction(16000), Decimal("16000")):  # a trial found these refused
+        assert load_audio(np.zeros(1600, np.float32), sample_rate=whole).source_sample_rate == 16000
     with pytest.raises(UnsupportedSampleRateError):
         probe(io.BytesIO(_pcm16_wav(2**31 - 1)))
     with pytest.raises(UnsupportedSampleRateError):

@@ -18,6 +18,8 @@ PyAV's decode and soxr's resample release the GIL, so a thread pool scales over 
 from __future__ import annotations
 
 import io
+import math
+import numbers
 import operator
 import os
 import time
@@ -987,10 +989,14 @@ def _check_rate(rate: Any, label: str, given: bool = False) -> int:
     UnsupportedSampleRateError outside the range (before any buffer is sized from it)."""
     try:
         r = operator.index(rate)  # int, numpy integers (bool is refused by the range: 0 or 1 Hz)
-    except TypeError:
-        if not (isinstance(rate, float) and rate.is_integer()):
+    except TypeError:  # a float of any kind (numpy float32, Fraction, Decimal) holding a whole number
+        try:
+            f = float(rate) if isinstance(rate, numbers.Number) else math.nan
+        except (TypeError, ValueError, OverflowError):
+            f = math.nan
+        if not (math.isfinite(f) and f.is_integer()):
             raise AudioArgumentError(f"{label}: sample_rate must be a whole number of Hz, got {rate!r}") from None
-        r = int(rate)
+        r = int(f)
     if not SOURCE_RATES[0] <= r <= SOURCE_RATES[1]:
         raise UnsupportedSampleRateError(
             f"{label}: sample rate {r} Hz is outside {SOURCE_RATES[0]}..{SOURCE_RATES[1]} Hz"
