@@ -347,6 +347,8 @@ async def _stream(port, pcms, a, cadence, vad: bool, delay, out, deadline) -> No
                     st["commit"] = time.perf_counter()
                     await ws.send('{"type": "commit"}')
             out["late_s"].append(time.perf_counter() - (t0 + (k - 1) * a.packet_ms / 1000))
+            out["live_from"].append(time.time() - (time.perf_counter() - sent_at[0]))
+            out["live_until"].append(time.time())
             try:
                 await asyncio.wait_for(rt, max(1.0, deadline - time.perf_counter()))
                 out["finals"] += st["done"]
@@ -359,21 +361,36 @@ async def _stream(port, pcms, a, cadence, vad: bool, delay, out, deadline) -> No
         out["last_error"] = f"{type(e).__name__}: {e}"[:200]
 
 
-def _client_proc(port, pcms, n, a, cadence, vad, seed, start_at, q) -> None:
+def _utterances(pcms: list[bytes], speech: bytes | None, a, rng: random.Random, first: int) -> list[bytes]:
+    """One stream's utterances (PCM16 bytes). ``--lengths clips``: whole clips in turn from ``first`` (every
+    stream's utterances share the few clips' lengths, so ends line up across streams: bursts of finals).
+    ``--lengths uniform``: real speech cut from ``speech`` at a random sample, of a length drawn uniformly from
+    [clip-min-s, clip-max-s] (ends spread, as with independent callers)."""
+    if speech is None:
+        return [pcms[(first + j) % len(pcms)] for j in range(a.utterances)]
+    out = []
+    for _ in range(a.utterances):
+        n = int(rng.uniform(a.clip_min_s, a.clip_max_s) * 16000)
+        off = rng.randrange(0, len(speech) // 2 - n)
+        out.append(speech[2 * off: 2 * (off + n)])
+    return out
+
+
+def _client_proc(port, pcms, speech, n, a, cadence, vad, seed, start_at, q) -> None:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     out = {k: [] for k in ("partial", "interval", "ttf", "first_partial_latency", "first_partial_from_start", "late_s",
-                           "partial_at", "ttf_at")}
+                           "partial_at", "ttf_at", "live_from", "live_until")}
     out.update(finals=0, timeouts=0, errors=0, connect_errors=0, last_error=None)
     rng = random.Random(seed)
-    longest = a.utterances * (max(len(p) for p in pcms) / 32000 + 1.5)
+    longest = a.utterances * (_longest_s(pcms, a, speech) + 1.5)
 
     async def go():
         await asyncio.sleep(max(0.0, start_at - time.time()))
         deadline = time.perf_counter() + a.ramp_s + longest + a.final_timeout_s
-        await asyncio.gather(*(_stream(port, [pcms[(seed + i + j) % len(pcms)] for j in range(a.utterances)], a,
+        await asyncio.gather(*(_stream(port, _utterances(pcms, speech, a, rng, seed + i), a,
                                        cadence, vad, rng.uniform(0, a.ramp_s), out, deadline) for i in range(n)))
 
     try:
@@ -386,19 +403,35 @@ def _client_proc(port, pcms, n, a, cadence, vad, seed, start_at, q) -> None:
     q.put(out)
 
 
-def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool, a) -> dict:
+def _longest_s(pcms: list[bytes], a, speech: bytes | None) -> float:
+    """The longest utterance a stream sends (s): ``speech`` given, utterances are cut from it (``uniform``)."""
+    return a.clip_max_s if speech is not None else max(len(p) for p in pcms) / 32000
+
+
+def _steady(agg: dict) -> dict:
+    """Latencies of the events while every stream was live (after the last stream's first packet, before the
+    first stream's last one): the load of ``n`` concurrent streams without the ramp's start and the run's end."""
+    if not agg["live_from"]:
+        return {}
+    lo, hi = max(agg["live_from"]), min(agg["live_until"])
+    pick = lambda key, at: [x for x, t in zip(agg[key], agg[at]) if lo <= t <= hi]  # noqa: E731
+    return {"window_s": round(max(0.0, hi - lo), 1), "partial_latency": _stats(pick("partial", "partial_at")),
+            "time_to_final": _stats(pick("ttf", "ttf_at"))}
+
+
+def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool, a, speech: bytes | None = None) -> dict:
     procs = max(1, min(a.client_procs, n))
     shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     start_at = time.time() + 1.0 + n / 2000
-    ps = [ctx.Process(target=_client_proc, args=(server.port, pcms, s, a, cadence, vad, 1000 * i + n, start_at, q))
+    ps = [ctx.Process(target=_client_proc, args=(server.port, pcms, speech, s, a, cadence, vad, 1000 * i + n, start_at, q))
           for i, s in enumerate(shares) if s]
     for p in ps:
         p.start()
     time.sleep(max(0.0, start_at - time.time()))
     m0, cpu0, t0 = server.metrics(), _tree_cpu_s(server.proc.pid), time.perf_counter()
-    limit = a.ramp_s + a.utterances * (max(len(p) for p in pcms) / 32000 + 2) + a.final_timeout_s + 120
+    limit = a.ramp_s + a.utterances * (_longest_s(pcms, a, speech) + 2) + a.final_timeout_s + 120
     outs = [q.get(timeout=limit) for _ in ps]
     wall = time.perf_counter() - t0
     cpu = _tree_cpu_s(server.proc.pid) - cpu0
@@ -407,7 +440,8 @@ def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool
         p.join(10)
     agg = {k: sum((o[k] for o in outs), [] if isinstance(outs[0][k], list) else 0)
            for k in ("partial", "interval", "ttf", "first_partial_latency", "first_partial_from_start", "late_s",
-                     "finals", "timeouts", "errors", "connect_errors", "cpu_s", "partial_at", "ttf_at")}
+                     "finals", "timeouts", "errors", "connect_errors", "cpu_s", "partial_at", "ttf_at",
+                     "live_from", "live_until")}
 
     def delta(name, label=None):
         return _metric(m1, name, label) - _metric(m0, name, label)
@@ -422,11 +456,12 @@ def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool
     kind_n = {k: delta("flashasr_engine_inference_seconds_count", f'kind="{k}"') for k in ("partial", "final")}
     want = n * a.utterances
     return {"streams": n, "cadence_ms": cadence, "server_vad": vad, "packet_ms": a.packet_ms,
+            "lengths": "clips" if speech is None else "uniform",
             "utterances_per_stream": a.utterances, "client_procs": len(ps),
             "partial_latency": _stats(agg["partial"]), "partial_interval": _stats(agg["interval"]),
             "first_partial_latency": _stats(agg["first_partial_latency"]),
             "time_to_first_partial_from_first_packet": _stats(agg["first_partial_from_start"]),
-            "time_to_final": _stats(agg["ttf"]),
+            "time_to_final": _stats(agg["ttf"]), "all_live": _steady(agg),
             "by_second": _by_second(agg, start_at), "finals": agg["finals"], "finals_expected": want,
             "finals_timed_out": agg["timeouts"], "error_events": agg["errors"], "connect_errors": agg["connect_errors"],
             "last_error": next((o["last_error"] for o in outs if o["last_error"]), None),
@@ -476,7 +511,7 @@ def _held(r: dict, a) -> bool:
             and r["time_to_final"].get("p95_ms", 1e9) <= a.target_final_p95_ms)
 
 
-def scale_phase(a, clips, result, save, left) -> None:
+def scale_phase(a, clips, result, save, left, speech: bytes | None = None) -> None:
     pcms = [pcm for _, pcm in clips]
     most = max([n for n in a.streams] + ([a.max_streams] if a.find_max else []))
     args = [*(["--model", a.model] if a.model else []), "--device", a.device, "--mode", a.mode, "--workers",
@@ -498,21 +533,22 @@ def scale_phase(a, clips, result, save, left) -> None:
         result["servers"][str(cadence)] = {"ready_s": round(server.ready_s, 1), "info": server.info}
         print(f"server ready in {server.ready_s:.1f} s: {server.info.get('stream_partials')} "
               f"{server.info.get('stream_chunk')}", flush=True)
-        need = lambda n: a.ramp_s + a.utterances * 14 + 20 + n / 300  # noqa: E731
+        need = lambda n, sp=None: a.ramp_s + a.utterances * (_longest_s(pcms, a, sp) + 2) + 20 + n / 300  # noqa: E731
         try:
-            plan = [(n, v) for n in a.streams for v in a.vad_modes]
-            for n, vad in plan:
-                if left() < need(n):
-                    result["skipped"].append({"streams": n, "cadence_ms": cadence, "server_vad": vad})
+            plan = [(n, v, ln) for n in a.streams for v in a.vad_modes for ln in a.lengths]
+            for n, vad, ln in plan:
+                sp = speech if ln == "uniform" else None
+                if left() < need(n, sp):
+                    result["skipped"].append({"streams": n, "cadence_ms": cadence, "server_vad": vad, "lengths": ln})
                     continue
-                r = run_scale(server, pcms, n, cadence, vad, a)
+                r = run_scale(server, pcms, n, cadence, vad, a, sp)
                 result["scale"].append(r)
                 _print_scale(r)
                 save()
             if a.find_max:
                 n = max(a.streams) + a.max_step
                 while n <= a.max_streams and left() > need(n):
-                    r = run_scale(server, pcms, n, cadence, False, a)
+                    r = run_scale(server, pcms, n, cadence, False, a, speech if a.lengths[0] == "uniform" else None)
                     r["find_max"] = True
                     result["scale"].append(r)
                     _print_scale(r)
@@ -545,13 +581,17 @@ def _profile_summary(result: dict, cadence: int, raw: Path, a) -> None:
 
 def _print_scale(r: dict) -> None:
     p, f, fp = r["partial_latency"], r["time_to_final"], r["time_to_first_partial_from_first_packet"]
-    print(f"scale streams={r['streams']:5d} cadence={r['cadence_ms']} vad={int(r['server_vad'])}  partial p50/p95/p99 "
+    print(f"scale streams={r['streams']:5d} lengths={r['lengths']} cadence={r['cadence_ms']} vad={int(r['server_vad'])}  partial p50/p95/p99 "
           f"{p.get('p50_ms')}/{p.get('p95_ms')}/{p.get('p99_ms')} ms (std {p.get('std_ms')})  final p50/p95/p99 "
           f"{f.get('p50_ms')}/{f.get('p95_ms')}/{f.get('p99_ms')} ms  first partial {fp.get('p50_ms')} ms  finals "
           f"{r['finals']}/{r['finals_expected']}  busy {r['engine_busy_fraction']} {r['engine_busy_by_kind']}  "
           f"handoff {r['engine_handoff_fraction']} ({r['engine_handoff_ms_per_call']} ms/call)  "
           f"call ms {r['engine_call_ms_by_kind']}  batch {r['engine_mean_batch']}  "
           f"cpu {r['server_cpu_cores']} (clients {r['client_cpu_cores']})  lag99 {r['client_send_lag_p99_ms']} ms", flush=True)
+    st = r.get("all_live") or {}
+    if st:
+        print(f"  all {r['streams']} live ({st['window_s']} s): partial p95 {st['partial_latency'].get('p95_ms')} ms  "
+              f"final p95 {st['time_to_final'].get('p95_ms')} ms", flush=True)
 
 
 # ----------------------------------------------------------------------------- main
@@ -577,7 +617,11 @@ def _args(argv):
     ap.add_argument("--streams", default="1000,2000")
     ap.add_argument("--vad", default="both", choices=("off", "on", "both"))
     ap.add_argument("--vad-silence-ms", type=int, default=500, help="the server's VAD silence window (its default)")
-    ap.add_argument("--utterances", type=int, default=2, help="utterances per stream (one clip each)")
+    ap.add_argument("--utterances", type=int, default=2, help="utterances per stream")
+    ap.add_argument("--lengths", default="clips",
+                    help="utterance lengths, comma-separated, each a run: 'clips' (each utterance one whole clip of --clip-min-s..--clip-max-s: "
+                         "few distinct lengths, so ends line up across streams) or 'uniform' (real speech cut at a "
+                         "random point, its length uniform in --clip-min-s..--clip-max-s, as independent callers)")
     ap.add_argument("--packet-ms", type=int, default=20)
     ap.add_argument("--ramp-s", type=float, default=2.0)
     ap.add_argument("--client-procs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
@@ -626,6 +670,9 @@ def _args(argv):
     a.drift_chunks_ms = [int(x) for x in str(a.drift_chunks_ms).split(",") if x]
     a.floor_batches = [int(x) for x in str(a.floor_batches).split(",") if x]
     a.drift_baseline_snr = [float(x) for x in str(a.drift_baseline_snr).split(",") if x]
+    a.lengths = [x for x in str(a.lengths).split(",") if x]
+    if not a.lengths or set(a.lengths) - {"clips", "uniform"}:
+        raise SystemExit(f"--lengths: clips and/or uniform, not {a.lengths}")
     a.vad_modes = {"off": [False], "on": [True], "both": [False, True]}[a.vad]
     a.phases = set(a.phases.split(","))
     return a
@@ -646,7 +693,7 @@ def main(argv=None) -> int:
                              "partials": a.partials, "left_context_s": a.left_s, "stream_batch": a.stream_batch,
                              "server_args": a.server_args,
                              "cadences_ms": a.cadences, "packet_ms": a.packet_ms, "pace": "real time",
-                             "utterances_per_stream": a.utterances, "ramp_s": a.ramp_s,
+                             "utterances_per_stream": a.utterances, "ramp_s": a.ramp_s, "lengths": a.lengths,
                              "vad_silence_ms": a.vad_silence_ms, "clips": [n for n, _ in clips],
                              "clip_seconds": [round(len(p) / 32000, 2) for _, p in clips],
                              "clients": "same host, separate processes", "smoke": a.smoke,
@@ -692,7 +739,13 @@ def main(argv=None) -> int:
                 save()
         del model
     if "scale" in a.phases:
-        scale_phase(a, clips, result, save, left)
+        speech = None
+        if "uniform" in a.lengths:  # every clip of 1-120 s, joined: the source utterances are cut from
+            speech = b"".join(p for _, p in _read_clips(Path(a.clips), 1.0, 120.0, 256))
+            result["conditions"]["speech_source_s"] = round(len(speech) / 32000, 1)
+            if len(speech) // 2 <= int(a.clip_max_s * 16000):
+                raise SystemExit(f"--lengths uniform: {len(speech) / 32000:.1f} s of speech is not more than --clip-max-s")
+        scale_phase(a, clips, result, save, left, speech)
     save()
     print("wrote", out_path)
     return 0
