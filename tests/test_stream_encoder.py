@@ -512,3 +512,22 @@ def test_a_reused_slot_starts_clean(tiny, speech):
         s.step([("b", x[i:i + 8000]), ("c", speech[4000 + i: 12000 + i])])
     assert s.streams["b"].tokens == fresh.streams["b"].tokens
     assert s.streams["b"].frames == fresh.streams["b"].frames
+
+
+def test_row_buckets_powers_of_two_then_even_steps_per_doubling():
+    """The GPU's step buckets: powers of two to 64 rows, then ``buckets_per_octave`` per doubling,
+    ending at ``max_batch``; 1 gives the powers of two; bad values are refused by name."""
+    assert StreamingConfig().row_buckets() == [1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+                                               320, 384, 448, 512]
+    assert StreamingConfig(buckets_per_octave=1).row_buckets() == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert StreamingConfig(max_batch=300).row_buckets()[-3:] == [224, 256, 300]
+    assert StreamingConfig(max_batch=1).row_buckets() == [1]
+    assert StreamingConfig(max_batch=48).row_buckets() == [1, 2, 4, 8, 16, 32, 48]
+    for n in (1, 2, 3, 8, 17):
+        b = StreamingConfig(max_batch=1000, buckets_per_octave=n).row_buckets()
+        assert b == sorted(set(b)) and b[-1] == 1000
+        gaps = [y - x for x, y in zip(b, b[1:]) if x >= 64]
+        assert max(gaps) <= max(1, 512 // n)  # the largest octave below 1000 (512-1000) in n steps
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(Exception, match="buckets_per_octave"):
+            StreamingConfig(buckets_per_octave=bad)

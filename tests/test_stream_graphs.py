@@ -56,6 +56,27 @@ def test_graphed_step_equals_eager_on_cuda(speech):
     assert g.pool.capacity >= 4  # the pool grew (graphs re-captured) while streams were live
 
 
+def test_graphed_steps_in_buckets_between_powers_of_two_equal_eager(speech):
+    """Steps of 70 (padded to 80), then fewer rows as streams end: the buckets between powers of two
+    share one window buffer, and each row's tokens equal the eager step's."""
+    from flashasr.engine.stream_graphs import GraphedStreamer
+
+    m = load_parakeet(TINY / "model.nemo", device="cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    clips = [speech[i % 4][(i * 1_237) % 8_000:] for i in range(70)]  # 70 streams, each its own start
+    cfg = StreamingConfig(chunk_frames=7, left_frames=16, slots=80, max_batch=96)
+    eager = ParakeetStreamer(m, cfg)
+    want, _ = _run(eager, clips, [8000, 3000, 12000])
+    g = GraphedStreamer(m, cfg)
+    assert g.buckets == [1, 2, 4, 8, 16, 32, 64, 80, 96]
+    g.warmup()
+    got, _ = _run(g, clips, [8000, 3000, 12000])
+    assert got == want
+    assert g._graph_ok and g._full_ok, g.events
+    assert g._graphs[80].seg.data_ptr() == g._graphs[4].seg.data_ptr()  # one shared window buffer
+
+
 def test_gpu_engine_streamer_is_graphed_and_close_to_fp32(speech):
     """ParakeetGPUASR (bf16 fused encoder) gives a GraphedStreamer; its partial text is produced and its
     encoder frames stay close to the float32 eager ones."""

@@ -3,7 +3,8 @@
 :class:`GraphedStreamer` is a :class:`~flashasr.models.parakeet.streaming.ParakeetStreamer`
 whose batched step (log-mel of the windows -> subsampling -> Conformer layers over the slots'
 caches -> joint projection -> TDT label looping from the slots' carried decoder state -> state
-written back) is captured once per row bucket (powers of two up to ``config.max_batch``) as ONE
+written back) is captured once per row bucket (``config.row_buckets()``: powers of two up to 64 rows, then a few
+sizes per doubling, up to ``config.max_batch``) as ONE
 CUDA graph: the decoder's loops are WHILE conditional nodes (:mod:`.cuda_conditional`, as
 :class:`~.tdt_graphs.TDTGraphDecoder` does), so a step is one host-to-device copy of the rows'
 samples and indices, one graph launch and one device-to-host copy of the new tokens, whatever
@@ -61,13 +62,13 @@ class _StepGraph:
     def __init__(self, owner: "GraphedStreamer", B: int):
         dev = owner.device
         self.B = B
-        self.seg = torch.zeros(B, owner.window_samples, dtype=torch.float32, device=dev)
+        self.seg = owner._seg[:B]  # one step runs at a time (the streamer's lock): buckets share them
         self.n_new = torch.zeros(B, dtype=torch.long, device=dev)
         self.first = torch.zeros(B, dtype=torch.bool, device=dev)
         self.feat_valid = torch.zeros(B, dtype=torch.long, device=dev)
         self.slots = torch.full((B,), owner.pool.scratch, dtype=torch.long, device=dev)
         pin = dict(pin_memory=True)
-        self.h_seg = torch.zeros(B, owner.window_samples, dtype=torch.float32, **pin)
+        self.h_seg = owner._h_seg[:B]
         self.h_idx = torch.zeros(4, B, dtype=torch.long, **pin)  # n_new, first, feat_valid, slots
         J = owner.model.joint.enc.out_features
         self.dec = owner.decoder.buffers(B, owner.C, J, dev, torch.float32)
@@ -98,9 +99,10 @@ class GraphedStreamer(ParakeetStreamer):
             raise ValueError(f"GraphedStreamer needs a model on a CUDA device, got {self.device}")
         self.use_graphs = bool(use_graphs)
         self.decoder = _CarryDecoder(model.predictor, model.joint)
-        self.buckets = [1 << i for i in range(int(self.cfg.max_batch).bit_length()) if (1 << i) <= self.cfg.max_batch]
-        if self.buckets[-1] != self.cfg.max_batch:
-            self.buckets.append(int(self.cfg.max_batch))
+        self.buckets = self.cfg.row_buckets()
+        top = self.buckets[-1]  # every bucket's window samples: views of one device and one pinned buffer
+        self._seg = torch.zeros(top, self.window_samples, dtype=torch.float32, device=self.device)
+        self._h_seg = torch.zeros(top, self.window_samples, dtype=torch.float32, pin_memory=True)
         self._graphs: dict[int, _StepGraph] = {}
         self._pool_handle = torch.cuda.graph_pool_handle()
         self._full_ok = True   # WHILE-node capture still believed to work

@@ -59,6 +59,7 @@ class ServeConfig:
     stream_slots: int = 64              # chunked partials: stream states allocated at start (the pool doubles)
     stream_max_slots: int = 8192        # chunked partials: most live streams with chunked state
     stream_batch: int = 512             # chunked partials: most streams in one batched step
+    stream_buckets_per_octave: int = 4  # chunked partials on a GPU: row buckets per doubling above 64 rows
     final_wait_ms: float = 20.0         # longest a stream's final gathers with others while partials wait
     partial_wait_ms: float = 40.0       # longest chunked partials gather for a larger step (0: no wait)
     switch_interval_ms: float = 0.0     # GIL switch interval in the model's process (0: CPython's 5 ms)
@@ -107,7 +108,8 @@ class ServeConfig:
 
         left = int(round(self.stream_left_s / 0.08))
         kw = dict(left_frames=left, slots=self.stream_slots, max_slots=max(self.stream_slots, self.stream_max_slots),
-                  idle_s=max(60.0, self.ws_idle_timeout_s + 30.0), max_batch=self.stream_batch)
+                  idle_s=max(60.0, self.ws_idle_timeout_s + 30.0), max_batch=self.stream_batch,
+                  buckets_per_octave=self.stream_buckets_per_octave)
         if self.stream_chunk_frames:
             return StreamingConfig(chunk_frames=int(self.stream_chunk_frames), **kw)
         return StreamingConfig.for_cadence(self.partial_interval_ms or 500.0, **kw)
@@ -279,6 +281,10 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                    help="chunked partials: most live streams with chunked state (more: their partials are skipped)")
     g.add_argument("--stream-batch", type=_number(int, 1), default=512,
                    help="chunked partials: most streams in one batched step")
+    g.add_argument("--stream-buckets-per-octave", type=_number(int, 1, high=64), default=4,
+                   help="chunked partials on a GPU: one CUDA graph per row bucket, a step padded up to the next; "
+                        "powers of two up to 64 rows, then this many sizes per doubling (1: powers of two; more: "
+                        "less padding, more capture time and graphs)")
     g.add_argument("--final-wait-ms", type=_number(float, 0, high=1000), default=20.0,
                    help="longest a stream's final waits to be batched with others while partial work is "
                         "queued; a final runs at once when a full batch of finals waits or nothing else is "
@@ -340,7 +346,7 @@ def parse_args(argv: list[str]) -> ServeConfig:
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
         stream_partials=a.stream_partials, stream_left_s=a.stream_left_s, stream_chunk_frames=a.stream_chunk_frames,
         stream_slots=a.stream_slots, stream_max_slots=a.stream_max_slots, stream_batch=a.stream_batch,
-        final_wait_ms=a.final_wait_ms, partial_wait_ms=a.partial_wait_ms,
+        stream_buckets_per_octave=a.stream_buckets_per_octave, final_wait_ms=a.final_wait_ms, partial_wait_ms=a.partial_wait_ms,
         switch_interval_ms=a.switch_interval_ms, body_timeout_s=a.body_timeout_s,
         request_timeout_s=a.request_timeout_s, log_level=a.log_level,
         access_log=not a.no_access_log,
