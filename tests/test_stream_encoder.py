@@ -358,7 +358,8 @@ def test_hypothesis_only_grows_and_frames_follow_the_audio(tiny, speech):
         assert r.text.startswith(r.stable_text) and len(r.stable_text.split()) <= len(r.text.split())
         assert r.new_tokens == r.tokens - prev_tokens
         prev_text, prev_stable, prev_tokens = r.text, r.stable_text, r.tokens
-        assert s.streams["a"].x.size <= s.window_samples + 8000  # only what the next window needs is kept
+        kept = sum(len(x) for x in s.streams["a"].pieces)  # what the next window needs, and the rest of
+        assert kept <= s.window_samples + 2 * 8000  # the piece it starts in: one request at most
     assert prev_tokens > 0 and len(prev_stable.split()) < len(prev_text.split())
 
 
@@ -531,3 +532,36 @@ def test_row_buckets_powers_of_two_then_even_steps_per_doubling():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(Exception, match="buckets_per_octave"):
             StreamingConfig(buckets_per_octave=bad)
+
+
+def test_windows_from_pieces_equal_the_pre_emphasised_stream(tiny):
+    """The host keeps a stream's samples as pre-emphasised pieces (joined past 16): every window a
+    step copies out equals the slice of the whole pre-emphasised signal, for requests of any size
+    (1 sample to several windows) and after the pieces behind the window are dropped."""
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=7, left_frames=4))
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(16000 * 12).astype(np.float32)
+    p = s.preemph
+    want = x.copy()
+    if p is not None:
+        want[1:] = x[1:] - np.float32(p) * x[:-1]
+    st = s._open("a", True)
+    at, out = 0, np.empty(s.window_samples, np.float32)
+    sizes = [1, 7, 320, 3000, 8000, 25000] + [int(v) for v in rng.integers(1, 4000, 60)]
+    for n in sizes:
+        s._append(st, x[at: at + n])
+        at = min(at + n, len(x))
+        while True:
+            k, _ = s._frames_to_do(st, False)
+            if not k:
+                break
+            s._segment(st, out)
+            p0 = s.hop * s.sub * (st.frames - 1) - s.n_fft // 2
+            ref = np.zeros(s.window_samples, np.float32)
+            lo, hi = max(p0, 0), min(p0 + s.window_samples, at)
+            ref[lo - p0: hi - p0] = want[lo:hi]
+            np.testing.assert_array_equal(out, ref)
+            s._advance(st, min(k, s.C))
+        assert len(st.pieces) <= 16
+        assert sum(len(v) for v in st.pieces) <= s.window_samples + 25000 + n  # nothing unbounded kept
+    assert at > 16000 * 9 and st.frames > 100  # 9 s and more went through

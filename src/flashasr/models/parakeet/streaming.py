@@ -262,8 +262,8 @@ class _Stream:
     slot: int
     frames: int = 0              # encoder frames produced (v)
     received: int = 0            # samples received
-    x: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # pre-emphasised (_append)
-    x_start: int = 0             # absolute index of x[0]
+    pieces: list = field(default_factory=list)  # the kept samples, pre-emphasised, as appended (_append)
+    x_start: int = 0             # absolute index of pieces[0][0]
     last: np.float32 = np.float32(0)  # the last sample received, as it came (pre-emphasis of the next)
     tokens: list = field(default_factory=list)
     word_start: int = 0          # index of the last token that starts a word
@@ -456,23 +456,25 @@ class ParakeetStreamer:
 
     def _append(self, st: _Stream, a: np.ndarray) -> None:
         """Keep the new samples pre-emphasised (``y[t] = x[t] - preemph * x[t-1]``, ``y[0] = x[0]``,
-        as the offline preprocessor): each sample once, so a window is one copy (:meth:`_segment`)."""
+        as the offline preprocessor) as one more piece: each sample once, the kept ones never moved;
+        a window is copied out of its pieces (:meth:`_segment`). More than 16 pieces (small
+        requests) are joined into one."""
         m = len(a)
         if not m:
             return
-        n0 = len(st.x)
-        x = np.empty(n0 + m, np.float32)  # the kept samples and the new ones, pre-emphasised in place
-        x[:n0] = st.x
+        x = np.empty(m, np.float32)
         p = self.preemph
         if p is not None:
-            y = x[n0 + 1:]
+            y = x[1:]
             np.multiply(a[:-1], -p, out=y)  # a[t] - p a[t-1], rounded as a[t] - (p a[t-1])
             y += a[1:]
-            x[n0] = a[0] - p * st.last if st.received else a[0]
+            x[0] = a[0] - p * st.last if st.received else a[0]
         else:
-            x[n0:] = a
+            x[:] = a
         st.last = a[-1]
-        st.x = x
+        st.pieces.append(x)
+        if len(st.pieces) > 16:
+            st.pieces[:] = [np.concatenate(st.pieces)]
         st.received += m
         self.counters["audio_s"] += m / float(self.model.sample_rate)
 
@@ -495,7 +497,15 @@ class ParakeetStreamer:
         lo, hi = max(p0, 0), max(min(p1, st.received), max(p0, 0))
         if lo > p0:
             out[: lo - p0] = 0
-        out[lo - p0: hi - p0] = st.x[lo - st.x_start: hi - st.x_start]
+        at = st.x_start  # absolute index of the piece's first sample
+        for x in st.pieces:
+            end = at + len(x)
+            if end > lo and at < hi:
+                a, b = max(lo, at), min(hi, end)
+                out[a - p0: b - p0] = x[a - at: b - at]
+            at = end
+            if at >= hi:
+                break
         if hi < p1:
             out[hi - p0:] = 0
 
@@ -507,10 +517,9 @@ class ParakeetStreamer:
     def _advance(self, st: _Stream, k: int) -> None:
         st.frames += k
         keep_from = self.hop * self.sub * (st.frames - 1) - self.n_fft // 2  # the next window's start
-        cut = keep_from - st.x_start
-        if cut > 0:
-            st.x = st.x[cut:]
-            st.x_start += cut
+        pieces = st.pieces
+        while pieces and st.x_start + len(pieces[0]) <= keep_from:  # pieces wholly behind it
+            st.x_start += len(pieces.pop(0))
 
     def _run_rows(self, plan: list[tuple[_Stream, int, int | None]]) -> None:
         if self._fresh:  # the slots of streams opened since the last step start from a clean state
