@@ -503,13 +503,17 @@ def _pcm16_wav(rate: int, n: int = 8000) -> bytes:
     return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
-@pytest.mark.parametrize("rate", [2**31 - 1, 1_000_000, 999, 1])
+@pytest.mark.parametrize("rate", [2**32 - 1, 2**31 - 1, 1_000_000, 999, 1, 0])
 def test_a_sample_rate_no_recording_uses_is_refused_by_name(rate):
     """2^31-1 Hz made a WAV's samples microseconds of audio (an empty transcript, answered 200); 1 Hz
     made 16 KB hours of audio. Refused from a WAV header (our reader or FFmpeg's), raw PCM and arrays."""
     with pytest.raises(UnsupportedSampleRateError, match=f"{rate} Hz is outside") as e:
         load_audio(io.BytesIO(_pcm16_wav(rate)))
+    with pytest.raises(UnsupportedSampleRateError, match=f"{rate} Hz is outside"):
+        probe(io.BytesIO(_pcm16_wav(rate)))
     assert e.value.code == "unsupported_sample_rate" and isinstance(e.value, UnsupportedFormatError)
+    if rate in (0, 2**32 - 1):  # 0 and 2^32-1 Hz went to FFmpeg, refused there as unsupported_format
+        return
     with pytest.raises(UnsupportedSampleRateError):
         load_audio(np.zeros(4000, np.int16).tobytes(), raw_format="s16le", sample_rate=rate)
     with pytest.raises(UnsupportedSampleRateError):

@@ -226,6 +226,8 @@ def test_error_codes(client):
         (b"", {}, 400, "empty_audio"),
         (_no_audio_stream_file(), {}, 400, "no_audio_stream"),
         (_rate_wav(2**31 - 1), {}, 400, "unsupported_sample_rate"),  # was 200 with an empty text
+        (_rate_wav(0), {}, 400, "unsupported_sample_rate"),  # 0 and 2^32-1 Hz were FFmpeg's unsupported_format
+        (_rate_wav(2**32 - 1), {}, 400, "unsupported_sample_rate"),
         ((AUDIO / "long" / "long-silero-test-60s.wav").read_bytes(), {}, 400, "audio_too_long"),
         (CLIP.read_bytes(), {"response_format": "docx"}, 400, "unsupported_response_format"),
         (CLIP.read_bytes(), {"language": "english!"}, 400, "invalid_request"),

@@ -627,7 +627,9 @@ class _WavSource:
                         return None
                     tag = int.from_bytes(body[24:26], "little")
                 fmt = _WAV_PCM.get((tag, bits))
-                if fmt is None or ch not in (1, 2) or rate <= 0 or align != ch * bits // 8 or byte_rate != rate * align:
+                if not SOURCE_RATES[0] <= rate <= SOURCE_RATES[1]:  # 0 Hz, 2^32-1 Hz: the rate is the problem,
+                    _check_rate(rate, label)                        # whichever reader would go on
+                if fmt is None or ch not in (1, 2) or align != ch * bits // 8 or byte_rate != rate * align:
                     return None
             elif cid == b"data":
                 if fmt is None or size in (0, 0xFFFFFFFF) or size >= 0xFFFFFF00:
@@ -703,7 +705,10 @@ def plain_pcm_wav(source: Any) -> tuple[int, float] | None:
     its first 4 KiB are read, a file's position is kept) is a WAV that :func:`load_audio` reads
     with numpy rather than FFmpeg (see ``_WavSource``); else None."""
     head = _head(source, 4096)
-    wav = _WavSource.open(b"", "", head) if head else None
+    try:
+        wav = _WavSource.open(b"", "", head) if head else None
+    except UnsupportedSampleRateError:  # load_audio refuses it by name
+        return None
     return None if wav is None else (wav.rate, wav.declared)
 
 
@@ -1245,6 +1250,9 @@ def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None
             pos = source.tell() if source.seekable() else None
         except (AttributeError, OSError, ValueError):
             pos = None
+    head = _head(source, 4096)
+    if head:  # a WAV header's rate out of range is refused by name (FFmpeg calls 0 Hz damaged data)
+        _WavSource.open(b"", label, head)
     src = _ContainerSource(source, label, libopus=False)  # headers only: no decoder
     try:
         br = src.stream.codec_context.bit_rate or src.container.bit_rate or None
