@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 
 import numpy as np
@@ -1063,3 +1064,82 @@ def test_the_engine_restart_back_off_starts_over_after_a_steady_run(monkeypatch)
         now[0] += lived
         sup._on_exit(Proc())
     assert delays == [0.2, 0.4, 0.6, 0.2, 0.4] and sup.restarts == 5
+
+
+@pytest.mark.parametrize("queued_on_device", [True, False])
+def test_finals_with_chunks_share_a_call_and_finals_are_answered_before_the_step_ends(queued_on_device):
+    """``finals_with_chunks``: a due final batch and the queued chunks go in one model call; the
+    finals are answered while the step still runs (the step below waits for that), each side gets
+    its own results and its own errors, and the call's time is split between the two kinds."""
+    import threading
+
+    from flashasr.options import TranscribeOptions
+    from flashasr.types import StreamResult
+
+    answered, step_started = threading.Event(), threading.Event()
+
+    class Model:
+        sample_rate = 16000
+
+        def transcribe_batch(self, waves, options=None, **kw):
+            if any(len(w) == 3 for w in waves):
+                raise RuntimeError("bad final")
+            return [Transcript(text=f"final {len(w)}", language="en", duration=len(w) / 16000) for w in waves]
+
+    class Queued(Model):  # a model whose batches are queued on a device (the GPU engine's submit_batch)
+        def submit_batch(self, waves, options=None, checked=False):
+            model = self
+
+            class Submitted:
+                def result(self):  # read while the step runs (in a call of their own it never would)
+                    assert step_started.wait(5), "the finals' call did not run the step"
+                    return model.transcribe_batch(waves, options)
+            return Submitted()
+
+    class Streamer:
+        def __init__(self):
+            self.steps = []
+
+        def step(self, requests):
+            step_started.set()
+            assert answered.wait(5), "the finals were not answered while the step ran"
+            self.steps.append([k for k, _, _ in requests])
+            return [StreamResult(text=k, stable_text="", frames=1, audio_s=0.0, new_tokens=0, tokens=0)
+                    if k != "bad" else ValueError("bad chunk") for k, _, _ in requests]
+
+    async def go():
+        streamer = Streamer()
+        s = BatchScheduler(Queued() if queued_on_device else Model(), max_batch=8, streamer=streamer,
+                           stream_batch=8, final_wait_s=0.0, finals_with_chunks=True)
+        s.start()
+        opts = TranscribeOptions()
+        chunks = [asyncio.ensure_future(s.submit_chunk(k, np.zeros(160, np.float32), opts)) for k in ("a", "bad")]
+        finals = [asyncio.ensure_future(s.submit(np.zeros(n, np.float32), opts, priority=FINAL)) for n in (1600, 800)]
+
+        async def watch():
+            await asyncio.gather(*finals)
+            answered.set()
+        w = asyncio.ensure_future(watch())
+        got = await asyncio.wait_for(asyncio.gather(*chunks, return_exceptions=True), 10)
+        await w
+        one_call = _metric(s, 'flashasr_engine_stage_seconds_count{stage="inference"}')
+        bad_final = await asyncio.wait_for(asyncio.gather(
+            s.submit(np.zeros(3, np.float32), opts, priority=FINAL),
+            s.submit_chunk("c", np.zeros(160, np.float32), opts), return_exceptions=True), 10)
+        await s.stop()
+        return [f.result().text for f in finals], got, bad_final, streamer.steps, s, one_call
+
+    texts, got, bad_final, steps, s, one_call = asyncio.run(go())
+    assert one_call == 1  # the finals and the step: one model call
+    assert texts == ["final 1600", "final 800"]
+    assert got[0].text == "a" and isinstance(got[1], ValueError)
+    assert isinstance(bad_final[0], RuntimeError) and bad_final[1].text == "c"  # a failing final fails alone
+    assert steps[0] == ["a", "bad"]
+    assert _metric(s, 'flashasr_engine_inference_seconds_count{kind="final"}') == 2  # the call's time, split
+    assert _metric(s, 'flashasr_engine_inference_seconds_count{kind="partial"}') == 2
+
+
+def _metric(s, name: str) -> float:
+    """A sample of the scheduler's metrics by its exact name and labels."""
+    m = re.search(re.escape(name) + r" (\S+)", s.metrics.text().decode())
+    return float(m.group(1)) if m else 0.0

@@ -62,6 +62,7 @@ class ServeConfig:
     stream_buckets_per_octave: int = 4  # chunked partials on a GPU: row buckets per doubling above 64 rows
     final_wait_ms: float = 20.0         # longest a stream's final gathers with others while partials wait
     partial_wait_ms: float = 40.0       # longest chunked partials gather for a larger step (0: no wait)
+    finals_with_chunks: bool = False    # a due final batch shares its model call with the queued chunk step
     switch_interval_ms: float = 0.0     # GIL switch interval in the model's process (0: CPython's 5 ms)
     vad_threshold: float = 0.5
     vad_prefix_padding_ms: int = 300
@@ -85,7 +86,7 @@ class ServeConfig:
         """Keyword arguments of :class:`~flashasr.serve.scheduler.BatchScheduler` from this config."""
         return {"max_batch": self.batch_limit, "batch_wait_s": self.batch_wait_ms / 1000,
                 "stream_batch": self.stream_batch, "final_wait_s": self.final_wait_ms / 1000,
-                "partial_wait_s": self.partial_wait_ms / 1000,
+                "partial_wait_s": self.partial_wait_ms / 1000, "finals_with_chunks": self.finals_with_chunks,
                 "switch_interval_s": self.switch_interval_ms / 1000 or None}
 
     @property
@@ -293,6 +294,10 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                    help="chunked partials: longest queued chunks wait for more streams' chunks before a step "
                         "smaller than the stream batch runs, when nothing else is runnable; new work ends the "
                         "wait; a lone stream's partials come this much later (0: never wait; at most 1000)")
+    g.add_argument("--finals-with-chunks", action="store_true",
+                   help="chunked partials: a due batch of finals shares its model call with the queued chunk "
+                        "step (the finals' device work queued first, the step's host work and graph beside it; "
+                        "the finals answered when read, not after the step)")
     g.add_argument("--switch-interval-ms", type=_number(float, 0, high=100), default=0.0,
                    help="the GIL switch interval in the process running the model (its thread shares the GIL "
                         "with the event loop; 0: leave CPython's 5 ms; at most 100)")
@@ -347,6 +352,7 @@ def parse_args(argv: list[str]) -> ServeConfig:
         stream_partials=a.stream_partials, stream_left_s=a.stream_left_s, stream_chunk_frames=a.stream_chunk_frames,
         stream_slots=a.stream_slots, stream_max_slots=a.stream_max_slots, stream_batch=a.stream_batch,
         stream_buckets_per_octave=a.stream_buckets_per_octave, final_wait_ms=a.final_wait_ms, partial_wait_ms=a.partial_wait_ms,
+        finals_with_chunks=a.finals_with_chunks,
         switch_interval_ms=a.switch_interval_ms, body_timeout_s=a.body_timeout_s,
         request_timeout_s=a.request_timeout_s, log_level=a.log_level,
         access_log=not a.no_access_log,

@@ -51,6 +51,14 @@ Chunked streaming partials (:meth:`BatchScheduler.submit_chunk`, when a ``stream
 group: the new audio of many streams, one batched ``streamer.step`` per model call (up to
 ``stream_batch`` streams), never coalesced away (each carries audio the stream's state needs; a
 stream has at most one in flight, its next one carries everything that arrived meanwhile).
+
+With ``finals_with_chunks`` a due final batch and the queued chunks share one model call: the
+finals' device work is queued first (:func:`~flashasr.pipeline.run.start_pieces`: on the GPU
+engine its encoders on the model thread's stream, its decoder on a side stream), then the
+streamer's step runs (its host work while the finals' encoders run; its graph on the same stream
+after them, beside the finals' decoder), while a second thread reads the finals and answers them
+the moment they are done, not after the step. A model without queued device work (the CPU) runs
+the finals first, then the step.
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..options import TranscribeOptions
-from ..pipeline.run import speech_kw, transcribe_pieces
+from ..pipeline.run import speech_kw, start_pieces, transcribe_pieces
 from .metrics import EngineMetrics
 
 log = logging.getLogger("flashasr.serve")
@@ -158,12 +166,14 @@ class BatchScheduler:
             every CUDA wait needing the GIL while the event loop runs Python; at 5 ms it can wait
             that long each time (a job's model thread: 3,400x at 0.5 ms against 2,838x at 5 ms,
             :data:`flashasr.jobs.runner.JOB_SWITCH_INTERVAL_S`).
+        finals_with_chunks: a due final batch shares its model call with the queued chunked
+            partials (see the module docstring); the finals are answered when they are done.
     """
 
     def __init__(self, model, *, max_batch: int = 8, batch_wait_s: float = 0.002,
                  metrics: EngineMetrics | None = None, short_s: float = SHORT_S, streamer=None,
                  stream_batch: int = 256, final_wait_s: float = 0.0, partial_wait_s: float = 0.0,
-                 switch_interval_s: float | None = None):
+                 switch_interval_s: float | None = None, finals_with_chunks: bool = False):
         self.model = model
         self.streamer = streamer
         self.stream_batch = max(1, int(stream_batch))
@@ -198,6 +208,12 @@ class BatchScheduler:
         self._exec.submit(lambda: None).result()  # start the thread now (constant thread count)
         self._inflight: Future | None = None  # the model call handed to the thread last
         self.busy = False
+        self.finals_with_chunks = bool(finals_with_chunks) and streamer is not None
+        # reads the finals of a shared call while the model thread runs the step (one thread, made once)
+        self._finals_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashasr-finals") \
+            if self.finals_with_chunks else None
+        if self._finals_exec is not None:
+            self._finals_exec.submit(lambda: None).result()
 
     # ------------------------------------------------------------------ public
     def start(self) -> None:
@@ -222,6 +238,8 @@ class BatchScheduler:
             q.clear()
         self._runs.clear()
         self._exec.shutdown(wait=False, cancel_futures=True)
+        if self._finals_exec is not None:
+            self._finals_exec.shutdown(wait=False, cancel_futures=True)
         if self._switch_before is not None:
             sys.setswitchinterval(self._switch_before)
             self._switch_before = None
@@ -390,7 +408,11 @@ class BatchScheduler:
         finals = self._queues[FINAL] = [it for it in self._queues[FINAL] if not it.fut.done()]
         partials = self._queues[PARTIAL] = [it for it in self._queues[PARTIAL] if not it.fut.done()]
         if finals and (not partials or self._final_due(finals)):
-            return "batch", self._take_streaming(FINAL, finals)
+            fb = self._take_streaming(FINAL, finals)
+            pq = self._queues[PARTIAL]  # what the finals' batch left (it takes no chunks: another group)
+            if self.finals_with_chunks and pq and pq[0].stream is not None:
+                return "pair", (fb, self._take_streaming(PARTIAL, pq))
+            return "batch", fb
         if partials:
             return "batch", self._take_streaming(PARTIAL, partials)
         q = [it for it in self._queues[OFFLINE] if not it.fut.done()]
@@ -484,6 +506,41 @@ class BatchScheduler:
         return transcribe_pieces(self.model, [it.samples for it in batch], batch[0].options,
                                  [it.speech for it in batch])
 
+    def _infer_pair(self, work: tuple[list[_Item], list[_Item]]) -> tuple[list, float]:
+        """A final batch and a chunk step in one model call (model thread; see the module docstring):
+        the chunks' results, and the seconds until the finals were answered (they are posted to the
+        event loop by :meth:`_deliver` as soon as they are read)."""
+        finals, chunks = work
+        t1 = time.perf_counter()
+        try:
+            started = start_pieces(self.model, [it.samples for it in finals], finals[0].options,
+                                   [it.speech for it in finals])
+        except Exception as e:  # noqa: BLE001 - answered to the finals alone
+            started = e
+
+        def read() -> float:
+            if isinstance(started, BaseException):
+                res = [started] * len(finals)
+            else:
+                try:
+                    res = started.result()
+                except Exception as e:  # noqa: BLE001
+                    res = [e] * len(finals)
+            dt = time.perf_counter() - t1
+            self._loop.call_soon_threadsafe(self._deliver, finals, res)
+            return dt
+
+        on_device = not isinstance(started, BaseException) and started.on_device
+        reading = self._finals_exec.submit(read) if on_device else None
+        dt_final = read() if reading is None else 0.0  # run at once (no device queue): answered before the step
+        try:
+            out = self._infer(chunks)
+        except Exception as e:  # noqa: BLE001
+            out = [e] * len(chunks)
+        if reading is not None:
+            dt_final = reading.result()  # the finals are read before the next call reuses the engine
+        return out, dt_final
+
     def _step(self, run: _Run) -> list | None:
         """One step of an offline batch (model thread): its results when it is done, else None. A
         batch that cannot start or whose step raises is redone piece by piece (one call)."""
@@ -504,19 +561,24 @@ class BatchScheduler:
         """Run one model call in the model thread: (its items, per item a result; None: a step of
         an offline batch that is not done yet)."""
         loop = asyncio.get_running_loop()
-        items = work if kind == "batch" else work.items
+        items = work if kind == "batch" else work[0] + work[1] if kind == "pair" else work.items
         t0 = time.perf_counter()
-        if kind == "batch" or work.steps == 0:
+        if kind != "run" or work.steps == 0:
             for it in items:
                 self._stage["queue"].observe(t0 - it.t_enq)
-        self._batch_size[items[0].priority].observe(len(items))
+        for part in (work if kind == "pair" else (items,)):
+            self._batch_size[part[0].priority].observe(len(part))
         self.busy = True
         t1 = t2 = None
+        fn = {"batch": self._infer, "run": self._step, "pair": self._infer_pair}[kind]
+        dt_final = None
         try:
-            self._inflight = self._exec.submit(_timed, self._infer if kind == "batch" else self._step, work)
+            self._inflight = self._exec.submit(_timed, fn, work)
             results, t1, t2 = await asyncio.wrap_future(self._inflight, loop=loop)
+            if kind == "pair":  # the finals were answered already (_deliver): the chunks are left
+                (results, dt_final), items = results, work[1]
         except Exception as e:  # noqa: BLE001
-            results = [e] * len(items)
+            results = [e] * len(items)  # (finals answered already are skipped by _deliver)
         finally:
             self.busy = False
         t3 = time.perf_counter()
@@ -525,7 +587,12 @@ class BatchScheduler:
         dt = t2 - t1  # the call on the model thread
         self._stage["inference"].observe(dt)
         self._stage["handoff"].observe((t1 - t0) + (t3 - t2))  # waiting for the threads' handovers
-        self._inference[items[0].priority].observe(dt)
+        if kind == "pair":  # the call's time: the finals' part until they were read, the step's the rest
+            if dt_final is not None:
+                self._inference[FINAL].observe(min(dt, dt_final))
+            self._inference[PARTIAL].observe(max(0.0, dt - (dt_final or 0.0)))
+        else:
+            self._inference[items[0].priority].observe(dt)
         if kind == "run":
             self._stepped(work, getattr(work.run, "audio_s", None), done=results is not None)
             if results is None:
@@ -567,18 +634,21 @@ class BatchScheduler:
                 if kind == "none":
                     break
                 items, results = await self._call(kind, work)
-                if results is None:
-                    continue
-                audio = dict.fromkeys(self._audio_s, 0)  # a final batch may carry partials too: each under its kind
-                for it in items:
-                    audio[it.priority] += len(it.samples)
-                for p, n in audio.items():
-                    if n:
-                        self._audio_s[p].inc(n / self.sample_rate)
-                for it, r in zip(items, results):
-                    if it.fut.done():
-                        continue
-                    if isinstance(r, BaseException):
-                        it.fut.set_exception(r)
-                    else:
-                        it.fut.set_result(r)
+                if results is not None:
+                    self._deliver(items, results)
+
+    def _deliver(self, items: list[_Item], results: list) -> None:
+        """Results (or exceptions) to their items' awaiters (event loop); audio counted by kind."""
+        audio = dict.fromkeys(self._audio_s, 0)  # a final batch may carry partials too: each under its kind
+        for it in items:
+            audio[it.priority] += len(it.samples)
+        for p, n in audio.items():
+            if n:
+                self._audio_s[p].inc(n / self.sample_rate)
+        for it, r in zip(items, results):
+            if it.fut.done():
+                continue
+            if isinstance(r, BaseException):
+                it.fut.set_exception(r)
+            else:
+                it.fut.set_result(r)
