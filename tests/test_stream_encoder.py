@@ -518,10 +518,10 @@ def test_a_reused_slot_starts_clean(tiny, speech):
 def test_row_buckets_powers_of_two_then_even_steps_per_doubling():
     """The GPU's step buckets: powers of two to 64 rows, then ``buckets_per_octave`` per doubling,
     ending at ``max_batch``; 1 gives the powers of two; bad values are refused by name."""
-    assert StreamingConfig().row_buckets() == [1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256,
-                                               320, 384, 448, 512]
-    assert StreamingConfig(buckets_per_octave=1).row_buckets() == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    assert StreamingConfig(max_batch=300).row_buckets()[-3:] == [224, 256, 300]
+    assert StreamingConfig(buckets_per_octave=4).row_buckets() == [1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128, 160,
+                                                                   192, 224, 256, 320, 384, 448, 512]
+    assert StreamingConfig().row_buckets() == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]  # the default: 1
+    assert StreamingConfig(max_batch=300, buckets_per_octave=4).row_buckets()[-3:] == [224, 256, 300]
     assert StreamingConfig(max_batch=1).row_buckets() == [1]
     assert StreamingConfig(max_batch=48).row_buckets() == [1, 2, 4, 8, 16, 32, 48]
     for n in (1, 2, 3, 8, 17):

@@ -65,7 +65,7 @@ def test_graphed_steps_in_buckets_between_powers_of_two_equal_eager(speech):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     clips = [speech[i % 4][(i * 1_237) % 8_000:] for i in range(70)]  # 70 streams, each its own start
-    cfg = StreamingConfig(chunk_frames=7, left_frames=16, slots=80, max_batch=96)
+    cfg = StreamingConfig(chunk_frames=7, left_frames=16, slots=80, max_batch=96, buckets_per_octave=4)
     eager = ParakeetStreamer(m, cfg)
     want, _ = _run(eager, clips, [8000, 3000, 12000])
     g = GraphedStreamer(m, cfg)

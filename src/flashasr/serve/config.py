@@ -59,7 +59,7 @@ class ServeConfig:
     stream_slots: int = 64              # chunked partials: stream states allocated at start (the pool doubles)
     stream_max_slots: int = 8192        # chunked partials: most live streams with chunked state
     stream_batch: int = 512             # chunked partials: most streams in one batched step
-    stream_buckets_per_octave: int = 4  # chunked partials on a GPU: row buckets per doubling above 64 rows
+    stream_buckets_per_octave: int = 1  # chunked partials on a GPU: row buckets per doubling above 64 rows
     final_wait_ms: float = 20.0         # longest a stream's final gathers with others while partials wait
     partial_wait_ms: float = 40.0       # longest chunked partials gather for a larger step (0: no wait)
     finals_with_chunks: bool = False    # a due final batch shares its model call with the queued chunk step
@@ -282,10 +282,11 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                    help="chunked partials: most live streams with chunked state (more: their partials are skipped)")
     g.add_argument("--stream-batch", type=_number(int, 1), default=512,
                    help="chunked partials: most streams in one batched step")
-    g.add_argument("--stream-buckets-per-octave", type=_number(int, 1, high=64), default=4,
+    g.add_argument("--stream-buckets-per-octave", type=_number(int, 1, high=64), default=1,
                    help="chunked partials on a GPU: one CUDA graph per row bucket, a step padded up to the next; "
-                        "powers of two up to 64 rows, then this many sizes per doubling (1: powers of two; more: "
-                        "less padding, more capture time and graphs)")
+                        "powers of two up to 64 rows, then this many sizes per doubling (1: powers of two). Each "
+                        "graph holds GPU memory of its own: 4 ran out of memory with 2,000 stream slots on an "
+                        "80 GB H100")
     g.add_argument("--final-wait-ms", type=_number(float, 0, high=1000), default=20.0,
                    help="longest a stream's final waits to be batched with others while partial work is "
                         "queued; a final runs at once when a full batch of finals waits or nothing else is "

@@ -94,9 +94,11 @@ class StreamingConfig:
             as several launches).
         buckets_per_octave: the GPU's row buckets (one CUDA graph each, a step padded up to the
             next): powers of two up to 64 rows, then this many evenly spaced sizes per doubling
-            (4: 80, 96, 112, 128, 160, ...; 1: powers of two only). A graph's device time is about
-            a fixed part plus a cost per row (H100: ~4.7 ms + 0.064 ms a row), so a step of 178
-            rows padded to 256 wastes a quarter of it; finer buckets cost capture time and memory.
+            (1, the default: powers of two only; 4: 80, 96, 112, 128, 160, ...). A graph's device
+            time is about a fixed part plus a cost per row (H100: ~4.7 ms + 0.064 ms a row), so a
+            step of 178 rows padded to 256 wastes a quarter of it; but each graph holds activation
+            memory of its own (the shared pool did not make it the largest's, whichever capture
+            order): 4 per doubling with 2,000 stream slots ran an 80 GB H100 out of memory.
     """
 
     left_frames: int = 128
@@ -105,7 +107,7 @@ class StreamingConfig:
     max_slots: int = 4096
     idle_s: float = 300.0
     max_batch: int = 512
-    buckets_per_octave: int = 4
+    buckets_per_octave: int = 1
 
     def __post_init__(self):
         for name in ("left_frames", "chunk_frames", "slots", "max_slots", "max_batch", "buckets_per_octave"):
