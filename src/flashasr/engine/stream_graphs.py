@@ -107,6 +107,7 @@ class GraphedStreamer(ParakeetStreamer):
         self._pool_handle = torch.cuda.graph_pool_handle()
         self._full_ok = True   # WHILE-node capture still believed to work
         self._graph_ok = True  # encoder capture still believed to work
+        self.capture_oom = False  # a capture ran out of GPU memory (the server then drops this streamer)
         self.events: list[str] = []
 
     # ------------------------------------------------------------------ host side
@@ -192,6 +193,7 @@ class GraphedStreamer(ParakeetStreamer):
                     try:
                         self._capture(g, full=True)
                     except Exception as e:  # noqa: BLE001 - WHILE nodes unavailable: encoder graph only
+                        self.capture_oom |= isinstance(e, torch.OutOfMemoryError)
                         self._note(f"streaming step: WHILE-node graph failed ({type(e).__name__}: {e}); "
                                    f"encoder graph + eager decoder")
                         self._full_ok = False
@@ -200,6 +202,7 @@ class GraphedStreamer(ParakeetStreamer):
                 if g.graph is None:
                     self._capture(g, full=False)
             except Exception as e:  # noqa: BLE001 - no graphs at all: eager
+                self.capture_oom |= isinstance(e, torch.OutOfMemoryError)
                 self._note(f"streaming step: graph capture failed ({type(e).__name__}: {e}); eager")
                 self._graph_ok = False
                 self._graphs.clear()

@@ -297,8 +297,33 @@ def make_streamer(model, cfg: ServeConfig):
         log.warning("chunked streaming partials unavailable (%s); partials re-encode", e)
         return None
     if cfg.warmup:
-        streamer.warmup()
+        try:
+            streamer.warmup()
+            oom = getattr(streamer, "capture_oom", False)
+        except Exception as e:  # noqa: BLE001 - out of memory only; anything else is a fault to see
+            if type(e).__name__ != "OutOfMemoryError":
+                raise
+            oom = True
+        if oom:  # its eager steps would fail too, and take the finals' memory: finals first, partials re-encode
+            log.error("chunked streaming partials need more GPU memory than is free (%d stream slots, %.2f s of "
+                      "left context, %d row buckets): partials re-encode instead; lower --stream-slots, "
+                      "--stream-left-s or --stream-buckets-per-octave", cfg.stream_slots, cfg.stream_left_s,
+                      len(getattr(streamer, "buckets", ())))
+            del streamer
+            _free_device_cache(model)
+            return None
     return streamer
+
+
+def _free_device_cache(model) -> None:
+    """Give the memory of a dropped streamer's graphs and states back to the device (CUDA only)."""
+    if str(getattr(model, "device", "cpu")).startswith("cuda"):
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def load_and_warm(cfg: ServeConfig):
