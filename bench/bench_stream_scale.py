@@ -24,7 +24,12 @@ Three phases (``--phases``, default all), one JSON with machine, versions and co
   speech end the server reported), p50/p95/p99/max, the engine's busy fraction, its inference
   seconds per stream-second, server CPU, client send lag. ``--find-max`` then climbs the stream
   count (``--max-step``) at each cadence until a target is missed (p95 partial <= 100 ms, p95 time
-  to final <= 150 ms by default) and reports the most streams held.
+  to final <= 150 ms by default) and reports the most streams held. ``--lengths``: each
+  utterance a whole clip (``clips``: few distinct lengths, so with streams started over
+  ``--ramp-s`` their ends line up in bursts of finals) and/or real speech cut at a random point
+  to a length uniform in ``--clip-min-s``..``--clip-max-s`` (``uniform``: ends spread as
+  independent callers' would), one run each; every run also reports ``all_live``, the latencies
+  while every stream was live (no ramp, no tail).
 
     python bench/bench_stream_scale.py --smoke           # CPU smoke: tiny NeMo fixture, few streams
     bash scripts/gpu_bench_stream.sh                      # the H200 run (random:parakeet-tdt-0.6b-v3)

@@ -25,6 +25,7 @@
 # 6.4 MB of state per stream, 8,000 streams = 51 GB), STREAMS, MAXSTREAMS, BUDGET, VAD (off|on|both),
 # FINDMAX (1: then search for the most streams held), PROFILE=1 (the server under py-spy: raw stacks under
 # $OUT, a table by role in the JSON's "profiles"; .whl needs py-spy), NAME (a suffix of the JSON's name),
+# LENGTHS (clips|uniform|clips,uniform: utterance lengths, see the benchmark's --lengths),
 # EXTRA (more bench_stream_scale.py arguments, e.g. --server-args '...').
 # JSON: bench/results/stream_scale_h200_<phase>.json (and under $OUT).
 set -uo pipefail
@@ -73,6 +74,7 @@ case "${1:-cost}" in
     timeout 575 python3 -W ignore bench/bench_stream_scale.py --name "stream_scale_h200_$1${NAME:-}" --phases scale \
       "${COMMON[@]}" --mode multi --workers "${WORKERS:-6}" --client-procs "${CLIENTS:-8}" --max-batch 256 \
       --packet-ms "${PACKET:-20}" --cadences "$CAD" --streams "${STREAMS:-1000,2000}" --vad "${VAD:-both}" --utterances 2 \
+      --lengths "${LENGTHS:-clips}" \
       $([ "${FINDMAX:-1}" = 1 ] && echo --find-max) --max-step 1000 --max-streams "${MAXSTREAMS:-8000}" \
       $([ -n "${PROFILE:-}" ] && echo --profile "$OUT" --py-spy /tmp/site/bin/py-spy) ${EXTRA:-} ;;
   final)  # issue #17 item 4: time to a stream final and a short upload's reply under long uploads (after `av`)
