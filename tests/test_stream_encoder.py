@@ -524,12 +524,13 @@ def test_row_buckets_powers_of_two_then_even_steps_per_doubling():
     assert StreamingConfig(max_batch=300, buckets_per_octave=4).row_buckets()[-3:] == [224, 256, 300]
     assert StreamingConfig(max_batch=1).row_buckets() == [1]
     assert StreamingConfig(max_batch=48).row_buckets() == [1, 2, 4, 8, 16, 32, 48]
-    for n in (1, 2, 3, 8, 17):
+    for n in (1, 2, 3, 8, 17, 64):
         b = StreamingConfig(max_batch=1000, buckets_per_octave=n).row_buckets()
         assert b == sorted(set(b)) and b[-1] == 1000
+        assert {64, 128, 256, 512} <= set(b)  # every doubling point, whatever n (3 drifted past 128 once)
         gaps = [y - x for x, y in zip(b, b[1:]) if x >= 64]
-        assert max(gaps) <= max(1, 512 // n)  # the largest octave below 1000 (512-1000) in n steps
-    for bad in (0, -1, 2.5, True):
+        assert max(gaps) <= -(-512 // n) + 1  # the largest octave below 1000 (512-1000) in n steps
+    for bad in (0, -1, 2.5, True, 65):
         with pytest.raises(Exception, match="buckets_per_octave"):
             StreamingConfig(buckets_per_octave=bad)
 
@@ -563,5 +564,23 @@ def test_windows_from_pieces_equal_the_pre_emphasised_stream(tiny):
             np.testing.assert_array_equal(out, ref)
             s._advance(st, min(k, s.C))
         assert len(st.pieces) <= 16
-        assert sum(len(v) for v in st.pieces) <= s.window_samples + 25000 + n  # nothing unbounded kept
+        assert sum(len(v) for v in st.pieces) <= 2 * s.window_samples + n  # nothing unbounded kept
     assert at > 16000 * 9 and st.frames > 100  # 9 s and more went through
+
+
+@pytest.mark.parametrize("size", [1, 16, 100, 161, 320, 8000, 48000])
+def test_kept_samples_stay_bounded_for_requests_of_any_size(tiny, speech, size):
+    """A trial found 100-sample requests keeping the whole utterance (joins of more than 16 pieces
+    began at the oldest kept sample): whatever the request size, a stream keeps at most about two
+    windows plus the newest request, and every complete frame is still encoded (the windows' contents
+    are checked by the test above)."""
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=7, left_frames=4))
+    x = np.tile(speech, 4)[: 16000 * 30]  # 30 s
+    worst = 0
+    for i in range(0, len(x), size):
+        s.step([("a", x[i:i + size])])
+        st = s.streams["a"]
+        worst = max(worst, sum(len(v) for v in st.pieces))
+        assert len(st.pieces) <= 16
+    assert worst <= 2 * s.window_samples + size, (worst, s.window_samples)
+    assert s.streams["a"].frames >= (len(x) - 512) // 1280 - 1  # every complete frame went through

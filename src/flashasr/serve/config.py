@@ -296,9 +296,10 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                         "smaller than the stream batch runs, when nothing else is runnable; new work ends the "
                         "wait; a lone stream's partials come this much later (0: never wait; at most 1000)")
     g.add_argument("--finals-with-chunks", action="store_true",
-                   help="chunked partials: a due batch of finals shares its model call with the queued chunk "
-                        "step (the finals' device work queued first, the step's host work and graph beside it; "
-                        "the finals answered when read, not after the step)")
+                   help="chunked partials on a GPU: a due batch of finals shares its model call with the queued "
+                        "chunk step (the finals' device work queued first, the step's host work and graph beside "
+                        "it; the finals answered when read, not after the step). A model without queued device "
+                        "work (the CPU) ignores it: there a final would only wait for the step (default: off)")
     g.add_argument("--switch-interval-ms", type=_number(float, 0, high=100), default=0.0,
                    help="the GIL switch interval in the process running the model (its thread shares the GIL "
                         "with the event loop; 0: leave CPython's 5 ms; at most 100)")

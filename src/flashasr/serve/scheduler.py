@@ -57,8 +57,9 @@ finals' device work is queued first (:func:`~flashasr.pipeline.run.start_pieces`
 engine its encoders on the model thread's stream, its decoder on a side stream), then the
 streamer's step runs (its host work while the finals' encoders run; its graph on the same stream
 after them, beside the finals' decoder), while a second thread reads the finals and answers them
-the moment they are done, not after the step. A model without queued device work (the CPU) runs
-the finals first, then the step.
+the moment they are done, not after the step. A model without queued device work (no
+``submit_batch``: the CPU) keeps finals in calls of their own (shared, a final would only wait for
+the step).
 """
 
 from __future__ import annotations
@@ -208,7 +209,11 @@ class BatchScheduler:
         self._exec.submit(lambda: None).result()  # start the thread now (constant thread count)
         self._inflight: Future | None = None  # the model call handed to the thread last
         self.busy = False
-        self.finals_with_chunks = bool(finals_with_chunks) and streamer is not None
+        # only where the finals' device work can be queued (start_pieces: a model with submit_batch): on the
+        # CPU a shared call runs the finals, then the step, and the next final waits for that step (a trial: 40
+        # streams on the dev VM, final p95 1.2-2.1 s -> 3.3-4.3 s)
+        self.finals_with_chunks = (bool(finals_with_chunks) and streamer is not None
+                                   and hasattr(model, "submit_batch"))
         # reads the finals of a shared call while the model thread runs the step (one thread, made once)
         self._finals_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashasr-finals") \
             if self.finals_with_chunks else None
@@ -532,7 +537,7 @@ class BatchScheduler:
 
         on_device = not isinstance(started, BaseException) and started.on_device
         reading = self._finals_exec.submit(read) if on_device else None
-        dt_final = read() if reading is None else 0.0  # run at once (no device queue): answered before the step
+        dt_final = read() if reading is None else 0.0  # ran at once (failed, or redone): answered before the step
         try:
             out = self._infer(chunks)
         except Exception as e:  # noqa: BLE001

@@ -115,6 +115,9 @@ class StreamingConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "left_frames" else 1):
                 raise FlashASRError(f"StreamingConfig.{name} must be an integer >= "
                                     f"{0 if name == 'left_frames' else 1}, got {v!r}", code="invalid_request")
+        if self.buckets_per_octave > 64:
+            raise FlashASRError(f"StreamingConfig.buckets_per_octave must be at most 64, got {self.buckets_per_octave!r}",
+                                code="invalid_request")
         if not (isinstance(self.idle_s, (int, float)) and self.idle_s > 0):
             raise FlashASRError(f"StreamingConfig.idle_s must be > 0, got {self.idle_s!r}", code="invalid_request")
 
@@ -125,10 +128,11 @@ class StreamingConfig:
         while b < min(64, top):
             out.append(b)
             b *= 2
-        while b < top:
-            out.append(b)
-            b += max(1, (1 << (b.bit_length() - 1)) // self.buckets_per_octave)  # the step of b's octave
-        return out + [top]
+        n = self.buckets_per_octave
+        while b < top:  # b a power of two: n sizes from it to the next one, evenly spaced (rounded)
+            out += sorted({b + (j * b + n // 2) // n for j in range(n)} - {2 * b})
+            b *= 2
+        return [x for x in out if x < top] + [top]
 
     @staticmethod
     def for_cadence(partial_interval_ms: float, **kw) -> "StreamingConfig":
@@ -460,7 +464,7 @@ class ParakeetStreamer:
         """Keep the new samples pre-emphasised (``y[t] = x[t] - preemph * x[t-1]``, ``y[0] = x[0]``,
         as the offline preprocessor) as one more piece: each sample once, the kept ones never moved;
         a window is copied out of its pieces (:meth:`_segment`). More than 16 pieces (small
-        requests) are joined into one."""
+        requests) are joined into one, from the next window's start (:meth:`_compact`)."""
         m = len(a)
         if not m:
             return
@@ -475,9 +479,9 @@ class ParakeetStreamer:
             x[:] = a
         st.last = a[-1]
         st.pieces.append(x)
-        if len(st.pieces) > 16:
-            st.pieces[:] = [np.concatenate(st.pieces)]
         st.received += m
+        if len(st.pieces) > 16:
+            self._compact(st, join=True)
         self.counters["audio_s"] += m / float(self.model.sample_rate)
 
     def _frames_to_do(self, st: _Stream, flush: bool) -> tuple[int, int]:
@@ -518,10 +522,26 @@ class ParakeetStreamer:
 
     def _advance(self, st: _Stream, k: int) -> None:
         st.frames += k
+        self._compact(st)
+
+    def _compact(self, st: _Stream, join: bool = False) -> None:
+        """Drop the kept samples behind the next window's start: pieces wholly behind it, and the
+        dead head of the first piece once it is longer than a window (copied out, so a long request's
+        samples are not all held for the sake of its tail); ``join``: the rest as one piece. Bounds a
+        stream's kept samples by about two windows plus the newest request, however it is cut (a
+        trial found 100-sample requests keeping the whole utterance: joins began at the oldest sample)."""
         keep_from = self.hop * self.sub * (st.frames - 1) - self.n_fft // 2  # the next window's start
         pieces = st.pieces
         while pieces and st.x_start + len(pieces[0]) <= keep_from:  # pieces wholly behind it
             st.x_start += len(pieces.pop(0))
+        dead = keep_from - st.x_start
+        if pieces and dead > 0 and (join or dead > self.window_samples):
+            pieces[0] = pieces[0][dead:]
+            st.x_start += dead
+            if not (join and len(pieces) > 1):  # (a join below copies anyway)
+                pieces[0] = pieces[0].copy()    # the dead head's memory goes
+        if join and len(pieces) > 1:
+            pieces[:] = [np.concatenate(pieces)]
 
     def _run_rows(self, plan: list[tuple[_Stream, int, int | None]]) -> None:
         if self._fresh:  # the slots of streams opened since the last step start from a clean state
