@@ -780,3 +780,60 @@ def test_absurd_float_magnitudes_are_clipped_with_a_warning():
     loud = (_sine(16000, 0.5) * 6).astype(np.float32)  # a few times full scale: audio, not damage
     d = load_audio(io.BytesIO(float_wav(loud)))
     assert not d.warnings and np.abs(d.samples).max() > 2.9
+
+
+def _chunks_wav(chunks: list[tuple[bytes, bytes]], riff: bytes = b"RIFF") -> bytes:
+    """A WAVE file of the given (id, body) chunks, in order (odd bodies padded)."""
+    body = b"WAVE" + b"".join(c + struct.pack("<I", len(b)) + b + (b"\0" if len(b) & 1 else b"") for c, b in chunks)
+    return riff + struct.pack("<I", len(body)) + body
+
+
+def _fmt(rate: int, tag: int = 1, ch: int = 1, bits: int = 16, n: int = 16) -> bytes:
+    align = ch * bits // 8
+    body = struct.pack("<HHIIHH", tag, ch, rate, (rate * align) & 0xFFFFFFFF, align, bits)
+    if tag == 0xFFFE:  # WAVE_FORMAT_EXTENSIBLE, valid bits 12 of 16, subformat PCM
+        body += struct.pack("<HHI", 22, 12, 4) + struct.pack("<H", 1) + bytes.fromhex("000000001000800000aa00389b71")
+    return body[:n] if n < 16 else body
+
+
+@pytest.mark.parametrize("layout", ["extensible", "fmt of 14 bytes", "data before fmt", "LIST before fmt", "RF64"])
+@pytest.mark.parametrize("rate", [0, 2**32 - 1])
+def test_a_wav_rate_out_of_range_is_named_whatever_the_header_layout(layout, rate, tmp_path):
+    """A trial found 0 Hz and 2^32-1 Hz refused as FFmpeg's unsupported_format in these layouts
+    (FFmpeg refuses them first): the first fmt chunk's rate is checked by name in every one."""
+    data = (b"data", np.zeros(800, "<i2").tobytes())
+    chunks = {"extensible": [(b"fmt ", _fmt(rate, tag=0xFFFE)), data],
+              "fmt of 14 bytes": [(b"fmt ", _fmt(rate, n=14)), data],
+              "data before fmt": [data, (b"fmt ", _fmt(rate))],
+              "LIST before fmt": [(b"LIST", b"INFOISFT" + struct.pack("<I", 2000) + b"x" * 2000), (b"fmt ", _fmt(rate)), data],
+              "RF64": [(b"ds64", bytes(28)), (b"fmt ", _fmt(rate)), data]}[layout]
+    blob = _chunks_wav(chunks, b"RF64" if layout == "RF64" else b"RIFF")
+    for src in (blob, io.BytesIO(blob)):
+        with pytest.raises(UnsupportedSampleRateError, match=f"{rate} Hz is outside"):
+            load_audio(src)
+        with pytest.raises(UnsupportedSampleRateError, match=f"{rate} Hz is outside"):
+            probe(src)
+
+
+def test_a_large_wav_rate_out_of_range_is_named_by_the_parallel_decode(tmp_path):
+    """A trial: uploads of 256 KiB and more (and paths given to ``transcribe``) decode through
+    load_audio_parallel, whose WAV check swallowed the rate error, so FFmpeg refused 0 Hz as
+    unsupported_format."""
+    from flashasr.audio import load_audio_parallel
+
+    for rate in (0, 2**32 - 1, 1):
+        p = tmp_path / f"r{rate}.wav"
+        p.write_bytes(_pcm16_wav(rate, n=131_072))  # 256 KiB of samples
+        with pytest.raises(UnsupportedSampleRateError, match=f"{rate} Hz is outside"):
+            load_audio_parallel(str(p), workers=2)
+
+
+def test_the_first_fmt_chunk_counts_as_in_ffmpeg():
+    """Two fmt chunks: FFmpeg reads the first, so does our reader (a second fmt of 0 Hz was refused,
+    one of 48 kHz made load_audio read 48 kHz where probe said 16 kHz)."""
+    x = (np.sin(np.arange(16000) / 7) * 9000).astype("<i2")
+    for second in (0, 48000):
+        blob = _chunks_wav([(b"fmt ", _fmt(16000)), (b"fmt ", _fmt(second)), (b"data", x.tobytes())])
+        a = load_audio(blob, target_rate=None)
+        assert a.sample_rate == 16000 and a.samples.size == 16000
+        assert probe(blob)["sample_rate"] == 16000

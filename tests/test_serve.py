@@ -212,9 +212,9 @@ def _no_audio_stream_file() -> bytes:
     return buf.getvalue()
 
 
-def _rate_wav(rate: int) -> bytes:
-    """A 16-bit mono WAV of 8,000 samples whose header claims ``rate`` Hz."""
-    data = np.zeros(8000, "<i2").tobytes()
+def _rate_wav(rate: int, n: int = 8000) -> bytes:
+    """A 16-bit mono WAV of ``n`` samples whose header claims ``rate`` Hz."""
+    data = np.zeros(n, "<i2").tobytes()
     fmt = struct.pack("<HHIIHH", 1, 1, rate, (rate * 2) & 0xFFFFFFFF, 2, 16)
     body = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(data)) + data
     return b"RIFF" + struct.pack("<I", len(body)) + body
@@ -228,6 +228,7 @@ def test_error_codes(client):
         (_rate_wav(2**31 - 1), {}, 400, "unsupported_sample_rate"),  # was 200 with an empty text
         (_rate_wav(0), {}, 400, "unsupported_sample_rate"),  # 0 and 2^32-1 Hz were FFmpeg's unsupported_format
         (_rate_wav(2**32 - 1), {}, 400, "unsupported_sample_rate"),
+        (_rate_wav(0, n=131_072), {}, 400, "unsupported_sample_rate"),  # >= 256 KiB: the parallel decode's path
         ((AUDIO / "long" / "long-silero-test-60s.wav").read_bytes(), {}, 400, "audio_too_long"),
         (CLIP.read_bytes(), {"response_format": "docx"}, 400, "unsupported_response_format"),
         (CLIP.read_bytes(), {"language": "english!"}, 400, "invalid_request"),

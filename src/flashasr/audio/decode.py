@@ -608,16 +608,18 @@ class _WavSource:
     def open(cls, source: Any, label: str, head: bytes) -> "_WavSource | None":
         """The reader for ``source`` (a path, bytes or seekable binary file whose first bytes are
         ``head``), or None when FFmpeg must read it."""
+        _check_wav_rate(head, label)
         if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
             return None
         if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)) and not (
                 hasattr(source, "seekable") and source.seekable()):
             return None
-        pos, fmt = 12, None
+        pos, fmt, seen_fmt = 12, None, False
         while pos + 8 <= len(head):
             cid, size = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
             body = head[pos + 8:pos + 8 + size]
-            if cid == b"fmt ":
+            if cid == b"fmt " and not seen_fmt:  # the first one counts, as in FFmpeg
+                seen_fmt = True
                 if len(body) < 16:
                     return None
                 tag, ch, rate, byte_rate, align, bits = (int.from_bytes(body[a:b], "little") for a, b in
@@ -627,8 +629,6 @@ class _WavSource:
                         return None
                     tag = int.from_bytes(body[24:26], "little")
                 fmt = _WAV_PCM.get((tag, bits))
-                if not SOURCE_RATES[0] <= rate <= SOURCE_RATES[1]:  # 0 Hz, 2^32-1 Hz: the rate is the problem,
-                    _check_rate(rate, label)                        # whichever reader would go on
                 if fmt is None or ch not in (1, 2) or align != ch * bits // 8 or byte_rate != rate * align:
                     return None
             elif cid == b"data":
@@ -700,15 +700,32 @@ class _WavSource:
 _WAV_BLOCK_S = 2.0  # seconds of a WAV read, converted and resampled at once
 
 
+def _check_wav_rate(head: bytes, label: str) -> None:
+    """A RIFF/RF64 WAVE header (``head``: the input's first bytes) whose first ``fmt `` chunk within
+    ``head`` claims a rate outside :data:`SOURCE_RATES` raises UnsupportedSampleRateError, whatever
+    its codec, layout or chunk order (FFmpeg refuses 0 Hz and rates of 2^31 Hz and more as damaged
+    data, ``unsupported_format``, before any rate check of ours)."""
+    if len(head) < 12 or head[:4] not in (b"RIFF", b"RF64") or head[8:12] != b"WAVE":
+        return
+    pos = 12
+    while pos + 16 <= len(head):  # a fmt chunk's rate: bytes 4-8 of its body
+        cid, size = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
+        if cid == b"fmt ":
+            if size >= 8:
+                rate = int.from_bytes(head[pos + 12:pos + 16], "little")
+                if not SOURCE_RATES[0] <= rate <= SOURCE_RATES[1]:
+                    _check_rate(rate, label)
+            return
+        pos += 8 + size + (size & 1)
+
+
 def plain_pcm_wav(source: Any) -> tuple[int, float] | None:
     """``(sample rate in Hz, declared seconds)`` when ``source`` (a path or seekable binary file;
     its first 4 KiB are read, a file's position is kept) is a WAV that :func:`load_audio` reads
-    with numpy rather than FFmpeg (see ``_WavSource``); else None."""
+    with numpy rather than FFmpeg (see ``_WavSource``); else None. Raises
+    UnsupportedSampleRateError for a WAV header whose rate is outside :data:`SOURCE_RATES`."""
     head = _head(source, 4096)
-    try:
-        wav = _WavSource.open(b"", "", head) if head else None
-    except UnsupportedSampleRateError:  # load_audio refuses it by name
-        return None
+    wav = _WavSource.open(b"", _label(source), head) if head else None
     return None if wav is None else (wav.rate, wav.declared)
 
 
@@ -1250,9 +1267,7 @@ def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None
             pos = source.tell() if source.seekable() else None
         except (AttributeError, OSError, ValueError):
             pos = None
-    head = _head(source, 4096)
-    if head:  # a WAV header's rate out of range is refused by name (FFmpeg calls 0 Hz damaged data)
-        _WavSource.open(b"", label, head)
+    _check_wav_rate(_head(source, 4096), label)  # by name (FFmpeg calls 0 Hz damaged data)
     src = _ContainerSource(source, label, libopus=False)  # headers only: no decoder
     try:
         br = src.stream.codec_context.bit_rate or src.container.bit_rate or None

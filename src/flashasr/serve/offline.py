@@ -263,7 +263,7 @@ def _decodes_inline(up, rate: int) -> bool:
         return False
     try:
         wav = plain_pcm_wav(up.file)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AudioError):  # (a rate out of range: the decode names it)
         return False
     return wav is not None and wav[0] == rate and wav[1] <= SHORT_S
 
@@ -279,7 +279,10 @@ def _upload_path(f, size: int) -> str | None:
 
     if size < PARALLEL_MIN_BYTES or not os.path.isdir("/proc/self/fd"):
         return None
-    wav = plain_pcm_wav(f)
+    try:
+        wav = plain_pcm_wav(f)
+    except AudioError:  # a header's rate out of range: the decode from ``f`` names it
+        return None
     if wav is not None and wav[1] < MIN_PARALLEL_S:
         return None  # a short PCM WAV: read from memory at once (a long one still decodes in ranges:
         # in multi mode their shared-memory output crosses to the engine without a copy)
