@@ -675,7 +675,7 @@ def _args(argv):
     a.drift_chunks_ms = [int(x) for x in str(a.drift_chunks_ms).split(",") if x]
     a.floor_batches = [int(x) for x in str(a.floor_batches).split(",") if x]
     a.drift_baseline_snr = [float(x) for x in str(a.drift_baseline_snr).split(",") if x]
-    a.lengths = [x for x in str(a.lengths).split(",") if x]
+    a.lengths = [x.strip() for x in str(a.lengths).split(",") if x.strip()]
     if not a.lengths or set(a.lengths) - {"clips", "uniform"}:
         raise SystemExit(f"--lengths: clips and/or uniform, not {a.lengths}")
     a.vad_modes = {"off": [False], "on": [True], "both": [False, True]}[a.vad]
