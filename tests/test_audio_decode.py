@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import struct
 import tracemalloc
 import wave
@@ -837,3 +838,53 @@ def test_the_first_fmt_chunk_counts_as_in_ffmpeg():
         a = load_audio(blob, target_rate=None)
         assert a.sample_rate == 16000 and a.samples.size == 16000
         assert probe(blob)["sample_rate"] == 16000
+
+
+def _au(rate: int) -> bytes:
+    """A Sun/NeXT AU file: 16-bit big-endian PCM, mono, 800 samples, claiming ``rate`` Hz."""
+    return b".snd" + struct.pack(">IIIII", 24, 1600, 3, rate & 0xFFFFFFFF, 1) + bytes(1600)
+
+
+def _aiff(rate: float) -> bytes:
+    """An AIFF file, 16-bit mono, 800 samples, its COMM rate ``rate`` as an 80-bit float."""
+    if rate == 0:
+        ext = bytes(10)
+    else:
+        m, e = math.frexp(rate)  # rate = m * 2**e, 0.5 <= m < 1
+        ext = struct.pack(">HQ", e - 1 + 16383, int(m * 2**64))
+    comm = struct.pack(">hIh", 1, 800, 16) + ext
+    ssnd = struct.pack(">II", 0, 0) + bytes(1600)
+    body = b"AIFF" + b"COMM" + struct.pack(">I", len(comm)) + comm + b"SSND" + struct.pack(">I", len(ssnd)) + ssnd
+    return b"FORM" + struct.pack(">I", len(body)) + body
+
+
+def _rifx(rate: int) -> bytes:
+    fmt = struct.pack(">HHIIHH", 1, 1, rate, (rate * 2) & 0xFFFFFFFF, 2, 16)
+    body = b"WAVE" + b"fmt " + struct.pack(">I", 16) + fmt + b"data" + struct.pack(">I", 1600) + bytes(1600)
+    return b"RIFX" + struct.pack(">I", len(body)) + body
+
+
+@pytest.mark.parametrize("kind", ["BW64", "RIFX", "AU", "AIFF"])
+def test_other_wav_family_headers_rates_out_of_range_are_named(kind):
+    """A second trial: BW64, RIFX, AU and AIFF headers claiming 0 Hz or 2^31 Hz and more were FFmpeg's
+    unsupported_format; now named like WAV's. Their rates in range still decode."""
+    make = {"BW64": lambda r: _chunks_wav([(b"ds64", bytes(28)), (b"fmt ", _fmt(r)),
+                                           (b"data", bytes(1600))], b"BW64"),
+            "RIFX": _rifx, "AU": _au, "AIFF": _aiff}[kind]
+    for rate in (0, 2**31, 2**32 - 1, 999, 800_000):
+        with pytest.raises(UnsupportedSampleRateError, match=f"{rate} Hz is outside"):
+            load_audio(make(rate))
+    if kind in ("AU", "AIFF"):  # FFmpeg reads these: the range's ends still decode
+        for rate in (8000, 16000):
+            assert load_audio(make(rate), target_rate=None).sample_rate == rate
+
+
+def test_the_declared_duration_uses_the_first_fmt_chunk():
+    """A second trial: with fmt(48 kHz) then fmt(16 kHz), probe() took the last fmt's byte rate (10 s
+    declared for 3.3 s decoded: a false damaged_input warning)."""
+    data = np.zeros(160_000, "<i2").tobytes()  # 3.33 s at 48 kHz
+    blob = _chunks_wav([(b"fmt ", _fmt(48000)), (b"fmt ", _fmt(16000)), (b"data", data)])
+    a = load_audio(blob, target_rate=None)
+    assert a.sample_rate == 48000 and a.samples.size == 160_000
+    assert probe(blob)["duration"] == pytest.approx(160_000 / 48000, abs=0.01)
+    assert not [w for w in a.warnings if w.get("code") == "damaged_input"]

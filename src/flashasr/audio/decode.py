@@ -559,13 +559,13 @@ def _riff_declared(head: bytes) -> float | None:
     ``data`` size is unset (0 or 0xFFFFFFFF)."""
     if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
         return None
-    pos, byte_rate = 12, 0
+    pos, byte_rate = 12, None
     while pos + 8 <= len(head):
         cid, size = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
-        if cid == b"fmt " and pos + 20 <= len(head):
+        if cid == b"fmt " and pos + 20 <= len(head) and byte_rate is None:  # the first one counts (FFmpeg)
             byte_rate = int.from_bytes(head[pos + 16:pos + 20], "little")
         elif cid == b"data":
-            if byte_rate <= 0 or size in (0, 0xFFFFFFFF) or size >= 0xFFFFFF00:
+            if not byte_rate or size in (0, 0xFFFFFFFF) or size >= 0xFFFFFF00:
                 return None
             return size / byte_rate
         pos += 8 + size + (size & 1)
@@ -608,7 +608,7 @@ class _WavSource:
     def open(cls, source: Any, label: str, head: bytes) -> "_WavSource | None":
         """The reader for ``source`` (a path, bytes or seekable binary file whose first bytes are
         ``head``), or None when FFmpeg must read it."""
-        _check_wav_rate(head, label)
+        _check_header_rate(head, label)
         if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
             return None
         if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)) and not (
@@ -700,23 +700,40 @@ class _WavSource:
 _WAV_BLOCK_S = 2.0  # seconds of a WAV read, converted and resampled at once
 
 
-def _check_wav_rate(head: bytes, label: str) -> None:
-    """A RIFF/RF64 WAVE header (``head``: the input's first bytes) whose first ``fmt `` chunk within
-    ``head`` claims a rate outside :data:`SOURCE_RATES` raises UnsupportedSampleRateError, whatever
-    its codec, layout or chunk order (FFmpeg refuses 0 Hz and rates of 2^31 Hz and more as damaged
-    data, ``unsupported_format``, before any rate check of ours)."""
-    if len(head) < 12 or head[:4] not in (b"RIFF", b"RF64") or head[8:12] != b"WAVE":
-        return
-    pos = 12
-    while pos + 16 <= len(head):  # a fmt chunk's rate: bytes 4-8 of its body
-        cid, size = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
-        if cid == b"fmt ":
-            if size >= 8:
-                rate = int.from_bytes(head[pos + 12:pos + 16], "little")
-                if not SOURCE_RATES[0] <= rate <= SOURCE_RATES[1]:
-                    _check_rate(rate, label)
-            return
-        pos += 8 + size + (size & 1)
+def _check_header_rate(head: bytes, label: str) -> None:
+    """A header (``head``: the input's first bytes) claiming a sample rate outside
+    :data:`SOURCE_RATES` raises UnsupportedSampleRateError, whatever its codec, layout or chunk
+    order: the first ``fmt `` chunk within ``head`` of a RIFF, RF64, BW64 (little-endian) or RIFX
+    (big-endian) WAVE; the header of a Sun/NeXT AU file; the ``COMM`` chunk of an AIFF/AIFF-C (an
+    80-bit float). FFmpeg refuses 0 Hz and rates of 2^31 Hz and more in these as damaged data
+    (``unsupported_format``) before any rate check of ours."""
+    rate = None
+    if len(head) >= 12 and head[:4] in (b"RIFF", b"RF64", b"BW64", b"RIFX") and head[8:12] == b"WAVE":
+        order = "big" if head[:4] == b"RIFX" else "little"
+        pos = 12
+        while pos + 16 <= len(head):  # a fmt chunk's rate: bytes 4-8 of its body
+            cid, size = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], order)
+            if cid == b"fmt ":
+                if size >= 8:
+                    rate = int.from_bytes(head[pos + 12:pos + 16], order)
+                break
+            pos += 8 + size + (size & 1)
+    elif len(head) >= 24 and head[:4] == b".snd":  # AU: magic, offset, size, encoding, rate, channels
+        rate = int.from_bytes(head[16:20], "big")
+    elif len(head) >= 12 and head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
+        pos = 12
+        while pos + 26 <= len(head):  # COMM: channels (2), frames (4), bits (2), rate (80-bit float)
+            cid, size = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "big")
+            if cid == b"COMM":
+                if size >= 18:
+                    e = int.from_bytes(head[pos + 16:pos + 18], "big")
+                    m = int.from_bytes(head[pos + 18:pos + 26], "big")
+                    exp = (e & 0x7FFF) - 16383 - 63
+                    rate = 0 if m == 0 or (e & 0x8000) else (m << exp if exp >= 0 else m >> -exp)
+                break
+            pos += 8 + size + (size & 1)
+    if rate is not None and not SOURCE_RATES[0] <= rate <= SOURCE_RATES[1]:
+        _check_rate(rate, label)
 
 
 def plain_pcm_wav(source: Any) -> tuple[int, float] | None:
@@ -1267,7 +1284,7 @@ def probe(source: Any, *, sample_rate: int | None = None, raw_format: str | None
             pos = source.tell() if source.seekable() else None
         except (AttributeError, OSError, ValueError):
             pos = None
-    _check_wav_rate(_head(source, 4096), label)  # by name (FFmpeg calls 0 Hz damaged data)
+    _check_header_rate(_head(source, 4096), label)  # by name (FFmpeg calls 0 Hz damaged data)
     src = _ContainerSource(source, label, libopus=False)  # headers only: no decoder
     try:
         br = src.stream.codec_context.bit_rate or src.container.bit_rate or None
