@@ -439,6 +439,51 @@ def test_the_gpu_engines_encoder_variants(speech):
     assert rel < 3e-2
 
 
+def test_the_gpu_streamers_fused_projections_and_norms(speech):
+    """The GPU streamer's hooks (``GraphedStreamer._qkv``: the engine's fused q/k/v weight with
+    ``pos_bias_u`` in its bias; ``add_layer_norm``: its CPU fallback here) on the engine's encoder
+    = the plain streamer on the unfused model, to float tolerance; the position terms are computed
+    once, padded with zero columns to a multiple of 8."""
+    import types
+
+    from flashasr.engine.fast_attention import install_fast_attention
+    from flashasr.engine.fuse import fuse_encoder
+    from flashasr.engine.stream_graphs import GraphedStreamer
+    from flashasr.engine.triton_norm import add_layer_norm
+
+    x = speech[:56000]
+    cfg = StreamingConfig(chunk_frames=6, left_frames=9)
+    outs, toks = {}, {}
+    for variant in ("plain", "hooks"):
+        m = load_parakeet(TINY / "model.nemo")
+        s = ParakeetStreamer(m, cfg)
+        if variant == "hooks":
+            fuse_encoder(m.encoder)
+            assert install_fast_attention(m.encoder) == 2
+            s._qkv = types.MethodType(GraphedStreamer._qkv, s)
+            s._add_norm = add_layer_norm
+            calls = []
+            orig = m.encoder.layers[0].self_attn
+            assert orig._buffers.get("_qkv_weight") is not None
+            real_linear_q = orig.linear_q.forward
+            orig.linear_q.forward = lambda *a: calls.append(1) or real_linear_q(*a)  # the fused path skips it
+        got = _capture(s)
+        _stream(s, "a", x, [8000, 2400])
+        outs[variant] = torch.cat(got["a"])
+        toks[variant] = list(s.streams["a"].tokens)
+        if variant == "hooks":
+            assert not calls
+    torch.testing.assert_close(outs["hooks"], outs["plain"], rtol=1e-4, atol=1e-4)
+    assert toks["hooks"] == toks["plain"]
+    s = ParakeetStreamer(load_parakeet(TINY / "model.nemo"), cfg)
+    att = s.model.encoder.layers[0].self_attn
+    p32 = s._pos_terms(0, att, torch.float32)[2]
+    P = 2 * cfg.chunk_frames - 1 + cfg.left_frames
+    assert p32.shape == (att.h, att.d_k, -(-P // 8) * 8) and P % 8
+    assert p32[..., P:].abs().max() == 0 and p32[..., :P].abs().max() > 0
+    assert s._pos_terms(0, att, torch.float32)[2] is p32  # computed once
+
+
 def test_no_memory_for_more_slots_refuses_new_streams_only(tiny, speech, monkeypatch):
     s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=8, left_frames=4, slots=1, max_slots=64))
     assert not isinstance(s.step([("a", speech[:8000])])[0], Exception)

@@ -17,6 +17,11 @@ encoder part as a graph and the decoder eager (one host synchronisation per loop
 fails too -> everything eager (the parent class). Growing the state pool (more streams than
 slots) replaces its tensors: every graph is dropped and re-captured on its next use.
 
+The Conformer blocks use the offline engine's kernels where the engine installed them: each
+residual add and the LayerNorm after it as one Triton kernel (:func:`.triton_norm.add_layer_norm`)
+and the attention's query, key and value projections as one GEMM with ``pos_bias_u`` in its bias
+(:mod:`.fast_attention`'s fused weights). Same maths as the parent's step; float rounding may differ.
+
 Same maths as the eager step (tests compare them on the H200: ``tests/test_stream_graphs.py``).
 """
 
@@ -27,9 +32,13 @@ import logging
 import numpy as np
 import torch
 
+import torch.nn.functional as F
+
 from ..models.parakeet.streaming import ParakeetStreamer, StreamingConfig
 from .capture import graph_capture
+from .fast_attention import _fuse_qkv, _source_key
 from .tdt_graphs import TDTGraphDecoder, _Buffers
+from .triton_norm import add_layer_norm
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +118,20 @@ class GraphedStreamer(ParakeetStreamer):
         self._graph_ok = True  # encoder capture still believed to work
         self.capture_oom = False  # a capture ran out of GPU memory (the server then drops this streamer)
         self.events: list[str] = []
+        self._add_norm = add_layer_norm  # one kernel per residual add + LayerNorm (falls back by itself)
+
+    def _qkv(self, i: int, att, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parent's projections from the engine's fused ``[3d, d]`` weight when it has one
+        (:func:`~.fast_attention.install_fast_attention`; rebuilt if the weights changed): one
+        GEMM whose bias holds ``pos_bias_u``, then ``q + v = (q + u) + (v - u)``."""
+        if att._buffers.get("_qkv_weight") is None:
+            return super()._qkv(i, att, h)
+        if att._qkv_source != _source_key(att):
+            _fuse_qkv(att)
+        B, C, _ = h.shape
+        qkv = F.linear(h, att._qkv_weight, att._qkv_bias).view(B, C, 3, att.h, att.d_k)
+        qu = qkv[:, :, 0]
+        return qu, qu + att._vu.to(qu.dtype), qkv[:, :, 1], qkv[:, :, 2]
 
     # ------------------------------------------------------------------ host side
     def _bucket(self, B: int) -> int:

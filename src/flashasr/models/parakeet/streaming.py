@@ -71,6 +71,14 @@ _MASK_VALUE = -10000.0
 _NORM_EPS = 1e-5
 
 
+def add_norm(r: torch.Tensor, y: torch.Tensor | None, alpha: float, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Conformer block's residual step and the LayerNorm after it: ``r2 = r + alpha * y`` (``r``
+    when ``y`` is None) and ``norm(r2)``, both ``[..., d]``; the plain PyTorch operations. The GPU
+    streamer runs the same step as one kernel (:func:`flashasr.engine.triton_norm.add_layer_norm`)."""
+    r2 = r if y is None else torch.add(r, y, alpha=alpha)
+    return r2, norm(r2)
+
+
 class StreamError(FlashASRError):
     """A streaming partial request that cannot be served (closed or evicted stream, no slot)."""
 
@@ -326,6 +334,7 @@ class ParakeetStreamer:
         self._pe = relative_positions(0, enc.d_model, self.device, left=self.L + self.C - 1,
                                       right=self.C - 1)
         self._pos_cache: dict[tuple, tuple] = {}  # (layer, dtype) -> step-invariant attention terms (_pos_terms)
+        self._add_norm = add_norm  # a block's residual add + LayerNorm (the GPU streamer: one kernel)
         self.counters = {k: 0 for k in ("encoder_frames", "subsampling_frames", "feature_frames",
                                         "padded_frames", "steps", "rows")}
         self.counters["audio_s"] = 0.0
@@ -733,12 +742,14 @@ class ParakeetStreamer:
         # relative-position column of (query a, ring key j): distance a - rel -> column L + C - 1 - a + rel
         col = (L + C - 1) - torch.arange(C, device=dev)[None, :, None] + rel[:, None, :]  # [B, C, R]
         shift_cv = n_new[:, None] + torch.arange(pool.K, device=dev)[None, :]   # [B, K]
-        for i, layer in enumerate(self.model.encoder.layers):
-            r = x + 0.5 * layer.feed_forward1(layer.norm_feed_forward1(x))
-            r = r + self._attention(i, layer.self_attn, layer.norm_self_att(r), valid, key_bias, slots, put, col)
-            r = r + self._conv(i, layer.conv, layer.norm_conv(r), valid, slots, shift_cv)
-            r = r + 0.5 * layer.feed_forward2(layer.norm_feed_forward2(r))
-            x = layer.norm_out(r)
+        an = self._add_norm
+        x = x.contiguous()
+        for i, layer in enumerate(self.model.encoder.layers):  # five (residual add +) LayerNorm steps per block
+            h = an(x, None, 1.0, layer.norm_feed_forward1)[1]
+            r, h = an(x, layer.feed_forward1(h), 0.5, layer.norm_self_att)
+            r, h = an(r, self._attention(i, layer.self_attn, h, valid, key_bias, slots, put, col), 1.0, layer.norm_conv)
+            r, h = an(r, self._conv(i, layer.conv, h, valid, slots, shift_cv), 1.0, layer.norm_feed_forward2)
+            x = an(r, layer.feed_forward2(h), 0.5, layer.norm_out)[1]
         pool.done.index_copy_(0, slots, base + n_new)
         return x
 
@@ -750,22 +761,30 @@ class ParakeetStreamer:
         pool = self.pool
         B, C, _ = h.shape
         H, dk = att.h, att.d_k
-        u, pv, p = self._pos_terms(i, att, h.dtype)
-        q = att.linear_q(h).view(B, C, H, dk)
+        qu, qv, k, v = self._qkv(i, att, h)
         slot, pos = put  # [B, C] each: ring [S, H, R, dk][slot, :, pos] is [B, C, H, dk]
-        pool.k[i][slot, :, pos] = att.linear_k(h).view(B, C, H, dk)
-        pool.v[i][slot, :, pos] = att.linear_v(h).view(B, C, H, dk)
+        pool.k[i][slot, :, pos] = k
+        pool.v[i][slot, :, pos] = v
         K = pool.k[i].index_select(0, slots)  # [B, H, R, dk]
         V = pool.v[i].index_select(0, slots)
         # NeMo's matrix_bd: per head one GEMM of every row's queries with the positions
-        qv = (q + pv).view(B * C, H, dk).transpose(0, 1)  # [H, B*C, dk] (a view)
+        p = self._pos_terms(i, att, h.dtype)[2]
+        qv = qv.reshape(B * C, H, dk).transpose(0, 1)  # [H, B*C, dk] (a view)
         bd_raw = torch.matmul(qv, p).view(H, B, C, p.shape[-1]).permute(1, 0, 2, 3)  # [B, H, C, P8] (a view)
         bd = torch.gather(bd_raw, 3, col[:, None].expand(B, H, C, col.shape[-1]))  # [B, H, C, R]
         scale = 1.0 / math.sqrt(dk)
-        out = F.scaled_dot_product_attention((q + u).transpose(1, 2), K, V, attn_mask=bd * scale + key_bias,
-                                             scale=scale)
+        out = F.scaled_dot_product_attention(qu.transpose(1, 2), K, V, attn_mask=bd * scale + key_bias, scale=scale)
         out = out * valid[:, None, :, None].to(out.dtype)
         return att.linear_out(out.transpose(1, 2).reshape(B, C, H * dk))
+
+    def _qkv(self, i: int, att, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The chunk's queries plus each position bias (``q + u``, ``q + v``), keys and values, each
+        ``[B, C, H, dk]`` (views allowed). The GPU streamer uses the engine's fused projection."""
+        B, C, _ = h.shape
+        H, dk = att.h, att.d_k
+        u, pv, _ = self._pos_terms(i, att, h.dtype)
+        q = att.linear_q(h).view(B, C, H, dk)
+        return q + u, q + pv, att.linear_k(h).view(B, C, H, dk), att.linear_v(h).view(B, C, H, dk)
 
     def _pos_terms(self, i: int, att, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``i``'s step-invariant attention terms in ``dtype``: ``pos_bias_u``, ``pos_bias_v``
