@@ -482,6 +482,11 @@ def test_the_gpu_streamers_fused_projections_and_norms(speech):
     assert p32.shape == (att.h, att.d_k, -(-P // 8) * 8) and P % 8
     assert p32[..., P:].abs().max() == 0 and p32[..., :P].abs().max() > 0
     assert s._pos_terms(0, att, torch.float32)[2] is p32  # computed once
+    with torch.no_grad():  # ... while the weights are unchanged: an in-place edit is seen
+        att.linear_pos.weight.mul_(2.0)
+    p2 = s._pos_terms(0, att, torch.float32)[2]
+    assert p2 is not p32
+    torch.testing.assert_close(p2, 2 * p32)
 
 
 def test_no_memory_for_more_slots_refuses_new_streams_only(tiny, speech, monkeypatch):

@@ -1,4 +1,6 @@
-"""GPU only (skipped without CUDA): the chunked streaming step as CUDA graphs equals the eager step.
+"""GPU only (skipped without CUDA): the chunked streaming step as CUDA graphs equals the eager step
+(the same streamer class with ``use_graphs=False``: the same kernels, token for token), and stays
+within float rounding of the plain model's streamer (its Triton add + LayerNorm rounds differently).
 
 Run on the H200 with ``scripts/gpu_tests.sh`` (or ``pytest -m gpu tests/test_stream_graphs.py``).
 """
@@ -39,6 +41,15 @@ def _run(streamer, clips, sizes):
     return {f"s{i}": list(streamer.streams[f"s{i}"].tokens) for i in range(len(clips))}, out
 
 
+def _close(got: dict, plain: dict) -> None:
+    """Tokens of the GPU streamer against the plain PyTorch streamer: float rounding may flip a rare
+    decision, so at least 98 % of each stream's tokens match."""
+    import difflib
+
+    for k, toks in plain.items():
+        assert difflib.SequenceMatcher(a=got[k], b=toks, autojunk=False).ratio() >= 0.98, k
+
+
 def test_graphed_step_equals_eager_on_cuda(speech):
     from flashasr.engine.stream_graphs import GraphedStreamer
 
@@ -46,12 +57,13 @@ def test_graphed_step_equals_eager_on_cuda(speech):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cfg = StreamingConfig(chunk_frames=7, left_frames=16, slots=2, max_batch=4)
-    eager = ParakeetStreamer(m, cfg)
-    want, _ = _run(eager, speech, [8000, 3000, 12000])
+    want, _ = _run(GraphedStreamer(m, cfg, use_graphs=False), speech, [8000, 3000, 12000])
+    plain, _ = _run(ParakeetStreamer(m, cfg), speech, [8000, 3000, 12000])
     g = GraphedStreamer(m, cfg)
     g.warmup()
     got, res = _run(g, speech, [8000, 3000, 12000])
     assert got == want
+    _close(got, plain)
     assert g._graph_ok and g._full_ok, g.events  # the WHILE-node graph was used
     assert g.pool.capacity >= 4  # the pool grew (graphs re-captured) while streams were live
 
@@ -66,13 +78,14 @@ def test_graphed_steps_in_buckets_between_powers_of_two_equal_eager(speech):
     torch.backends.cudnn.allow_tf32 = False
     clips = [speech[i % 4][(i * 1_237) % 8_000:] for i in range(70)]  # 70 streams, each its own start
     cfg = StreamingConfig(chunk_frames=7, left_frames=16, slots=80, max_batch=96, buckets_per_octave=4)
-    eager = ParakeetStreamer(m, cfg)
-    want, _ = _run(eager, clips, [8000, 3000, 12000])
+    want, _ = _run(GraphedStreamer(m, cfg, use_graphs=False), clips, [8000, 3000, 12000])
+    plain, _ = _run(ParakeetStreamer(m, cfg), clips, [8000, 3000, 12000])
     g = GraphedStreamer(m, cfg)
     assert g.buckets == [1, 2, 4, 8, 16, 32, 64, 80, 96]
     g.warmup()
     got, _ = _run(g, clips, [8000, 3000, 12000])
     assert got == want
+    _close(got, plain)
     assert g._graph_ok and g._full_ok, g.events
     assert g._graphs[80].seg.data_ptr() == g._graphs[4].seg.data_ptr()  # one shared window buffer
 

@@ -792,20 +792,23 @@ class ParakeetStreamer:
         columns, relative positions ``L + C - 1 ... -(C - 1)``, then zero columns up to a multiple of 8
         so the GEMM's rows are aligned; :meth:`_layers`' columns never reach them).
 
-        Computed at a layer's first step and kept: the weights do not change while streaming. (Done per
-        step, the projection ran once per layer and ``matmul`` broadcast its ``[H, dk, P]`` to every
-        row, a ``[B * H, dk, P]`` copy per layer: 40 MB at 256 rows of the 0.6B model.)"""
+        Computed at a layer's first step and kept while its source parameters are the same tensors,
+        unchanged in place (``linear_pos.weight``, the two biases: identity, storage and version).
+        (Done per step, the projection ran once per layer and ``matmul`` broadcast its ``[H, dk, P]``
+        to every row, a ``[B * H, dk, P]`` copy per layer: 40 MB at 256 rows of the 0.6B model.)"""
         key = (i, dtype)
+        src = tuple((id(t), t.data_ptr(), t._version) for t in (att.linear_pos.weight, att.pos_bias_u, att.pos_bias_v))
         got = self._pos_cache.get(key)
-        if got is None:
-            H, dk = att.h, att.d_k
-            P = self._pe.shape[0]
-            with torch.no_grad():
-                pp = att.linear_pos(self._pe.to(dtype)).reshape(P, H, dk).permute(1, 2, 0)  # [H, dk, P]
-                p = torch.zeros(H, dk, -(-P // 8) * 8, dtype=dtype, device=pp.device)
-                p[..., :P] = pp
-                got = (att.pos_bias_u.detach().to(dtype).clone(), att.pos_bias_v.detach().to(dtype).clone(), p)
-            self._pos_cache[key] = got
+        if got is not None and got[0] == src:
+            return got[1]
+        H, dk = att.h, att.d_k
+        P = self._pe.shape[0]
+        with torch.no_grad():
+            pp = att.linear_pos(self._pe.to(dtype)).reshape(P, H, dk).permute(1, 2, 0)  # [H, dk, P]
+            p = torch.zeros(H, dk, -(-P // 8) * 8, dtype=dtype, device=pp.device)
+            p[..., :P] = pp
+            got = (att.pos_bias_u.detach().to(dtype).clone(), att.pos_bias_v.detach().to(dtype).clone(), p)
+        self._pos_cache[key] = (src, got)
         return got
 
     def _conv(self, i, mod, h, valid, slots, shift) -> torch.Tensor:
