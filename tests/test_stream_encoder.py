@@ -489,6 +489,18 @@ def test_the_gpu_streamers_fused_projections_and_norms(speech):
     torch.testing.assert_close(p2, 2 * p32)
 
 
+def test_a_model_loaded_in_inference_mode_streams(speech):
+    """Inference tensors have no version counter (a trial's model loaded under
+    ``torch.inference_mode()`` made the cached position terms' check raise)."""
+    with torch.inference_mode():
+        m = load_parakeet(TINY / "model.nemo")
+    cfg = StreamingConfig(chunk_frames=6, left_frames=9)
+    got = ParakeetStreamer(m, cfg).step([("a", speech[:16000])])[0]
+    want = ParakeetStreamer(load_parakeet(TINY / "model.nemo"), cfg).step([("a", speech[:16000])])[0]
+    assert not isinstance(got, Exception), got
+    assert got.text == want.text and got.frames == want.frames > 0
+
+
 def test_no_memory_for_more_slots_refuses_new_streams_only(tiny, speech, monkeypatch):
     s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=8, left_frames=4, slots=1, max_slots=64))
     assert not isinstance(s.step([("a", speech[:8000])])[0], Exception)

@@ -394,3 +394,45 @@ def test_a_sample_rate_change_mid_utterance_keeps_the_old_resamplers_tail():
 
     [com] = asyncio.run(go())
     assert abs(com["audio_end_ms"] - com["audio_start_ms"] - 2000) <= 2, com
+
+
+def test_server_vad_items_do_not_share_audio():
+    """Found by a new user: speech resuming right after a VAD commit (which ends ``silence_duration_ms``
+    past the speech) started the next item ``prefix_padding_ms`` earlier, inside the committed one:
+    about 0.3 s went to both finals. The next item now starts where the last one ended, at the earliest."""
+    x = _speech()
+    a = x[2 * 16000: 5 * 16000]  # 3 s of speech
+    b = x[int(2.45 * 16000): 5 * 16000]  # the same speech from its first word (its item starts about 180 ms)
+
+    async def go():
+        events = []
+
+        async def emit(ev):
+            events.append(ev)
+
+        s = StreamSession(_Backend(), emit, input_rate=16000, partial_interval_ms=0, vad=LazyVad(TD),
+                          prefix_padding_ms=TD["prefix_padding_ms"])
+
+        def n_committed():
+            return sum(e["type"] == "input_audio_buffer.committed" for e in events)
+
+        async def send(y, until_commit=False):
+            pcm = (y * 32767).astype("<i2").tobytes()
+            for i in range(0, len(pcm), 640):  # 20 ms packets
+                await s.append_pcm16(pcm[i:i + 640])
+                await s.vad_settled()
+                if until_commit and n_committed():
+                    return True
+            return False
+
+        await send(a)
+        committed = await send(np.zeros(2 * 16000, np.float32), until_commit=True)  # silence until the VAD commits
+        await send(np.concatenate([b, np.zeros(2 * 16000, np.float32)]))  # ... then speech at once
+        await s.drain(30)
+        return events, committed
+
+    events, committed = asyncio.run(go())
+    com = [e for e in events if e["type"] == "input_audio_buffer.committed"]
+    assert committed and len(com) == 2, com
+    assert com[1]["audio_start_ms"] >= com[0]["audio_end_ms"], com
+    assert com[1]["audio_start_ms"] - com[0]["audio_end_ms"] < 300  # the second item still starts at its speech

@@ -302,6 +302,7 @@ class StreamSession:
         self.finalize = finalize
         self.pos = 0                      # 16 kHz samples received so far (stream clock)
         self._cap_end: int | None = None  # where the last item ended, when the utterance cap cut it
+        self._committed_to = 0  # the end of the last committed item (a VAD start's prefix never reaches before it)
         self._pre: deque = deque()        # (start_sample, chunk) before speech (VAD mode)
         self._pre_n = 0
         self._buf: list[np.ndarray] = []  # current utterance
@@ -479,7 +480,10 @@ class StreamSession:
         for kind, at in events:
             if kind == "start" and not self.in_speech:
                 self.in_speech = True
-                at = max(at, self._pre[0][0] if self._pre else at, 0)
+                # the prefix padding never reaches into the item committed before: a trial found
+                # consecutive VAD items sharing ~0.3 s (a commit ends 500 ms of silence after speech,
+                # the next start looks 300 ms back)
+                at = max(at, self._pre[0][0] if self._pre else at, 0, self._committed_to)
                 self._start_utt(at)
                 for s0, c in self._pre:  # audio from `at` up to now
                     if s0 + c.size > at:
@@ -536,6 +540,7 @@ class StreamSession:
                          "audio_end_ms": self._ms(start + audio.size)})
         self.prev_item = item
         self._cap_end = start + audio.size if reason == "max_utterance" else None
+        self._committed_to = max(self._committed_to, start + audio.size)
         prev = self._final_chain
         self._final_chain = self._transcribing[item] = self._spawn(self._final(item, audio, emitted, prev))
         return item

@@ -71,6 +71,15 @@ _MASK_VALUE = -10000.0
 _NORM_EPS = 1e-5
 
 
+def _version(t: torch.Tensor) -> int:
+    """A tensor's in-place version counter (-1 for inference tensors, which have none: a model
+    loaded under ``torch.inference_mode()``)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def add_norm(r: torch.Tensor, y: torch.Tensor | None, alpha: float, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """A Conformer block's residual step and the LayerNorm after it: ``r2 = r + alpha * y`` (``r``
     when ``y`` is None) and ``norm(r2)``, both ``[..., d]``; the plain PyTorch operations. The GPU
@@ -793,11 +802,13 @@ class ParakeetStreamer:
         so the GEMM's rows are aligned; :meth:`_layers`' columns never reach them).
 
         Computed at a layer's first step and kept while its source parameters are the same tensors,
-        unchanged in place (``linear_pos.weight``, the two biases: identity, storage and version).
+        unchanged in place (``linear_pos.weight``, the two biases: identity, storage and version
+        counter; an edit through ``.data`` or of inference tensors bypasses the counter, as for the
+        engine's fused q/k/v weights: make a new streamer after one).
         (Done per step, the projection ran once per layer and ``matmul`` broadcast its ``[H, dk, P]``
         to every row, a ``[B * H, dk, P]`` copy per layer: 40 MB at 256 rows of the 0.6B model.)"""
         key = (i, dtype)
-        src = tuple((id(t), t.data_ptr(), t._version) for t in (att.linear_pos.weight, att.pos_bias_u, att.pos_bias_v))
+        src = tuple((id(t), t.data_ptr(), _version(t)) for t in (att.linear_pos.weight, att.pos_bias_u, att.pos_bias_v))
         got = self._pos_cache.get(key)
         if got is not None and got[0] == src:
             return got[1]
