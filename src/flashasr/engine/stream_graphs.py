@@ -31,7 +31,6 @@ import logging
 
 import numpy as np
 import torch
-
 import torch.nn.functional as F
 
 from ..models.parakeet.streaming import ParakeetStreamer, StreamingConfig
@@ -120,12 +119,12 @@ class GraphedStreamer(ParakeetStreamer):
         self.events: list[str] = []
         self._add_norm = add_layer_norm  # one kernel per residual add + LayerNorm (falls back by itself)
 
-    def _qkv(self, i: int, att, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _qkv(self, att, h: torch.Tensor, terms: tuple) -> tuple[torch.Tensor, ...]:
         """The parent's projections from the engine's fused ``[3d, d]`` weight when it has one
         (:func:`~.fast_attention.install_fast_attention`; rebuilt if the weights changed): one
         GEMM whose bias holds ``pos_bias_u``, then ``q + v = (q + u) + (v - u)``."""
         if att._buffers.get("_qkv_weight") is None:
-            return super()._qkv(i, att, h)
+            return super()._qkv(att, h, terms)
         if att._qkv_source != _source_key(att):
             _fuse_qkv(att)
         B, C, _ = h.shape

@@ -770,14 +770,15 @@ class ParakeetStreamer:
         pool = self.pool
         B, C, _ = h.shape
         H, dk = att.h, att.d_k
-        qu, qv, k, v = self._qkv(i, att, h)
+        terms = self._pos_terms(i, att, h.dtype)
+        qu, qv, k, v = self._qkv(att, h, terms)
         slot, pos = put  # [B, C] each: ring [S, H, R, dk][slot, :, pos] is [B, C, H, dk]
         pool.k[i][slot, :, pos] = k
         pool.v[i][slot, :, pos] = v
         K = pool.k[i].index_select(0, slots)  # [B, H, R, dk]
         V = pool.v[i].index_select(0, slots)
         # NeMo's matrix_bd: per head one GEMM of every row's queries with the positions
-        p = self._pos_terms(i, att, h.dtype)[2]
+        p = terms[2]
         qv = qv.reshape(B * C, H, dk).transpose(0, 1)  # [H, B*C, dk] (a view)
         bd_raw = torch.matmul(qv, p).view(H, B, C, p.shape[-1]).permute(1, 0, 2, 3)  # [B, H, C, P8] (a view)
         bd = torch.gather(bd_raw, 3, col[:, None].expand(B, H, C, col.shape[-1]))  # [B, H, C, R]
@@ -786,12 +787,13 @@ class ParakeetStreamer:
         out = out * valid[:, None, :, None].to(out.dtype)
         return att.linear_out(out.transpose(1, 2).reshape(B, C, H * dk))
 
-    def _qkv(self, i: int, att, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The chunk's queries plus each position bias (``q + u``, ``q + v``), keys and values, each
-        ``[B, C, H, dk]`` (views allowed). The GPU streamer uses the engine's fused projection."""
+    def _qkv(self, att, h: torch.Tensor, terms: tuple) -> tuple[torch.Tensor, ...]:
+        """The chunk's queries plus each position bias (``q + u``, ``q + v``; ``terms`` from
+        :meth:`_pos_terms`), keys and values, each ``[B, C, H, dk]`` (views allowed). The GPU
+        streamer uses the engine's fused projection."""
         B, C, _ = h.shape
         H, dk = att.h, att.d_k
-        u, pv, _ = self._pos_terms(i, att, h.dtype)
+        u, pv, _ = terms
         q = att.linear_q(h).view(B, C, H, dk)
         return q + u, q + pv, att.linear_k(h).view(B, C, H, dk), att.linear_v(h).view(B, C, H, dk)
 
