@@ -358,8 +358,8 @@ def test_hypothesis_only_grows_and_frames_follow_the_audio(tiny, speech):
         assert r.text.startswith(r.stable_text) and len(r.stable_text.split()) <= len(r.text.split())
         assert r.new_tokens == r.tokens - prev_tokens
         prev_text, prev_stable, prev_tokens = r.text, r.stable_text, r.tokens
-        kept = sum(len(x) for x in s.streams["a"].pieces)  # what the next window needs, and the rest of
-        assert kept <= s.window_samples + 2 * 8000  # the piece it starts in: one request at most
+        st = s.streams["a"]  # what the next window needs and the requests since: bounded memory
+        assert st.kept <= len(st.buf) <= 2 * s.window_samples + 2 * 8000
     assert prev_tokens > 0 and len(prev_stable.split()) < len(prev_text.split())
 
 
@@ -597,10 +597,11 @@ def test_row_buckets_powers_of_two_then_even_steps_per_doubling():
             StreamingConfig(buckets_per_octave=bad)
 
 
-def test_windows_from_pieces_equal_the_pre_emphasised_stream(tiny):
-    """The host keeps a stream's samples as pre-emphasised pieces (joined past 16): every window a
-    step copies out equals the slice of the whole pre-emphasised signal, for requests of any size
-    (1 sample to several windows) and after the pieces behind the window are dropped."""
+def test_windows_from_the_buffer_equal_the_pre_emphasised_stream(tiny):
+    """The host keeps a stream's samples pre-emphasised in one buffer (the head behind the next
+    window dropped when room is needed, the buffer resized): every window a step copies out equals
+    the slice of the whole pre-emphasised signal, for requests of any size (1 sample to several
+    windows)."""
     s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=7, left_frames=4))
     rng = np.random.default_rng(7)
     x = rng.standard_normal(16000 * 12).astype(np.float32)
@@ -625,8 +626,7 @@ def test_windows_from_pieces_equal_the_pre_emphasised_stream(tiny):
             ref[lo - p0: hi - p0] = want[lo:hi]
             np.testing.assert_array_equal(out, ref)
             s._advance(st, min(k, s.C))
-        assert len(st.pieces) <= 16
-        assert sum(len(v) for v in st.pieces) <= 2 * s.window_samples + n  # nothing unbounded kept
+        assert st.kept <= len(st.buf) <= 3 * s.window_samples + 2 * n  # nothing unbounded kept
     assert at > 16000 * 9 and st.frames > 100  # 9 s and more went through
 
 
@@ -642,7 +642,6 @@ def test_kept_samples_stay_bounded_for_requests_of_any_size(tiny, speech, size):
     for i in range(0, len(x), size):
         s.step([("a", x[i:i + size])])
         st = s.streams["a"]
-        worst = max(worst, sum(len(v) for v in st.pieces))
-        assert len(st.pieces) <= 16
-    assert worst <= 2 * s.window_samples + size, (worst, s.window_samples)
+        worst = max(worst, len(st.buf))  # the buffer's size: what the stream holds
+    assert worst <= 3 * s.window_samples + 2 * size, (worst, s.window_samples)
     assert s.streams["a"].frames >= (len(x) - 512) // 1280 - 1  # every complete frame went through

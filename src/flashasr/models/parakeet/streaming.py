@@ -285,8 +285,9 @@ class _Stream:
     slot: int
     frames: int = 0              # encoder frames produced (v)
     received: int = 0            # samples received
-    pieces: list = field(default_factory=list)  # the kept samples, pre-emphasised, as appended (_append)
-    x_start: int = 0             # absolute index of pieces[0][0]
+    buf: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # kept samples, pre-emphasised
+    kept: int = 0                # buf[:kept] holds samples x_start ... received - 1 (_append)
+    x_start: int = 0             # absolute index of buf[0]
     last: np.float32 = np.float32(0)  # the last sample received, as it came (pre-emphasis of the next)
     tokens: list = field(default_factory=list)
     word_start: int = 0          # index of the last token that starts a word
@@ -481,13 +482,15 @@ class ParakeetStreamer:
 
     def _append(self, st: _Stream, a: np.ndarray) -> None:
         """Keep the new samples pre-emphasised (``y[t] = x[t] - preemph * x[t-1]``, ``y[0] = x[0]``,
-        as the offline preprocessor) as one more piece: each sample once, the kept ones never moved;
-        a window is copied out of its pieces (:meth:`_segment`). More than 16 pieces (small
-        requests) are joined into one, from the next window's start (:meth:`_compact`)."""
+        as the offline preprocessor), written straight after the kept ones in the stream's buffer;
+        a window is then one slice of it (:meth:`_segment`). When they do not fit, the samples
+        behind the next window's start are dropped first (:meth:`_compact`), then the buffer grows."""
         m = len(a)
         if not m:
             return
-        x = np.empty(m, np.float32)
+        if st.kept + m > len(st.buf):
+            self._compact(st, need=m)
+        x = st.buf[st.kept: st.kept + m]
         p = self.preemph
         if p is not None:
             y = x[1:]
@@ -497,10 +500,8 @@ class ParakeetStreamer:
         else:
             x[:] = a
         st.last = a[-1]
-        st.pieces.append(x)
+        st.kept += m
         st.received += m
-        if len(st.pieces) > 16:
-            self._compact(st, join=True)
         self.counters["audio_s"] += m / float(self.model.sample_rate)
 
     def _frames_to_do(self, st: _Stream, flush: bool) -> tuple[int, int]:
@@ -522,15 +523,7 @@ class ParakeetStreamer:
         lo, hi = max(p0, 0), max(min(p1, st.received), max(p0, 0))
         if lo > p0:
             out[: lo - p0] = 0
-        at = st.x_start  # absolute index of the piece's first sample
-        for x in st.pieces:
-            end = at + len(x)
-            if end > lo and at < hi:
-                a, b = max(lo, at), min(hi, end)
-                out[a - p0: b - p0] = x[a - at: b - at]
-            at = end
-            if at >= hi:
-                break
+        out[lo - p0: hi - p0] = st.buf[lo - st.x_start: hi - st.x_start]
         if hi < p1:
             out[hi - p0:] = 0
 
@@ -541,26 +534,26 @@ class ParakeetStreamer:
 
     def _advance(self, st: _Stream, k: int) -> None:
         st.frames += k
-        self._compact(st)
 
-    def _compact(self, st: _Stream, join: bool = False) -> None:
-        """Drop the kept samples behind the next window's start: pieces wholly behind it, and the
-        dead head of the first piece once it is longer than a window (copied out, so a long request's
-        samples are not all held for the sake of its tail); ``join``: the rest as one piece. Bounds a
-        stream's kept samples by about two windows plus the newest request, however it is cut (a
-        trial found 100-sample requests keeping the whole utterance: joins began at the oldest sample)."""
+    def _compact(self, st: _Stream, need: int) -> None:
+        """Make room for ``need`` more samples: drop the kept ones behind the next window's start
+        (moved to the buffer's head), and give the buffer a new size when they still do not fit or
+        it is far larger than needed (a long request grew it). A stream's buffer stays within about
+        two windows plus its largest recent request, however its audio is cut (a trial found
+        100-sample requests keeping the whole utterance in an earlier design)."""
         keep_from = self.hop * self.sub * (st.frames - 1) - self.n_fft // 2  # the next window's start
-        pieces = st.pieces
-        while pieces and st.x_start + len(pieces[0]) <= keep_from:  # pieces wholly behind it
-            st.x_start += len(pieces.pop(0))
-        dead = keep_from - st.x_start
-        if pieces and dead > 0 and (join or dead > self.window_samples):
-            pieces[0] = pieces[0][dead:]
-            st.x_start += dead
-            if not (join and len(pieces) > 1):  # (a join below copies anyway)
-                pieces[0] = pieces[0].copy()    # the dead head's memory goes
-        if join and len(pieces) > 1:
-            pieces[:] = [np.concatenate(pieces)]
+        dead = min(max(keep_from - st.x_start, 0), st.kept)
+        live = st.kept - dead
+        base = 2 * self.window_samples + self.hop * self.sub * self.C
+        want = max(base, live + need + self.window_samples)
+        if live + need > len(st.buf) or len(st.buf) > 2 * want:
+            buf = np.empty(want, np.float32)
+            buf[:live] = st.buf[dead: st.kept]
+            st.buf = buf
+        elif dead:
+            st.buf[:live] = st.buf[dead: st.kept]  # (numpy copies overlapping ranges safely)
+        st.x_start += dead
+        st.kept = live
 
     def _run_rows(self, plan: list[tuple[_Stream, int, int | None]]) -> None:
         if self._fresh:  # the slots of streams opened since the last step start from a clean state
@@ -783,9 +776,15 @@ class ParakeetStreamer:
         bd_raw = torch.matmul(qv, p).view(H, B, C, p.shape[-1]).permute(1, 0, 2, 3)  # [B, H, C, P8] (a view)
         bd = torch.gather(bd_raw, 3, col[:, None].expand(B, H, C, col.shape[-1]))  # [B, H, C, R]
         scale = 1.0 / math.sqrt(dk)
-        out = F.scaled_dot_product_attention(qu.transpose(1, 2), K, V, attn_mask=bd * scale + key_bias, scale=scale)
+        out = self._sdpa(qu.transpose(1, 2), K, V, bd * scale + key_bias, scale)
         out = out * valid[:, None, :, None].to(out.dtype)
         return att.linear_out(out.transpose(1, 2).reshape(B, C, H * dk))
+
+    def _sdpa(self, q, k, v, mask, scale: float) -> torch.Tensor:
+        """Attention of ``q`` ``[B, H, C, dk]`` over ``k``, ``v`` ``[B, H, R, dk]`` with the additive
+        ``mask`` ``[B, H, C, R]``: ``softmax(q k^T * scale + mask) v``, ``[B, H, C, dk]``. The GPU
+        streamer picks the backend."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
     def _qkv(self, att, h: torch.Tensor, terms: tuple) -> tuple[torch.Tensor, ...]:
         """The chunk's queries plus each position bias (``q + u``, ``q + v``; ``terms`` from
