@@ -321,6 +321,14 @@ def test_transcribe_samples_checks_options_and_audio_first():
     with pytest.raises(FlashASRError) as e:
         transcribe_samples(m, np.full(SR, np.nan, np.float32), TranscribeOptions(segmentation="none"))
     assert e.value.code == "invalid_audio" and m.calls == []
+    # huge finite samples (a trial's 1e30; int16 PCM left unscaled) are refused the same way, naming
+    # the peak; loud audio within the decoders' limit (1e4) passes
+    for peak in (1e30, -3e4):
+        x = np.zeros(SR, np.float32)
+        x[SR // 2] = peak
+        with pytest.raises(FlashASRError, match="samples reach") as e:
+            transcribe_samples(m, x, TranscribeOptions(segmentation="none"))
+        assert e.value.code == "invalid_audio" and m.calls == []
     t = transcribe_samples(m, np.zeros(SR, np.float32), TranscribeOptions(segmentation="none", language="nl"))
     assert (t.text, t.language, t.duration) == ("", "nl", 1.0) and m.calls == []  # no speech: no model call
     from flashasr.audio import load_audio

@@ -378,6 +378,13 @@ def test_errors_are_per_request_and_streams_close(tiny, speech):
     assert isinstance(s.step([("a", speech[:100])])[0], StreamError)  # closed streams do not come back
     assert not isinstance(s.step([("e", speech[:100])])[0], Exception)  # its slot was given back
     assert s.live() == 2
+    s.close("d")
+    huge = speech[:8000].copy()
+    huge[7] = 1e30  # finite, far beyond float audio: refused like NaN (the fast path's dot product overflows)
+    loud = speech[:8000] * np.float32(2000)  # loud but within the decoders' limit: taken
+    out = s.step([("f", huge), ("e", loud)])
+    assert getattr(out[0], "code", None) == "invalid_audio" and "samples reach" in str(out[0])
+    assert not isinstance(out[1], Exception)
 
 
 def test_idle_streams_are_evicted_and_their_slots_reused(tiny, speech):

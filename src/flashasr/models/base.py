@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..audio.decode import ABSURD_SAMPLE
 from ..errors import AudioError
 from ..options import ModelCapabilities, TranscribeOptions
 from ..types import Transcript
@@ -36,6 +37,11 @@ def model_name_from_path(path) -> str:
     return p.stem
 
 
+#: |sample| above this is refused by as_waveform: not float audio in [-1, 1] (the decoders' limit,
+#: beyond which they clip a file's samples as damage)
+MAX_ABS_SAMPLE = ABSURD_SAMPLE
+
+
 def as_waveform(w, label: str = "waveform") -> np.ndarray:
     """The one check every model and engine applies to an in-memory waveform.
 
@@ -47,7 +53,9 @@ def as_waveform(w, label: str = "waveform") -> np.ndarray:
         contiguous float32 ``[N]`` (the same array when it already is one).
     Raises:
         AudioError (``invalid_audio``): not mono, not a float dtype (int16 PCM must be scaled
-            by the caller), or NaN / infinite samples.
+            by the caller), NaN / infinite samples, or samples beyond ``MAX_ABS_SAMPLE`` (1e4, 80 dB over full
+            scale, as the decoders' limit: unscaled integer PCM, or garbage; finite samples of
+            1e30 made infinite log-mel features and a meaningless transcript).
     """
     a = np.asarray(w)
     if a.ndim == 2 and 1 in a.shape:
@@ -57,10 +65,19 @@ def as_waveform(w, label: str = "waveform") -> np.ndarray:
     if not np.issubdtype(a.dtype, np.floating):
         raise AudioError(f"{label}: expected float samples in [-1, 1], got dtype {a.dtype}", code="invalid_audio")
     a = np.ascontiguousarray(a, dtype=np.float32)
-    with np.errstate(over="ignore"):  # one BLAS pass; |x| > 1e19 squares overflow: then the exact check
-        finite = not a.size or np.isfinite(np.dot(a, a)) or np.isfinite(a).all()
-    if not finite:
+    if not a.size:
+        return a
+    with np.errstate(over="ignore"):  # one BLAS pass; |x| > 1e19 squares overflow: then the exact checks
+        energy = float(np.dot(a, a))
+    if energy <= MAX_ABS_SAMPLE ** 2:  # then no sample is beyond the limit either: done
+        return a
+    if not np.isfinite(a).all():
         raise AudioError(f"{label}: contains NaN or infinite samples", code="invalid_audio")
+    peak = max(-float(a.min()), float(a.max()))
+    if peak > MAX_ABS_SAMPLE:
+        raise AudioError(f"{label}: samples reach {peak:.4g}, far outside float audio's [-1, 1] (more than "
+                         f"{MAX_ABS_SAMPLE:g}); integer PCM must be scaled first (int16: divide by 32768)",
+                         code="invalid_audio")
     return a
 
 
