@@ -26,6 +26,11 @@ class FlashASRError(Exception):
         return str(self)
 
 
+#: a sample beyond this magnitude (full scale is 1) is not audio: the decoders clip a file's such
+#: samples to +-1 as damage; :func:`flashasr.models.base.as_waveform` refuses an array with them
+ABSURD_SAMPLE = 1e4
+
+
 class AudioError(FlashASRError):
     """Input audio could not be used (bad container, no audio stream, empty, ...)."""
 

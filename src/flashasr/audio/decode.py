@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ..errors import ABSURD_SAMPLE  # beyond it a decoded sample is damage, not audio: clipped to +-1
 from .downmix import Downmixer
 from .errors import (
     AudioArgumentError,
@@ -61,8 +62,6 @@ _ARRAY_BLOCK_S = 0.1
 #: rate in use. Outside it a header is damaged or hostile (UnsupportedSampleRateError).
 SOURCE_RATES = (1_000, 768_000)
 
-#: a decoded sample beyond this magnitude (full scale is 1) is damage, not audio: clipped to +-1
-ABSURD_SAMPLE = 1e4
 
 
 @dataclass

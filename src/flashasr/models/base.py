@@ -12,8 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..audio.decode import ABSURD_SAMPLE
-from ..errors import AudioError
+from ..errors import ABSURD_SAMPLE, AudioError
 from ..options import ModelCapabilities, TranscribeOptions
 from ..types import Transcript
 
