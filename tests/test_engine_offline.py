@@ -215,7 +215,7 @@ def test_plan_is_the_cheapest_partition_and_covers_every_input():
 
 
 def test_offline_engine_guards_and_threads():
-    """NaN/inf inputs are refused by name (engine and plain model); [1, N] is accepted; a model in
+    """NaN/inf inputs and samples beyond 1e4 are refused by name (engine and plain model); [1, N] is accepted; a model in
     training mode is put in eval mode; bad profile settings give invalid_profiles; concurrent
     calls on one engine each get their own results."""
     import threading
@@ -237,8 +237,11 @@ def test_offline_engine_guards_and_threads():
     inf[5] = np.inf
     with pytest.raises(FlashASRError, match="NaN or infinite"):
         _model().transcribe_batch([inf])
-    big = np.full(16000, 1e20, np.float32)  # finite, squares overflow: still accepted
-    assert len(eng.transcribe_arrays([big]).items) == 1
+    big = np.full(16000, 1e20, np.float32)  # finite, but not audio (squares overflow): refused, naming the peak
+    with pytest.raises(AudioError, match="input 0: samples reach 1e\\+20"):
+        eng.transcribe_arrays([big])
+    loud = np.full(16000, 9e3, np.float32)  # loud, within the decoders' limit (1e4): accepted
+    assert len(eng.transcribe_arrays([loud]).items) == 1
     one_row = eng.transcribe_arrays([waves[2][None, :]]).items[0].token_ids
     assert one_row == eng.transcribe_arrays([waves[2]]).items[0].token_ids
     for kwargs in (dict(profiles=[]), dict(launch_cost_s=float("nan"))):
