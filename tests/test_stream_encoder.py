@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 import math
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -382,9 +384,15 @@ def test_errors_are_per_request_and_streams_close(tiny, speech):
     huge = speech[:8000].copy()
     huge[7] = 1e30  # finite, far beyond float audio: refused like NaN (the fast path's dot product overflows)
     loud = speech[:8000] * np.float32(2000)  # loud but within the decoders' limit: taken
-    out = s.step([("f", huge), ("e", loud)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fast check's overflow is expected: no RuntimeWarning escapes
+        out = s.step([("f", huge), ("e", loud)])
     assert getattr(out[0], "code", None) == "invalid_audio" and "samples reach" in str(out[0])
     assert not isinstance(out[1], Exception)
+    # a scalar or any non-array is that request's error, not the step's (it raised TypeError out of step)
+    out = s.step([("g", np.float32(1e30)), ("e", speech[:8000]), ("h", "not audio")])
+    assert getattr(out[0], "code", None) == "invalid_audio" and not isinstance(out[1], Exception)
+    assert getattr(out[2], "code", None) == "invalid_audio"
 
 
 def test_idle_streams_are_evicted_and_their_slots_reused(tiny, speech):
@@ -652,3 +660,18 @@ def test_kept_samples_stay_bounded_for_requests_of_any_size(tiny, speech, size):
         worst = max(worst, len(st.buf))  # the buffer's size: what the stream holds
     assert worst <= 3 * s.window_samples + 2 * size, (worst, s.window_samples)
     assert s.streams["a"].frames >= (len(x) - 512) // 1280 - 1  # every complete frame went through
+
+
+def test_a_long_request_buffer_shrinks_once_its_audio_is_encoded(tiny, speech):
+    """A trial found a 60 s request's buffer (3.9 MB) kept until more audio came: the buffer now
+    shrinks as the request's frames are encoded, in the same step, and later requests keep it small;
+    the windows stay exact (checked against the whole pre-emphasised signal)."""
+    s = ParakeetStreamer(tiny, StreamingConfig(chunk_frames=7, left_frames=4))
+    x = np.tile(speech, 12)[: 16000 * 60]
+    s.step([("a", x)])
+    st = s.streams["a"]
+    assert st.frames >= (len(x) - 512) // 1280 - 1
+    base = 2 * s.window_samples + 1280 * 7  # the buffer's size for 500 ms requests
+    assert len(st.buf) <= 2 * base  # within twice its base size (240 KB here), not 60 s (3.8 MB)
+    out = s.step([("a", x[:160])])[0]
+    assert not isinstance(out, Exception) and len(st.buf) <= 2 * base

@@ -74,9 +74,10 @@ def as_waveform(w, label: str = "waveform") -> np.ndarray:
         raise AudioError(f"{label}: contains NaN or infinite samples", code="invalid_audio")
     peak = max(-float(a.min()), float(a.max()))
     if peak > MAX_ABS_SAMPLE:
-        raise AudioError(f"{label}: samples reach {peak:.4g}, far outside float audio's [-1, 1] (more than "
-                         f"{MAX_ABS_SAMPLE:g}); integer PCM must be scaled first (int16: divide by 32768)",
-                         code="invalid_audio")
+        shown = f"{peak:.8g}" if peak < 1e7 else f"{peak:.4g}"  # (10000.001 is not "1e+04")
+        raise AudioError(f"{label}: samples reach {shown}, far outside float audio's [-1, 1] (more than "
+                         f"{MAX_ABS_SAMPLE:g}); integer PCM must be scaled first (int16: divide by 32768); "
+                         f"a file's decoder clips such samples instead", code="invalid_audio")
     return a
 
 

@@ -337,6 +337,8 @@ class ParakeetStreamer:
         self.device = next(enc.parameters()).device
         self.dtype = next(enc.parameters()).dtype
         self.pool = StatePool(model, self.cfg, self.cfg.slots, self.device, self.dtype)
+        self._buf_base = 2 * self.window_samples + self.hop * self.sub * self.C  # a stream's sample buffer
+        self._shrink_above = 2 * self._buf_base  # a buffer grown past this shrinks as its samples are used
         self.streams: dict[str, _Stream] = {}
         self._closed: dict[str, float] = {}  # recently closed keys (refused if they come back)
         self._next_evict = 0.0  # when _evict_idle scans again
@@ -475,9 +477,15 @@ class ParakeetStreamer:
         if type(samples) is np.ndarray and samples.dtype == np.float32 and samples.ndim == 1:
             if not samples.size:
                 return samples
-            if float(samples.dot(samples)) <= MAX_ABS_SAMPLE ** 2:  # else (NaN, inf, loud): the full check
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what the test looks for
+                energy = float(samples.dot(samples))
+            if energy <= MAX_ABS_SAMPLE ** 2:  # else (NaN, inf, loud): the full check
                 return samples
-        return as_waveform(samples, f"stream {key}") if len(samples) else np.zeros(0, np.float32)
+        try:
+            empty = len(samples) == 0
+        except TypeError:  # a scalar or another object: as_waveform names the problem
+            empty = False
+        return np.zeros(0, np.float32) if empty else as_waveform(samples, f"stream {key}")
 
     def _append(self, st: _Stream, a: np.ndarray) -> None:
         """Keep the new samples pre-emphasised (``y[t] = x[t] - preemph * x[t-1]``, ``y[0] = x[0]``,
@@ -533,18 +541,24 @@ class ParakeetStreamer:
 
     def _advance(self, st: _Stream, k: int) -> None:
         st.frames += k
+        if len(st.buf) > self._shrink_above:  # a long request grew it: let it go as its audio is used
+            self._compact(st, need=0, shrink_only=True)
 
-    def _compact(self, st: _Stream, need: int) -> None:
+    def _compact(self, st: _Stream, need: int, shrink_only: bool = False) -> None:
         """Make room for ``need`` more samples: drop the kept ones behind the next window's start
         (moved to the buffer's head), and give the buffer a new size when they still do not fit or
-        it is far larger than needed (a long request grew it). A stream's buffer stays within about
-        two windows plus its largest recent request, however its audio is cut (a trial found
-        100-sample requests keeping the whole utterance in an earlier design)."""
+        it is far larger than needed (a long request grew it; :meth:`_advance` calls this with
+        ``need=0`` and ``shrink_only``: nothing moves unless the buffer shrinks, so the memory goes
+        as the request's audio is encoded, not only when more audio comes, at one copy of the live
+        samples per halving). A stream's buffer stays within about two windows plus the audio not
+        yet encoded, however its audio is cut (a trial found 100-sample requests keeping the whole
+        utterance in an earlier design, and a 60 s request keeping 3.9 MB until more audio came)."""
         keep_from = self.hop * self.sub * (st.frames - 1) - self.n_fft // 2  # the next window's start
         dead = min(max(keep_from - st.x_start, 0), st.kept)
         live = st.kept - dead
-        base = 2 * self.window_samples + self.hop * self.sub * self.C
-        want = max(base, live + need + self.window_samples)
+        want = max(self._buf_base, live + need + self.window_samples)
+        if shrink_only and len(st.buf) <= 2 * want:
+            return
         if live + need > len(st.buf) or len(st.buf) > 2 * want:
             buf = np.empty(want, np.float32)
             buf[:live] = st.buf[dead: st.kept]
