@@ -202,6 +202,26 @@ def test_cancelling_stereo_falls_back(tmp_path, spy):
     assert np.array_equal(got.samples, ref.samples) and got.warnings == ref.warnings
 
 
+def test_clipped_and_limited_samples_fall_back_with_the_sequential_warnings(tmp_path, spy):
+    """A trial found a long float WAV hard-limited at +-9,500 (its resampling rings past the +-1e4
+    limit and is held there) and samples of 1e30 (clipped) decoded in ranges with no warning at all:
+    the ranges counted them and nobody read the counts. Such a file now decodes sequentially, with
+    the sequential decode's samples and warnings."""
+    import struct
+
+    x = np.clip(_speech(44100, 1)[: 44100 * 70] * 40000, -9500, 9500).astype(np.float32)
+    x[44100 * 33] = 1e30
+    data = x.astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, 44100, 44100 * 4, 4, 32)
+    p = tmp_path / "loud.wav"
+    p.write_bytes(b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE" + b"fmt "
+                  + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
+    ref, got = load_audio(p), load_audio_parallel(p, workers=3)
+    assert any("limited" in w for w in ref.warnings) and any("clipped 1 samples" in w for w in ref.warnings)
+    assert spy and spy[0]["fallback"]
+    assert np.array_equal(got.samples, ref.samples) and got.warnings == ref.warnings
+
+
 def test_damaged_files_match_sequential(files, spy, tmp_path):
     data = files["mp3_cbr_44k_stereo"].read_bytes()
     # truncated: the decodable prefix, with the header's warning

@@ -389,10 +389,18 @@ def test_errors_are_per_request_and_streams_close(tiny, speech):
         out = s.step([("f", huge), ("e", loud)])
     assert getattr(out[0], "code", None) == "invalid_audio" and "samples reach" in str(out[0])
     assert not isinstance(out[1], Exception)
-    # a scalar or any non-array is that request's error, not the step's (it raised TypeError out of step)
-    out = s.step([("g", np.float32(1e30)), ("e", speech[:8000]), ("h", "not audio")])
+    # a scalar or any non-array is that request's error, not the step's (it raised TypeError out of
+    # step), as are a ragged list (numpy's ValueError) and float64 samples beyond float32's range
+    # (the cast's overflow warning, raised out of step under -W error; then named as NaN/inf)
+    f64 = np.zeros(8000)
+    f64[7] = 1e39
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = s.step([("g", np.float32(1e30)), ("e", speech[:8000]), ("h", "not audio"),
+                      ("i", [[0.1, 0.2], [0.3]]), ("j", f64)])
     assert getattr(out[0], "code", None) == "invalid_audio" and not isinstance(out[1], Exception)
-    assert getattr(out[2], "code", None) == "invalid_audio"
+    assert all(getattr(o, "code", None) == "invalid_audio" for o in out[2:]), out
+    assert "samples reach 1e+39" in str(out[4])
 
 
 def test_idle_streams_are_evicted_and_their_slots_reused(tiny, speech):

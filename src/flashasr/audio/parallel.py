@@ -30,7 +30,7 @@ overlap between frames, a seek that lands after its target three times, the file
 a middle range does -- the whole file is decoded sequentially, so a doubtful join is never
 returned. The same happens for anything the sequential decode would report or treat
 statefully: undecodable packets, demuxer errors, a sample-rate or channel-count change,
-non-finite samples, and a downmix that is not the plain channel mean throughout with margin
+non-finite samples or samples clipped at the limit, and a downmix that is not the plain channel mean throughout with margin
 (the energy-keeping downmixer's state depends on history; a range is trusted only when its
 cancellation ratio stays >= 0.5, twice the switching threshold). Errors and warnings
 therefore equal :func:`~flashasr.audio.load_audio`'s: on a damaged file the sequential path
@@ -468,8 +468,10 @@ def _decode_span(plan: _Plan, src: _ContainerSource, av, k: int, p0: int, feed_e
             out_at += y.shape[0]
     if src.bad_packets or src.bad_frames or src.demux_errors:
         raise _Fallback(f"range {k}: damaged packets")
-    if pipe.rate_changes or pipe.nonfinite or pipe.downmix.fallback_samples:
-        raise _Fallback(f"range {k}: rate change, non-finite samples or downmix fallback")
+    if pipe.rate_changes or pipe.nonfinite or pipe.clipped or pipe.overshoot or pipe.downmix.fallback_samples:
+        # (anything the sequential decode warns about: its warnings are the file's; a trial found
+        # samples clipped beyond the limit with no warning on this path)
+        raise _Fallback(f"range {k}: rate change, non-finite or clipped samples, or downmix fallback")
     if plan.channels > 1 and pipe.downmix.min_ratio < MIN_DOWNMIX_RATIO:
         raise _Fallback(f"range {k}: channels partly cancel; the downmix depends on history")
     if sink.stop is not None and sink.pos != sink.stop:

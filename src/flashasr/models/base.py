@@ -56,14 +56,19 @@ def as_waveform(w, label: str = "waveform") -> np.ndarray:
             scale, as the decoders' limit: unscaled integer PCM, or garbage; finite samples of
             1e30 made infinite log-mel features and a meaningless transcript).
     """
-    a = np.asarray(w)
+    try:
+        a = np.asarray(w)
+    except (ValueError, TypeError) as e:  # a ragged list, say
+        raise AudioError(f"{label}: not an array of samples ({e})", code="invalid_audio") from None
     if a.ndim == 2 and 1 in a.shape:
         a = a.reshape(-1)
     if a.ndim != 1:
         raise AudioError(f"{label}: expected mono samples of shape [N], got shape {a.shape}", code="invalid_audio")
     if not np.issubdtype(a.dtype, np.floating):
         raise AudioError(f"{label}: expected float samples in [-1, 1], got dtype {a.dtype}", code="invalid_audio")
-    a = np.ascontiguousarray(a, dtype=np.float32)
+    src = a
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf here: named below
+        a = np.ascontiguousarray(a, dtype=np.float32)
     if not a.size:
         return a
     with np.errstate(over="ignore"):  # one BLAS pass; |x| > 1e19 squares overflow: then the exact checks
@@ -71,7 +76,9 @@ def as_waveform(w, label: str = "waveform") -> np.ndarray:
     if energy <= MAX_ABS_SAMPLE ** 2:  # then no sample is beyond the limit either: done
         return a
     if not np.isfinite(a).all():
-        raise AudioError(f"{label}: contains NaN or infinite samples", code="invalid_audio")
+        if src is a or not np.isfinite(src).all():
+            raise AudioError(f"{label}: contains NaN or infinite samples", code="invalid_audio")
+        a = src  # finite samples beyond float32's range (float64): their peak is named below
     peak = max(-float(a.min()), float(a.max()))
     if peak > MAX_ABS_SAMPLE:
         shown = f"{peak:.8g}" if peak < 1e7 else f"{peak:.4g}"  # (10000.001 is not "1e+04")
