@@ -36,11 +36,6 @@ def model_name_from_path(path) -> str:
     return p.stem
 
 
-#: |sample| above this is refused by as_waveform: not float audio in [-1, 1] (the decoders' limit,
-#: beyond which they clip a file's samples as damage)
-MAX_ABS_SAMPLE = ABSURD_SAMPLE
-
-
 def as_waveform(w, label: str = "waveform") -> np.ndarray:
     """The one check every model and engine applies to an in-memory waveform.
 
@@ -52,38 +47,43 @@ def as_waveform(w, label: str = "waveform") -> np.ndarray:
         contiguous float32 ``[N]`` (the same array when it already is one).
     Raises:
         AudioError (``invalid_audio``): not mono, not a float dtype (int16 PCM must be scaled
-            by the caller), NaN / infinite samples, or samples beyond ``MAX_ABS_SAMPLE`` (1e4, 80 dB over full
-            scale, as the decoders' limit: unscaled integer PCM, or garbage; finite samples of
-            1e30 made infinite log-mel features and a meaningless transcript).
+            by the caller), NaN / infinite samples, or samples beyond
+            :data:`flashasr.errors.ABSURD_SAMPLE` (1e4, 80 dB over full scale, the decoders'
+            limit: unscaled integer PCM, or garbage; finite samples of 1e30 made infinite
+            log-mel features and a meaningless transcript).
     """
-    try:
-        a = np.asarray(w)
-    except (ValueError, TypeError) as e:  # a ragged list, say
-        raise AudioError(f"{label}: not an array of samples ({e})", code="invalid_audio") from None
-    if a.ndim == 2 and 1 in a.shape:
-        a = a.reshape(-1)
-    if a.ndim != 1:
-        raise AudioError(f"{label}: expected mono samples of shape [N], got shape {a.shape}", code="invalid_audio")
-    if not np.issubdtype(a.dtype, np.floating):
-        raise AudioError(f"{label}: expected float samples in [-1, 1], got dtype {a.dtype}", code="invalid_audio")
-    src = a
-    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf here: named below
-        a = np.ascontiguousarray(a, dtype=np.float32)
+    if type(w) is np.ndarray and w.dtype == np.float32 and w.ndim == 1 and w.flags.c_contiguous:
+        a = src = w  # what decoders and the server hand over: no conversion (the streamer's rows)
+    else:
+        try:
+            a = np.asarray(w)
+        except (ValueError, TypeError) as e:  # a ragged list, say
+            raise AudioError(f"{label}: not an array of samples ({e})", code="invalid_audio") from None
+        if a.ndim == 2 and 1 in a.shape:
+            a = a.reshape(-1)
+        if a.ndim != 1:
+            raise AudioError(f"{label}: expected mono samples of shape [N], got shape {a.shape}",
+                             code="invalid_audio")
+        if not np.issubdtype(a.dtype, np.floating):
+            raise AudioError(f"{label}: expected float samples in [-1, 1], got dtype {a.dtype}", code="invalid_audio")
+        src = a
+        with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf here: named below
+            a = np.ascontiguousarray(a, dtype=np.float32)
     if not a.size:
         return a
-    with np.errstate(over="ignore"):  # one BLAS pass; |x| > 1e19 squares overflow: then the exact checks
-        energy = float(np.dot(a, a))
-    if energy <= MAX_ABS_SAMPLE ** 2:  # then no sample is beyond the limit either: done
+    with np.errstate(over="ignore", invalid="ignore"):  # one BLAS pass; |x| > 1e19 squares overflow:
+        energy = float(np.dot(a, a))                    # then the exact checks
+    if energy <= ABSURD_SAMPLE ** 2:  # then no sample is beyond the limit either: done
         return a
     if not np.isfinite(a).all():
         if src is a or not np.isfinite(src).all():
             raise AudioError(f"{label}: contains NaN or infinite samples", code="invalid_audio")
         a = src  # finite samples beyond float32's range (float64): their peak is named below
     peak = max(-float(a.min()), float(a.max()))
-    if peak > MAX_ABS_SAMPLE:
+    if peak > ABSURD_SAMPLE:
         shown = f"{peak:.8g}" if peak < 1e7 else f"{peak:.4g}"  # (10000.001 is not "1e+04")
         raise AudioError(f"{label}: samples reach {shown}, far outside float audio's [-1, 1] (more than "
-                         f"{MAX_ABS_SAMPLE:g}); integer PCM must be scaled first (int16: divide by 32768); "
+                         f"{ABSURD_SAMPLE:g}); integer PCM must be scaled first (int16: divide by 32768); "
                          f"a file's decoder clips such samples instead", code="invalid_audio")
     return a
 
