@@ -63,7 +63,6 @@ _ARRAY_BLOCK_S = 0.1
 SOURCE_RATES = (1_000, 768_000)
 
 
-
 @dataclass
 class DecodedAudio:
     """Decoded, resampled mono audio.
