@@ -798,6 +798,22 @@ def test_absurd_float_magnitudes_are_clipped_with_a_warning():
         assert any("limited" in m and "resampled samples" in m for m in w), w
     assert 9000 < np.abs(d.samples).max() <= ABSURD_SAMPLE
     as_waveform(d.samples)  # what every model applies: accepted
+    # float64 samples beyond float32's range are clipped like any absurd sample (they became inf in the
+    # cast, with numpy's overflow warning, and were reported as non-finite: a trial), in a file and an array
+    import warnings
+
+    z = _sine(16000, 0.5).astype(np.float64)
+    z[500] = 1e39
+    data = z.astype("<f8").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, 16000, 16000 * 8, 8, 64)
+    wav64 = (b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE" + b"fmt "
+             + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for src in (io.BytesIO(wav64), z):
+            d = load_audio(src, sample_rate=None if isinstance(src, io.BytesIO) else 16000)
+            assert d.warnings == ["clipped 1 samples beyond +-10000 to full scale (+-1)"], d.warnings
+            assert np.abs(d.samples).max() <= 1.0
 
 
 def _chunks_wav(chunks: list[tuple[bytes, bytes]], riff: bytes = b"RIFF") -> bytes:

@@ -329,6 +329,16 @@ def test_transcribe_samples_checks_options_and_audio_first():
         with pytest.raises(FlashASRError, match="samples reach") as e:
             transcribe_samples(m, x, TranscribeOptions(segmentation="none"))
         assert e.value.code == "invalid_audio" and m.calls == []
+    # torch tensors that need grad or are bfloat16 are audio too (they raised RuntimeError / were
+    # refused as "not an array of samples": a trial); a loud one is refused like an array
+    import torch
+
+    for tt in (torch.zeros(SR, requires_grad=True), torch.zeros(SR, dtype=torch.bfloat16)):
+        t = transcribe_samples(m, tt, TranscribeOptions(segmentation="none", language="nl"))
+        assert t.text == "" and m.calls == []
+    with pytest.raises(FlashASRError, match="samples reach 19968") as e:  # 2e4 in bfloat16
+        transcribe_samples(m, torch.full((SR,), 2e4, dtype=torch.bfloat16), TranscribeOptions(segmentation="none"))
+    assert e.value.code == "invalid_audio"
     t = transcribe_samples(m, np.zeros(SR, np.float32), TranscribeOptions(segmentation="none", language="nl"))
     assert (t.text, t.language, t.duration) == ("", "nl", 1.0) and m.calls == []  # no speech: no model call
     from flashasr.audio import load_audio

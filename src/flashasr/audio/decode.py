@@ -176,9 +176,20 @@ def _int_scale(dtype: np.dtype) -> tuple[float, float]:
     return 0.0, 1.0 / float(2 ** (8 * dtype.itemsize - 1))
 
 
+def _narrow(a: np.ndarray) -> np.ndarray:
+    """Float samples wider than float32 with their magnitudes capped at twice ABSURD_SAMPLE (NaN
+    kept): a finite float64 sample beyond float32's range became inf in the cast, with numpy's
+    overflow warning, and was then reported as non-finite instead of clipped (a new user's trial)."""
+    if a.dtype.kind == "f" and a.dtype.itemsize > 4:
+        return np.clip(a, -2 * ABSURD_SAMPLE, 2 * ABSURD_SAMPLE)
+    return a
+
+
 def _to_float32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Integer PCM -> float32 scaled to [-1, 1); float input is cast (no rescaling)."""
+    """Integer PCM -> float32 scaled to [-1, 1); float input is cast (no rescaling; wider floats
+    capped first: :func:`_narrow`)."""
     if a.dtype.kind == "f":
+        a = _narrow(a)
         if out is None:
             return a.astype(np.float32, copy=a.dtype != np.float32)
         out[...] = a
@@ -698,7 +709,7 @@ class _WavSource:
             elif scale != 1.0:
                 np.multiply(a, scale, out=out, casting="unsafe")
             else:
-                out[...] = a
+                out[...] = _narrow(a)
             yield out, self.rate
             if len(b) % frame:
                 break

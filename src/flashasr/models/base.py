@@ -55,6 +55,10 @@ def as_waveform(w, label: str = "waveform") -> np.ndarray:
     if type(w) is np.ndarray and w.dtype == np.float32 and w.ndim == 1 and w.flags.c_contiguous:
         a = src = w  # what decoders and the server hand over: no conversion (the streamer's rows)
     else:
+        if hasattr(w, "detach") and hasattr(w, "numpy"):  # a torch tensor: no autograd; bf16 widened
+            w = w.detach()                                  # (numpy has no bfloat16)
+            if str(w.dtype) == "torch.bfloat16":
+                w = w.float()
         try:
             a = np.asarray(w)
         except (ValueError, TypeError) as e:  # a ragged list, say
