@@ -115,9 +115,14 @@ class GraphedStreamer(ParakeetStreamer):
         self._h_seg = torch.zeros(top, self.window_samples, dtype=torch.float32, pin_memory=True)
         self._graphs: dict[int, _StepGraph] = {}
         self._pool_handle = torch.cuda.graph_pool_handle()
+        # every bucket is captured on these same streams: the caching allocator hands a capture the
+        # pool's free blocks of its own stream only, so with fresh streams per capture (PyTorch's 32
+        # pooled streams, round robin) no bucket reused another's activation memory
+        self._streams = [torch.cuda.Stream() for _ in range(3)]
         self._full_ok = True   # WHILE-node capture still believed to work
         self._graph_ok = True  # encoder capture still believed to work
         self.capture_oom = False  # a capture ran out of GPU memory (the server then drops this streamer)
+        self.captures = 0  # graphs captured (warm-up, then re-captures after the state pool grew)
         self.events: list[str] = []
         self._add_norm = add_layer_norm  # one kernel per residual add + LayerNorm (falls back by itself)
 
@@ -287,7 +292,7 @@ class GraphedStreamer(ParakeetStreamer):
         g.n_new.fill_(1)
         g.feat_valid.fill_(2 * self.sub)
         g.first.fill_(False)
-        streams = [torch.cuda.Stream() for _ in range(3 if full else 1)]
+        streams = self._streams[:3 if full else 1]
         for st in streams:
             st.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(st):
@@ -313,6 +318,7 @@ class GraphedStreamer(ParakeetStreamer):
         torch.cuda.synchronize()
         g.n_new.zero_()
         g.graph, g.mode = graph, "full" if full else "encoder"
+        self.captures += 1
 
 
 __all__ = ["GraphedStreamer"]
