@@ -725,6 +725,35 @@ def test_queue_depth_gauges_are_read_when_the_metrics_are():
                    {"final": 0, "partial": 2, "offline": 0}, {"final": 0, "partial": 0, "offline": 0}], got
 
 
+def test_streamer_gauges_follow_its_pool_and_counters():
+    """``EngineMetrics.watch_streamer``: the state pool's capacity and live slots, graph captures and
+    the streamer's work counters are read from the streamer when the metrics are (a pool that grew
+    or a step that ran shows at the next read)."""
+    from types import SimpleNamespace
+
+    from flashasr.serve.metrics import EngineMetrics
+
+    pool = SimpleNamespace(capacity=4, free=[2, 3])
+    st = SimpleNamespace(pool=pool, captures=10, counters={"steps": 1, "rows": 5, "encoder_frames": 30,
+                                                           "padded_frames": 35})
+    m = EngineMetrics()
+    m.watch_streamer(st)
+
+    def read():
+        return {(smp.name, tuple(sorted(smp.labels.values()))): smp.value for mm in m.registry.collect()
+                if mm.name.startswith("flashasr_stream") for smp in mm.samples}
+
+    a = read()
+    pool.capacity, pool.free = 8, [7]
+    st.captures += 3
+    st.counters.update(steps=3, rows=9)
+    b = read()
+    assert a[("flashasr_stream_slots", ("capacity",))] == 4 and a[("flashasr_stream_slots", ("live",))] == 2
+    assert b[("flashasr_stream_slots", ("capacity",))] == 8 and b[("flashasr_stream_slots", ("live",))] == 7
+    assert (a[("flashasr_stream_graph_captures", ())], b[("flashasr_stream_graph_captures", ())]) == (10, 13)
+    assert [b[("flashasr_stream_work", (k,))] for k in ("steps", "rows", "encoder_frames", "padded_frames")] == [3, 9, 30, 35]
+
+
 def test_finals_share_calls_under_a_stream_of_partials():
     """A running scheduler whose model calls take 5 ms, finals arriving one by one every 2 ms while
     chunked partials are always queued: with ``final_wait_s`` the finals share calls (fewer, larger

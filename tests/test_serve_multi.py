@@ -59,6 +59,8 @@ def test_multi_workers_and_shared_memory(multi):
         else:
             time.sleep(0.1)
     assert len(pids) == 2 and multi.proc.pid in pids  # two front-end processes share the port
+    startup = r.json()["startup_s"]  # where the engine's start-up went: load + warm-up, the streamer's
+    assert startup["model_s"] > 0 and startup["streamer_s"] >= 0
     assert len(engine) == 1 and not engine & pids  # ... and one separate engine process
     # 2.97 s = 190 KB of float32 > --shm-threshold-kb 64: the audio crosses through shared memory
     client = _client(multi)  # one keep-alive connection: both requests reach the same front end

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -176,10 +177,12 @@ def load_random_model(name: str, *, device: str = "cpu", dtype: str | None = Non
     asr.name = f"random:{cfg.stem if name.endswith(('.yaml', '.yml')) else name}"
     speech = calibration_speech(cfg)
     if speech:  # token rate like real speech, on this model's own numerics
+        t0 = time.perf_counter()
         b, tps = calibrate_random_joint(asr, speech)
         logging.getLogger(__name__).info("random joint: blank bias %.3f -> %.2f tokens/s on %d real clips",
                                          b, tps, len(speech))
-        asr.calibration = {"blank_bias": b, "tokens_per_s": tps, "clips": len(speech)}
+        asr.calibration = {"blank_bias": b, "tokens_per_s": tps, "clips": len(speech),
+                           "seconds": round(time.perf_counter() - t0, 1)}
     return asr
 
 

@@ -42,13 +42,22 @@ class EngineServer:
     ``restarts``: how many times the supervisor restarted the engine before this one (its HELLO
     says so, so every front end reports the same)."""
 
-    def __init__(self, model, cfg: ServeConfig, restarts: int = 0):
+    def __init__(self, model, cfg: ServeConfig, restarts: int = 0, load_s: float | None = None):
         self.model = model
         self.cfg = cfg
         self.metrics = EngineMetrics(cfg.device)
+        t0 = time.perf_counter()
         streamer = make_streamer(model, cfg)
+        if streamer is not None:
+            self.metrics.watch_streamer(streamer)
         self.scheduler = BatchScheduler(model, metrics=self.metrics, streamer=streamer, **cfg.scheduler_options)
-        self.hello = {**model_info(model, cfg, streamer), "engine_restarts": int(restarts)}
+        # where the start-up went (``/ready`` shows it): the model's load and warm-up, the streamer's captures
+        startup = {"model_s": None if load_s is None else round(load_s, 1),
+                   "streamer_s": round(time.perf_counter() - t0, 1)}
+        calibration = getattr(model, "calibration", None)  # random-weight models: the joint's calibration
+        if isinstance(calibration, dict) and "seconds" in calibration:
+            startup["calibration_s"] = calibration["seconds"]
+        self.hello = {**model_info(model, cfg, streamer), "engine_restarts": int(restarts), "startup_s": startup}
         self.caps = model.capabilities
         self._options_seen: dict[tuple, TranscribeOptions] = {}  # raw options -> resolved (see _options)
         self._active = 0  # requests received and not answered yet: read when the metrics are
@@ -266,12 +275,13 @@ EXIT_MODEL_FAILED = 3  # the engine's exit status when its model cannot be loade
 
 
 async def _engine_async(cfg: ServeConfig, path: str, restarts: int = 0) -> None:
+    t0 = time.perf_counter()
     try:
         model = load_and_warm(cfg)
     except Exception as e:  # noqa: BLE001 - a model that will not load: say why once, then exit
         log.error("model %s failed to load on %s: %s: %s", cfg.model or "tiny.en", cfg.device, type(e).__name__, e)
         raise SystemExit(EXIT_MODEL_FAILED) from None
-    srv = EngineServer(model, cfg, restarts)
+    srv = EngineServer(model, cfg, restarts, load_s=time.perf_counter() - t0)
     srv.scheduler.start()
     if cfg.gc_freeze:
         gc.collect()

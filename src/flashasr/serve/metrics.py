@@ -117,5 +117,25 @@ class EngineMetrics:
             except Exception:  # pragma: no cover - no torch / no CUDA
                 pass
 
+    def watch_streamer(self, streamer) -> None:
+        """Gauges of the chunked streamer's state pool and graphs, read when the metrics are:
+        ``flashasr_stream_slots{kind="capacity"|"live"}`` (the pool doubles when full, which
+        replaces its tensors) and ``flashasr_stream_graph_captures`` (CUDA graphs captured since
+        start: warm-up, then a re-capture of each bucket used after the pool grew; 0 on the CPU) and
+        ``flashasr_stream_work{kind}``, the streamer's counters since start: ``steps`` (device steps;
+        a call whose streams lag by more than one chunk runs several), ``rows`` (stream rows over
+        all steps), ``encoder_frames`` (new frames encoded) and ``padded_frames`` (frames computed,
+        bucket and chunk padding included)."""
+        pool = streamer.pool
+        g = Gauge("flashasr_stream_slots", "Chunked streaming state slots", ["kind"], registry=self.registry)
+        g.labels("capacity").set_function(lambda: pool.capacity)
+        g.labels("live").set_function(lambda: pool.capacity - len(pool.free))
+        Gauge("flashasr_stream_graph_captures", "CUDA graphs of the streaming step captured since start",
+              registry=self.registry).set_function(lambda: getattr(streamer, "captures", 0))
+        w = Gauge("flashasr_stream_work", "Chunked streaming work since start (streamer counters)", ["kind"],
+                  registry=self.registry)
+        for k in ("steps", "rows", "encoder_frames", "padded_frames"):
+            w.labels(k).set_function(lambda k=k: streamer.counters.get(k, 0))
+
     def text(self) -> bytes:
         return generate_latest(self.registry)
