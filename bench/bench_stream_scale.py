@@ -474,6 +474,9 @@ def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool
             "server_cpu_cores": round(cpu / wall, 2), "wall_s": round(wall, 1),
             "client_cpu_cores": round(agg["cpu_s"] / wall, 2), "load_avg_1m": round(os.getloadavg()[0], 1),
             "engine_busy_fraction": round(inf_s / wall, 3), "engine_calls": int(calls),
+            "stream_graph_captures": int(delta("flashasr_stream_graph_captures")),
+            "stream_work": _stream_work(delta, kind_n["partial"]),
+            "stream_slots_capacity": int(_metric(m1, "flashasr_stream_slots", 'kind="capacity"')),
             "engine_handoff_fraction": round(handoff_s / wall, 3),
             "engine_handoff_ms_per_call": round(1000 * handoff_s / calls, 2) if calls else None,
             "engine_mean_batch": {k: round(rows[k] / batches[k], 1) if batches[k] else None for k in rows},
@@ -510,6 +513,17 @@ def _by_second(agg: dict, start_at: float) -> list[dict]:
     return out
 
 
+def _stream_work(delta, partial_calls: float) -> dict:
+    """The chunked streamer's work over the run (its counters' deltas): device steps per partial call
+    (more than 1: streams lagged by more than one chunk), rows per device step, and frames computed
+    per new frame encoded (bucket and chunk padding)."""
+    w = {k: delta("flashasr_stream_work", f'kind="{k}"') for k in ("steps", "rows", "encoder_frames", "padded_frames")}
+    return {**{k: int(v) for k, v in w.items()},
+            "steps_per_partial_call": round(w["steps"] / partial_calls, 2) if partial_calls else None,
+            "rows_per_step": round(w["rows"] / w["steps"], 1) if w["steps"] else None,
+            "padding": round(w["padded_frames"] / w["encoder_frames"], 2) if w["encoder_frames"] else None}
+
+
 def _held(r: dict, a) -> bool:
     return (r["finals"] == r["finals_expected"] and not r["connect_errors"]
             and r["partial_latency"].get("p95_ms", 1e9) <= a.target_partial_p95_ms
@@ -536,8 +550,8 @@ def scale_phase(a, clips, result, save, left, speech: bytes | None = None) -> No
             save()
             continue
         result["servers"][str(cadence)] = {"ready_s": round(server.ready_s, 1), "info": server.info}
-        print(f"server ready in {server.ready_s:.1f} s: {server.info.get('stream_partials')} "
-              f"{server.info.get('stream_chunk')}", flush=True)
+        print(f"server ready in {server.ready_s:.1f} s ({server.info.get('startup_s')}): "
+              f"{server.info.get('stream_partials')} {server.info.get('stream_chunk')}", flush=True)
         need = lambda n, sp=None: a.ramp_s + a.utterances * (_longest_s(pcms, a, sp) + 2) + 20 + n / 300  # noqa: E731
         try:
             plan = [(n, v, ln) for n in a.streams for v in a.vad_modes for ln in a.lengths]
@@ -592,7 +606,9 @@ def _print_scale(r: dict) -> None:
           f"{r['finals']}/{r['finals_expected']}  busy {r['engine_busy_fraction']} {r['engine_busy_by_kind']}  "
           f"handoff {r['engine_handoff_fraction']} ({r['engine_handoff_ms_per_call']} ms/call)  "
           f"call ms {r['engine_call_ms_by_kind']}  batch {r['engine_mean_batch']}  "
-          f"cpu {r['server_cpu_cores']} (clients {r['client_cpu_cores']})  lag99 {r['client_send_lag_p99_ms']} ms", flush=True)
+          f"cpu {r['server_cpu_cores']} (clients {r['client_cpu_cores']})  lag99 {r['client_send_lag_p99_ms']} ms  "
+          f"slots {r.get('stream_slots_capacity')} captures {r.get('stream_graph_captures')}  "
+          f"work {r.get('stream_work')}", flush=True)
     st = r.get("all_live") or {}
     if st:
         def p95(d):  # a window without events of a kind (one utterance per stream: no final while all live)

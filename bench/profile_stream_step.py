@@ -7,6 +7,8 @@ stream through :class:`~flashasr.engine.stream_graphs.GraphedStreamer` (what the
 * ``device_step_ms``: inside it, the graph replay with its copies in and out
   (:meth:`device_step`); ``host_ms`` = the difference (segments, results, tokenizer);
 * ``replay_gpu_ms``: the captured graph alone, replayed back to back (CUDA events);
+* per ``--buckets-per-octave`` value (one streamer each): its row buckets, the warm-up's time
+  (every bucket's capture) and the GPU memory it left reserved, in graph pools and in all;
 * the same replay for other left contexts (``--left-variants``, encoder frames of 80 ms);
 * a ``torch.profiler`` table of one eager step (no graphs) at the largest batch: CUDA time per
   operator, to see which part of the Conformer step dominates.
@@ -43,14 +45,28 @@ def _model(name: str):
     return ParakeetGPUASR(asr, profiles=[Profile(1, 2.08)])
 
 
-def _streamer(model, cadence_ms: float, left: int, slots: int, use_graphs: bool = True):
+def _streamer(model, cadence_ms: float, left: int, slots: int, use_graphs: bool = True, per_octave: int = 1):
     from flashasr.engine.stream_graphs import GraphedStreamer
     from flashasr.models.parakeet.streaming import StreamingConfig
 
-    cfg = StreamingConfig.for_cadence(cadence_ms, left_frames=left, slots=slots, max_slots=slots, max_batch=512)
+    cfg = StreamingConfig.for_cadence(cadence_ms, left_frames=left, slots=slots, max_slots=slots, max_batch=512,
+                                      buckets_per_octave=per_octave)
     s = GraphedStreamer(model, cfg, use_graphs=use_graphs)
     s.warmup()
     return s
+
+
+def memory_gib() -> dict:
+    """The caching allocator's reserved and allocated memory, and the part of the reserved memory in
+    CUDA graph pools (segments of any pool but the default one), in GiB."""
+    import torch
+
+    torch.cuda.synchronize()
+    segs = torch.cuda.memory._snapshot().get("segments", [])
+    graph = sum(sg["total_size"] for sg in segs if tuple(sg.get("segment_pool_id", (0, 0))) != (0, 0))
+    g = 2 ** 30
+    return {"reserved_gib": round(torch.cuda.memory_reserved() / g, 2),
+            "allocated_gib": round(torch.cuda.memory_allocated() / g, 2), "graph_pools_gib": round(graph / g, 2)}
 
 
 def _audio(n_streams: int, seconds: float, seed: int = 0) -> list[np.ndarray]:
@@ -151,7 +167,10 @@ def main(argv=None) -> int:
     ap.add_argument("--left-s", type=float, default=5.12)
     ap.add_argument("--left-variants", default="0,32,128")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--top", type=int, default=30, help="rows of the eager step's operator table (0: no table)")
+    ap.add_argument("--slots", type=int, default=0, help="stream slots (state memory; default: the largest batch)")
+    ap.add_argument("--buckets-per-octave", default="1",
+                    help="row buckets per doubling above 64 rows, one streamer each (e.g. 1,4): warm-up time, memory, steps")
     ap.add_argument("--json-out", default=str(REPO / "bench" / "results" / "profile_stream_step_h200.json"))
     a = ap.parse_args(argv)
     import torch
@@ -175,16 +194,26 @@ def main(argv=None) -> int:
     model = _model(a.model)
     result["conditions"]["model_build_s"] = round(time.perf_counter() - t0, 1)
     n = int(a.cadence_ms * 16)
-    s = _streamer(model, a.cadence_ms, left, slots=max(batches))
-    result["steps"] = []
-    for B in batches:
-        r = time_steps(s, B, n, a.reps)
-        r["replay_gpu_ms"] = replay_ms(s, B, a.reps)
-        result["steps"].append(r)
-        print(json.dumps(r), flush=True)
-        save()
-    del s
-    torch.cuda.empty_cache()
+    slots = a.slots or max(batches)
+    result["conditions"]["slots"] = slots
+    result["steps"], result["buckets"] = [], []
+    for per_octave in [int(x) for x in a.buckets_per_octave.split(",") if x]:
+        before = memory_gib()
+        t0 = time.perf_counter()
+        s = _streamer(model, a.cadence_ms, left, slots=slots, per_octave=per_octave)
+        info = {"buckets_per_octave": per_octave, "buckets": list(s.buckets), "warmup_s": round(time.perf_counter() - t0, 1),
+                "memory_before": before, "memory_after_warmup": memory_gib(), "events": list(s.events)}
+        result["buckets"].append(info)
+        print(json.dumps(info), flush=True)
+        for B in batches:
+            r = time_steps(s, B, n, a.reps)
+            r["replay_gpu_ms"] = replay_ms(s, B, a.reps)
+            r["bucket"], r["buckets_per_octave"] = s._bucket(B), per_octave
+            result["steps"].append(r)
+            print(json.dumps(r), flush=True)
+            save()
+        del s
+        torch.cuda.empty_cache()
     result["left_variants"] = []
     for lv in [int(x) for x in a.left_variants.split(",") if x]:
         s = _streamer(model, a.cadence_ms, lv, slots=max(batches))
@@ -194,7 +223,8 @@ def main(argv=None) -> int:
         del s
         torch.cuda.empty_cache()
         save()
-    result["ops_eager_b256"] = op_table(model, a.cadence_ms, left, min(256, max(batches)), a.top)
+    if a.top:
+        result["ops_eager_b256"] = op_table(model, a.cadence_ms, left, min(256, max(batches)), a.top)
     save()
     print(f"wrote {out}")
     return 0

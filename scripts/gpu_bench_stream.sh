@@ -26,7 +26,8 @@
 # FINDMAX (1: then search for the most streams held), PROFILE=1 (the server under py-spy: raw stacks under
 # $OUT, a table by role in the JSON's "profiles"; .whl needs py-spy), NAME (a suffix of the JSON's name),
 # LENGTHS (clips|uniform|clips,uniform: utterance lengths, see the benchmark's --lengths),
-# EXTRA (more bench_stream_scale.py arguments, e.g. --server-args '...').
+# EXTRA (more bench_stream_scale.py arguments, split on spaces), SERVER_ARGS (the server's own options, e.g.
+# "--stream-buckets-per-octave 4 --final-wait-ms 35": passed as one --server-args).
 # JSON: bench/results/stream_scale_h200_<phase>.json (and under $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,7 +77,8 @@ case "${1:-cost}" in
       --packet-ms "${PACKET:-20}" --cadences "$CAD" --streams "${STREAMS:-1000,2000}" --vad "${VAD:-both}" --utterances 2 \
       --lengths "${LENGTHS:-clips}" \
       $([ "${FINDMAX:-1}" = 1 ] && echo --find-max) --max-step 1000 --max-streams "${MAXSTREAMS:-8000}" \
-      $([ -n "${PROFILE:-}" ] && echo --profile "$OUT" --py-spy /tmp/site/bin/py-spy) ${EXTRA:-} ;;
+      $([ -n "${PROFILE:-}" ] && echo --profile "$OUT" --py-spy /tmp/site/bin/py-spy) ${EXTRA:-} \
+      ${SERVER_ARGS:+--server-args="$SERVER_ARGS"} ;;
   final)  # issue #17 item 4: time to a stream final and a short upload's reply under long uploads (after `av`)
     [ -d /tmp/site/av ] || { echo "PyAV is not installed here: run the av step first on this warm machine"; exit 1; }
     timeout 575 python3 -W ignore bench/bench_final_latency.py --device cuda --model $MODEL --mode "${MODE:-multi}" \
