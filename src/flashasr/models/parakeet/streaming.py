@@ -113,10 +113,12 @@ class StreamingConfig:
         buckets_per_octave: the GPU's row buckets (one CUDA graph each, a step padded up to the
             next): powers of two up to 64 rows, then this many evenly spaced sizes per doubling
             (1, the default: powers of two only; 4: 80, 96, 112, 128, 160, ...). A graph's device
-            time is about a fixed part plus a cost per row (H100: ~4.7 ms + 0.064 ms a row), so a
-            step of 178 rows padded to 256 wastes a quarter of it; but each graph holds activation
-            memory of its own (the shared pool did not make it the largest's, whichever capture
-            order): 4 per doubling with 2,000 stream slots ran an 80 GB H100 out of memory.
+            time is about a fixed part plus a cost per row, so a step of 135 rows padded to 256
+            wastes a third of it (H100, 4 per doubling: 135 rows 22.7 -> 15.5 ms a step,
+            ``profile_stream_step_h100_buckets.json``); each graph keeps memory of its own (H100,
+            2,000 slots: 6.8 GiB of graph pools for 19 buckets, 2.6 GiB for 10). In the server, 4
+            per doubling gave no consistent gain at 2,000 streams (one machine's pair of runs
+            better, another's worse: ``docs/SERVING.md``, tenth session), so the default is 1.
     """
 
     left_frames: int = 128
