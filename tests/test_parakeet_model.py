@@ -349,6 +349,12 @@ def test_bad_waveform_arguments(tiny):
         tiny.transcribe_waveform(np.zeros((2, 100), np.float32))
     with pytest.raises(flashasr.FlashASRError):
         tiny.transcribe_waveform(np.zeros(100, np.int16))
+    # not sample containers at all: the error names what was given (numpy made them 0-d arrays:
+    # "got shape ()"), and raw bytes get the way to decode them
+    for bad, named in (("", "got str"), ({}, "got dict"), (None, "got NoneType"), (0.5, "got float"),
+                       (b"\x00\x01", "decode raw PCM first"), ((x for x in [0.1]), "got generator")):
+        with pytest.raises(flashasr.FlashASRError, match=named):
+            tiny.transcribe_waveform(bad)
 
 
 def test_long_audio_is_split_with_global_timestamps(tiny):

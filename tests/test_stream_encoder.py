@@ -401,6 +401,12 @@ def test_errors_are_per_request_and_streams_close(tiny, speech):
     assert getattr(out[0], "code", None) == "invalid_audio" and not isinstance(out[1], Exception)
     assert all(getattr(o, "code", None) == "invalid_audio" for o in out[2:]), out
     assert "samples reach 1e+39" in str(out[4])
+    # an empty string, bytes or mapping is not "no audio" (only the length was asked before: they
+    # passed silently as empty requests); empty arrays and lists of any dtype still are
+    out = s.step([("k", ""), ("l", {}), ("m", b""), ("n", None), ("e", []), ("o", np.zeros(0, np.int16))])
+    assert [getattr(o, "code", None) for o in out[:4]] == ["invalid_audio"] * 4, out
+    assert "got str" in str(out[0]) and "got dict" in str(out[1]) and "decode raw PCM" in str(out[2])
+    assert not any(isinstance(o, Exception) for o in out[4:]), out
 
 
 def test_idle_streams_are_evicted_and_their_slots_reused(tiny, speech):

@@ -36,6 +36,20 @@ def model_name_from_path(path) -> str:
     return p.stem
 
 
+def not_samples(w) -> str | None:
+    """Why ``w`` is no kind of sample container (a string, bytes, a mapping, a set, None, a bare
+    number), or None for arrays, tensors and sequences (their contents are checked by
+    :func:`as_waveform`). numpy would turn most of these into a 0-d array and the error would name a
+    shape ``()``; ``""`` or ``{}`` would even pass for empty audio where only the length is asked."""
+    if w is None or isinstance(w, (str, dict, set, frozenset)) or (not hasattr(w, "__len__") and np.ndim(w) == 0):
+        return (f"expected float samples (a numpy array, torch tensor or list of shape [N]), got "
+                f"{type(w).__name__}")
+    if isinstance(w, (bytes, bytearray, memoryview)):
+        return (f"expected float samples, got {type(w).__name__}: decode raw PCM first (int16: "
+                f"np.frombuffer(data, '<i2') / 32768), or pass a file to the decoders")
+    return None
+
+
 def as_waveform(w, label: str = "waveform") -> np.ndarray:
     """The one check every model and engine applies to an in-memory waveform.
 
@@ -55,6 +69,9 @@ def as_waveform(w, label: str = "waveform") -> np.ndarray:
     if type(w) is np.ndarray and w.dtype == np.float32 and w.ndim == 1 and w.flags.c_contiguous:
         a = src = w  # what decoders and the server hand over: no conversion (the streamer's rows)
     else:
+        wrong = not_samples(w)
+        if wrong:
+            raise AudioError(f"{label}: {wrong}", code="invalid_audio")
         if hasattr(w, "detach") and hasattr(w, "numpy"):  # a torch tensor: no autograd; bf16 widened
             w = w.detach()                                  # (numpy has no bfloat16)
             if str(w.dtype) == "torch.bfloat16":

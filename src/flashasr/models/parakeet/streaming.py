@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import FlashASRError, UnsupportedModelError
-from ..base import as_waveform
+from ..base import as_waveform, not_samples
 from ...types import StreamResult
 from .decoder import DecoderCarry, label_looping_chunk
 from .encoder import relative_positions
@@ -474,11 +474,13 @@ class ParakeetStreamer:
 
     @staticmethod
     def _check(key: str, samples) -> np.ndarray:
-        """:func:`~flashasr.models.base.as_waveform` of a request's samples (an empty request of
-        any kind is no audio)."""
+        """:func:`~flashasr.models.base.as_waveform` of a request's samples (an empty array, tensor
+        or list of any dtype is no audio; an empty string, bytes or mapping is not samples)."""
+        if type(samples) is not np.ndarray and not_samples(samples):
+            return as_waveform(samples, f"stream {key}")  # raises, naming what was given
         try:
             empty = len(samples) == 0
-        except TypeError:  # a scalar or another object: as_waveform names the problem
+        except TypeError:  # a 0-d array: as_waveform names its shape
             empty = False
         return np.zeros(0, np.float32) if empty else as_waveform(samples, f"stream {key}")
 
