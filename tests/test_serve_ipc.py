@@ -1176,3 +1176,30 @@ def _metric(s, name: str) -> float:
     """A sample of the scheduler's metrics by its exact name and labels."""
     m = re.search(re.escape(name) + r" (\S+)", s.metrics.text().decode())
     return float(m.group(1)) if m else 0.0
+
+
+def test_hello_says_where_the_engine_start_up_went():
+    """The engine's HELLO (``/ready``) carries ``startup_s``: the model's load and warm-up as measured by
+    the engine process, the streamer's captures, and what the model reports of its own start-up (a GPU
+    engine's build and graph warm-up, a random joint's calibration)."""
+    from flashasr.models.base import ASRModel
+    from flashasr.serve.config import ServeConfig
+    from flashasr.serve.engine_proc import EngineServer
+
+    class Timed(ASRModel):
+        name, family = "timed-fake", "whisper"
+        engine_info = {"startup_s": {"engine_build": 1.5, "graph_warmup": 40.0}}
+        calibration = {"blank_bias": 4.0, "seconds": 0.3}
+
+        def _transcribe(self, waves, options):
+            return [Transcript(text="", language="en", duration=0.0, model=self.name) for _ in waves]
+
+    s = EngineServer(Timed(), ServeConfig(), load_s=42.04).hello["startup_s"]
+    assert s["model_s"] == 42.0 and s["streamer_s"] >= 0
+    assert (s["engine_build_s"], s["graph_warmup_s"], s["calibration_s"]) == (1.5, 40.0, 0.3)
+
+    class Plain(Timed):
+        engine_info = None
+        calibration = None
+
+    assert set(EngineServer(Plain(), ServeConfig()).hello["startup_s"]) == {"model_s", "streamer_s"}

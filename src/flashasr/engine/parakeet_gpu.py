@@ -16,6 +16,7 @@ pinned buffers): the server's scheduler and the job runner each call from one th
 from __future__ import annotations
 
 import logging
+import time
 from typing import Sequence
 
 import numpy as np
@@ -69,15 +70,19 @@ class ParakeetGPUASR(ParakeetASR):
         super().__init__(asr.cfg, asr.net, asr.tokenizer, device=asr.device, dtype=asr.dtype, name=asr.name)
         for k in ("decoding", "batch_size", "pad_min_seconds", "max_segment_seconds"):
             setattr(self, k, getattr(asr, k))
+        t0 = time.perf_counter()
         self.engine = OfflineParakeetEngine(asr, with_text=False, **engine_kw)
+        t1 = time.perf_counter()
         self.last_timings: dict | None = None  # OfflineOutput.timings of the last engine call
         self.batch_size = max(p.batch for p in self.engine.encoder.profiles)
         # the pipeline's window: pieces the largest profile holds (a longer input runs eagerly)
         self.max_segment_seconds = min(self.max_segment_seconds, max(p.seconds for p in self.engine.encoder.profiles))
         self.engine_info = {"profiles": [(p.batch, p.seconds) for p in self.engine.encoder.profiles],
                             "decoder_mode": str(self.engine.decoder.mode)}
-        if warmup:
+        if warmup:  # every profile's encoder graph and its decoder graph captured now (most of a start-up)
             self.engine.warmup()
+        self.engine_info["startup_s"] = {"engine_build": round(t1 - t0, 1),
+                                         "graph_warmup": round(time.perf_counter() - t1, 1)}
 
     def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
         """All pieces in one engine call (it sorts and packs them into profiles itself)."""

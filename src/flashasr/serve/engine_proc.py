@@ -54,6 +54,9 @@ class EngineServer:
         # where the start-up went (``/ready`` shows it): the model's load and warm-up, the streamer's captures
         startup = {"model_s": None if load_s is None else round(load_s, 1),
                    "streamer_s": round(time.perf_counter() - t0, 1)}
+        engine = getattr(model, "engine_info", None)  # a GPU engine: its build and its graphs' warm-up, within model_s
+        if isinstance(engine, dict) and isinstance(engine.get("startup_s"), dict):
+            startup.update({f"{k}_s": v for k, v in engine["startup_s"].items()})
         calibration = getattr(model, "calibration", None)  # random-weight models: the joint's calibration
         if isinstance(calibration, dict) and "seconds" in calibration:
             startup["calibration_s"] = calibration["seconds"]
