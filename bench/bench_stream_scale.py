@@ -474,7 +474,7 @@ def run_scale(server: Server, pcms: list[bytes], n: int, cadence: int, vad: bool
             "server_cpu_cores": round(cpu / wall, 2), "wall_s": round(wall, 1),
             "client_cpu_cores": round(agg["cpu_s"] / wall, 2), "load_avg_1m": round(os.getloadavg()[0], 1),
             "engine_busy_fraction": round(inf_s / wall, 3), "engine_calls": int(calls),
-            "stream_graph_captures": int(delta("flashasr_stream_graph_captures")),
+            "stream_graph_captures": int(delta("flashasr_stream_graph_captures_total")),
             "stream_work": _stream_work(delta, kind_n["partial"]),
             "stream_slots_capacity": int(_metric(m1, "flashasr_stream_slots", 'kind="capacity"')),
             "engine_handoff_fraction": round(handoff_s / wall, 3),
@@ -517,7 +517,7 @@ def _stream_work(delta, partial_calls: float) -> dict:
     """The chunked streamer's work over the run (its counters' deltas): device steps per partial call
     (more than 1: streams lagged by more than one chunk), rows per device step, and frames computed
     per new frame encoded (bucket and chunk padding)."""
-    w = {k: delta("flashasr_stream_work", f'kind="{k}"') for k in ("steps", "rows", "encoder_frames", "padded_frames")}
+    w = {k: delta("flashasr_stream_work_total", f'kind="{k}"') for k in ("steps", "rows", "encoder_frames", "padded_frames")}
     return {**{k: int(v) for k, v in w.items()},
             "steps_per_partial_call": round(w["steps"] / partial_calls, 2) if partial_calls else None,
             "rows_per_step": round(w["rows"] / w["steps"], 1) if w["steps"] else None,

@@ -351,8 +351,16 @@ def test_bad_waveform_arguments(tiny):
         tiny.transcribe_waveform(np.zeros(100, np.int16))
     # not sample containers at all: the error names what was given (numpy made them 0-d arrays:
     # "got shape ()"), and raw bytes get the way to decode them
+    import collections
+
+    class Broken:  # numpy's view of it fails: named, not a RuntimeError out of the call
+        def __array__(self, *a, **k):
+            raise RuntimeError("no view")
+
     for bad, named in (("", "got str"), ({}, "got dict"), (None, "got NoneType"), (0.5, "got float"),
-                       (b"\x00\x01", "decode raw PCM first"), ((x for x in [0.1]), "got generator")):
+                       (b"\x00\x01", "decode raw PCM first"), ((x for x in [0.1]), "got generator"),
+                       (collections.UserDict(a=1), "got UserDict"), (frozenset(), "got frozenset"),
+                       (memoryview(np.zeros(9, np.int16)), "decode raw PCM first"), (Broken(), "no view")):
         with pytest.raises(flashasr.FlashASRError, match=named):
             tiny.transcribe_waveform(bad)
 

@@ -346,6 +346,15 @@ def test_transcribe_samples_checks_options_and_audio_first():
     a = load_audio(AUDIO / "en" / "en-ls-61-70968-0002.wav").samples
     t = transcribe_samples(m, a, TranscribeOptions(segmentation="none", language="nl"))
     assert (t.text, t.language, t.language_probability) == (f"n{a.size}", "nl", 1.0)
+    # a float memoryview (shared memory cast to 'f') is samples, as before; the top-level door takes
+    # the same bfloat16 tensor the model door does (it raised numpy's TypeError: a trial)
+    t = transcribe_samples(m, memoryview(a), TranscribeOptions(segmentation="none", language="nl"))
+    assert t.text == f"n{a.size}"
+    import flashasr
+
+    t = flashasr.transcribe(torch.from_numpy(a).bfloat16(), model=m, sample_rate=SR, language="nl",
+                            segmentation="none")
+    assert t.text == f"n{a.size}"
 
 
 def test_engine_choice_is_one_place(monkeypatch):

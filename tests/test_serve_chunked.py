@@ -101,6 +101,12 @@ def test_binary_stream_chunked_partials_and_exact_final(server):
     final = evs[-1]["transcript"]
     assert final == _offline(server, pcm)
     _check_deltas(evs, final)
+    # single mode exports the streamer as the engine process does, and says where its start-up went
+    assert server.metric("flashasr_stream_work_total", 'kind="steps"') >= len(fulls)
+    assert server.metric("flashasr_stream_work_total", 'kind="encoder_frames"') >= 13 / 0.08 - 8
+    assert server.metric("flashasr_stream_slots", 'kind="capacity"') >= 1
+    startup = httpx.get(server.base + "/ready").json()["startup_s"]
+    assert startup["model_s"] > 0 and startup["streamer_s"] >= 0
 
 
 def test_realtime_server_vad_chunked(server):

@@ -726,18 +726,15 @@ def test_queue_depth_gauges_are_read_when_the_metrics_are():
 
 
 def test_streamer_gauges_follow_its_pool_and_counters():
-    """``EngineMetrics.watch_streamer``: the state pool's capacity and live slots, graph captures and
+    """``EngineMetrics.watch_streamer`` (every door's scheduler calls it for its streamer): the state pool's capacity and live slots, graph captures and
     the streamer's work counters are read from the streamer when the metrics are (a pool that grew
     or a step that ran shows at the next read)."""
     from types import SimpleNamespace
 
-    from flashasr.serve.metrics import EngineMetrics
-
     pool = SimpleNamespace(capacity=4, free=[2, 3])
     st = SimpleNamespace(pool=pool, captures=10, counters={"steps": 1, "rows": 5, "encoder_frames": 30,
                                                            "padded_frames": 35})
-    m = EngineMetrics()
-    m.watch_streamer(st)
+    m = BatchScheduler(_NoModel(), streamer=st).metrics  # a scheduler given a streamer exports it
 
     def read():
         return {(smp.name, tuple(sorted(smp.labels.values()))): smp.value for mm in m.registry.collect()
@@ -750,8 +747,10 @@ def test_streamer_gauges_follow_its_pool_and_counters():
     b = read()
     assert a[("flashasr_stream_slots", ("capacity",))] == 4 and a[("flashasr_stream_slots", ("live",))] == 2
     assert b[("flashasr_stream_slots", ("capacity",))] == 8 and b[("flashasr_stream_slots", ("live",))] == 7
-    assert (a[("flashasr_stream_graph_captures", ())], b[("flashasr_stream_graph_captures", ())]) == (10, 13)
-    assert [b[("flashasr_stream_work", (k,))] for k in ("steps", "rows", "encoder_frames", "padded_frames")] == [3, 9, 30, 35]
+    assert (a[("flashasr_stream_graph_captures_total", ())], b[("flashasr_stream_graph_captures_total", ())]) == (10, 13)
+    assert [b[("flashasr_stream_work_total", (k,))] for k in ("steps", "rows", "encoder_frames", "padded_frames")] == [3, 9, 30, 35]
+    text = m.text().decode()  # counters to Prometheus (rate() sees an engine restart as a counter reset)
+    assert "# TYPE flashasr_stream_work_total counter" in text and "# TYPE flashasr_stream_slots gauge" in text
 
 
 def test_finals_share_calls_under_a_stream_of_partials():

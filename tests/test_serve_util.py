@@ -74,11 +74,13 @@ class Server:
     def threads(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/task"))
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, label: str | None = None) -> float:
+        """The sum of ``name``'s samples in ``/metrics`` (those whose line holds ``label``, if given)."""
         total = 0.0
         for line in httpx.get(self.base + "/metrics", timeout=5).text.splitlines():
             if line.startswith(name) and (len(line) > len(name) and line[len(name)] in " {"):
-                total += float(line.rsplit(" ", 1)[1])
+                if label is None or label in line:
+                    total += float(line.rsplit(" ", 1)[1])
         return total
 
     def stop(self) -> None:

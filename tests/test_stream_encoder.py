@@ -403,10 +403,16 @@ def test_errors_are_per_request_and_streams_close(tiny, speech):
     assert "samples reach 1e+39" in str(out[4])
     # an empty string, bytes or mapping is not "no audio" (only the length was asked before: they
     # passed silently as empty requests); empty arrays and lists of any dtype still are
-    out = s.step([("k", ""), ("l", {}), ("m", b""), ("n", None), ("e", []), ("o", np.zeros(0, np.int16))])
-    assert [getattr(o, "code", None) for o in out[:4]] == ["invalid_audio"] * 4, out
+    class Broken:  # its length fails: that request's error, not the step's (a RuntimeError sank it)
+        def __len__(self):
+            raise RuntimeError("no length")
+
+    out = s.step([("k", ""), ("l", {}), ("m", b""), ("n", None), ("p", Broken()),
+                  ("e", memoryview(speech[:800])), ("o", np.zeros(0, np.int16))])
+    assert [getattr(o, "code", None) for o in out[:5]] == ["invalid_audio"] * 5, out
     assert "got str" in str(out[0]) and "got dict" in str(out[1]) and "decode raw PCM" in str(out[2])
-    assert not any(isinstance(o, Exception) for o in out[4:]), out
+    assert not any(isinstance(o, Exception) for o in out[5:]), out[5:]  # (a float32 memoryview is samples)
+    assert not isinstance(s.step([("o", [])])[0], Exception)
 
 
 def test_idle_streams_are_evicted_and_their_slots_reused(tiny, speech):

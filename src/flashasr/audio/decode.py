@@ -964,7 +964,10 @@ class _ContainerSource:
 def _array_input(source: Any, sample_rate: int | None, label: str) -> np.ndarray:
     """numpy-like [N] or [N, C] -> array [N, C] (native dtype, no copy when possible)."""
     if hasattr(source, "detach"):  # torch tensor without importing torch
-        source = source.detach().cpu().numpy()
+        source = source.detach().cpu()
+        if str(source.dtype) == "torch.bfloat16":  # numpy has no bfloat16: widened, as as_waveform does
+            source = source.float()
+        source = source.numpy()
     a = np.asarray(source)
     if sample_rate is None or sample_rate <= 0:
         raise AudioArgumentError(f"{label}: a sample array needs sample_rate= (Hz)")

@@ -7,6 +7,8 @@ decoder -> :class:`~flashasr.types.Transcript` with global timestamps in seconds
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Sequence
 
@@ -38,15 +40,25 @@ def model_name_from_path(path) -> str:
 
 def not_samples(w) -> str | None:
     """Why ``w`` is no kind of sample container (a string, bytes, a mapping, a set, None, a bare
-    number), or None for arrays, tensors and sequences (their contents are checked by
-    :func:`as_waveform`). numpy would turn most of these into a 0-d array and the error would name a
-    shape ``()``; ``""`` or ``{}`` would even pass for empty audio where only the length is asked."""
-    if w is None or isinstance(w, (str, dict, set, frozenset)) or (not hasattr(w, "__len__") and np.ndim(w) == 0):
+    number, a generator), or None for arrays, tensors, sequences and float memoryviews (their
+    contents are checked by :func:`as_waveform`). numpy would turn most of these into a 0-d array and
+    the error would name a shape ``()``; ``""`` or ``{}`` would even pass for empty audio where only
+    the length is asked."""
+    if isinstance(w, (bytes, bytearray)) or (isinstance(w, memoryview) and w.format.lstrip("@=<>!") not in "fde"):
+        return (f"expected float samples, got {type(w).__name__}: decode raw PCM first (int16: "
+                f"np.frombuffer(data, '<i2') / 32768), or pass encoded audio (a file's bytes) to "
+                f"flashasr.transcribe or flashasr.audio.load_audio")
+    if w is None or isinstance(w, (str, Mapping, AbstractSet)):
         return (f"expected float samples (a numpy array, torch tensor or list of shape [N]), got "
                 f"{type(w).__name__}")
-    if isinstance(w, (bytes, bytearray, memoryview)):
-        return (f"expected float samples, got {type(w).__name__}: decode raw PCM first (int16: "
-                f"np.frombuffer(data, '<i2') / 32768), or pass a file to the decoders")
+    if not hasattr(w, "__len__"):
+        try:
+            scalar = np.ndim(w) == 0
+        except Exception:  # noqa: BLE001 - an object numpy cannot look at: as_waveform names why
+            return None
+        if scalar:
+            return (f"expected float samples (a numpy array, torch tensor or list of shape [N]), got "
+                    f"{type(w).__name__}")
     return None
 
 
@@ -78,8 +90,9 @@ def as_waveform(w, label: str = "waveform") -> np.ndarray:
                 w = w.float()
         try:
             a = np.asarray(w)
-        except (ValueError, TypeError) as e:  # a ragged list, say
-            raise AudioError(f"{label}: not an array of samples ({e})", code="invalid_audio") from None
+        except Exception as e:  # noqa: BLE001 - a ragged list, say, or an object whose __array__ fails
+            raise AudioError(f"{label}: not an array of samples ({type(e).__name__}: {e})",
+                             code="invalid_audio") from None
         if a.ndim == 2 and 1 in a.shape:
             a = a.reshape(-1)
         if a.ndim != 1:

@@ -17,6 +17,7 @@ import asyncio
 import gc
 import logging
 import os
+import time
 
 import numpy as np
 
@@ -59,9 +60,12 @@ class LocalBackend:
         self._task = asyncio.get_running_loop().create_task(self._load())
 
     async def _load(self) -> None:
+        load_s = None  # a model handed in was loaded elsewhere
         try:
             if self.model is None:
+                t0 = time.perf_counter()
                 self.model = await asyncio.get_running_loop().run_in_executor(self.pool, load_and_warm, self.cfg)
+                load_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {e}"
             log.error("model failed to load: %s; stopping", self.error)
@@ -69,10 +73,11 @@ class LocalBackend:
                 self.on_fatal()
             return
         m = self.model
+        t0 = time.perf_counter()
         streamer = make_streamer(m, self.cfg)
         self.scheduler = BatchScheduler(m, streamer=streamer, **self.cfg.scheduler_options)
         self.scheduler.start()
-        self.info = model_info(m, self.cfg, streamer)
+        self.info = {**model_info(m, self.cfg, streamer), "startup_s": startup_info(m, load_s, time.perf_counter() - t0)}
         if self.cfg.gc_freeze:
             gc.collect()
             gc.freeze()  # start-up and warm-up objects leave the GC's scans
@@ -280,6 +285,21 @@ def model_info(model, cfg: ServeConfig, streamer=None) -> dict:
         info["stream_chunk"] = {"left_frames": streamer.L, "chunk_frames": streamer.C,
                                 "frame_s": streamer.frame_seconds, "slots": streamer.pool.capacity}
     return info
+
+
+def startup_info(model, load_s: float | None, streamer_s: float) -> dict:
+    """Where a model's start-up went, as ``/ready`` shows it (``startup_s``): ``model_s`` (load and
+    warm-up, :func:`load_and_warm`), ``streamer_s`` (the chunked streamer's captures), and what the
+    model reports of its own start-up within ``model_s``: a GPU engine's build and graph warm-up
+    (``engine_info["startup_s"]``), a random-weight joint's calibration (``calibration["seconds"]``)."""
+    out = {"model_s": None if load_s is None else round(load_s, 1), "streamer_s": round(streamer_s, 1)}
+    engine = getattr(model, "engine_info", None)
+    if isinstance(engine, dict) and isinstance(engine.get("startup_s"), dict):
+        out.update({f"{k}_s": v for k, v in engine["startup_s"].items()})
+    calibration = getattr(model, "calibration", None)
+    if isinstance(calibration, dict) and "seconds" in calibration:
+        out["calibration_s"] = calibration["seconds"]
+    return out
 
 
 def make_streamer(model, cfg: ServeConfig):

@@ -28,7 +28,7 @@ import time
 from ..errors import FlashASRError
 from ..options import TranscribeOptions
 from ..pipeline.plan import Piece
-from .backend import load_and_warm, make_streamer, model_info
+from .backend import load_and_warm, make_streamer, model_info, startup_info
 from .config import ServeConfig
 from .ipc import Conn, Frame, FramingError, MsgType, encode, transcript_to_wire, unpack_audio
 from .metrics import EngineMetrics
@@ -48,19 +48,9 @@ class EngineServer:
         self.metrics = EngineMetrics(cfg.device)
         t0 = time.perf_counter()
         streamer = make_streamer(model, cfg)
-        if streamer is not None:
-            self.metrics.watch_streamer(streamer)
         self.scheduler = BatchScheduler(model, metrics=self.metrics, streamer=streamer, **cfg.scheduler_options)
-        # where the start-up went (``/ready`` shows it): the model's load and warm-up, the streamer's captures
-        startup = {"model_s": None if load_s is None else round(load_s, 1),
-                   "streamer_s": round(time.perf_counter() - t0, 1)}
-        engine = getattr(model, "engine_info", None)  # a GPU engine: its build and its graphs' warm-up, within model_s
-        if isinstance(engine, dict) and isinstance(engine.get("startup_s"), dict):
-            startup.update({f"{k}_s": v for k, v in engine["startup_s"].items()})
-        calibration = getattr(model, "calibration", None)  # random-weight models: the joint's calibration
-        if isinstance(calibration, dict) and "seconds" in calibration:
-            startup["calibration_s"] = calibration["seconds"]
-        self.hello = {**model_info(model, cfg, streamer), "engine_restarts": int(restarts), "startup_s": startup}
+        self.hello = {**model_info(model, cfg, streamer), "engine_restarts": int(restarts),
+                      "startup_s": startup_info(model, load_s, time.perf_counter() - t0)}
         self.caps = model.capabilities
         self._options_seen: dict[tuple, TranscribeOptions] = {}  # raw options -> resolved (see _options)
         self._active = 0  # requests received and not answered yet: read when the metrics are

@@ -15,6 +15,7 @@ import threading
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
@@ -84,6 +85,48 @@ class LatencyWindow:
         return {"n": len(s), "p50_ms": rank(0.50), "p95_ms": rank(0.95), "last_ms": round(vals[-1] * 1000, 1)}
 
 
+class StreamerCollector:
+    """Prometheus collector of a chunked streamer, read when the metrics are:
+
+    * ``flashasr_stream_slots{kind="capacity"|"live"}`` (gauge): the state pool; it doubles when
+      full, which replaces its tensors and makes every bucket's graph re-capture on its next use;
+    * ``flashasr_stream_graph_captures_total`` (counter): CUDA graphs of the step captured since the
+      engine started (the warm-up's, then re-captures; 0 on the CPU);
+    * ``flashasr_stream_work_total{kind}`` (counter): the streamer's counters since start: ``steps``
+      (device steps; a call whose streams lag by more than one chunk runs several), ``rows`` (stream
+      rows over all steps), ``encoder_frames`` (new frames encoded), ``padded_frames`` (frames
+      computed, bucket and chunk padding included).
+
+    The counters start again from 0 when the engine restarts (a counter reset to Prometheus)."""
+
+    WORK = ("steps", "rows", "encoder_frames", "padded_frames")
+
+    def __init__(self, streamer):
+        self.streamer = streamer
+
+    def describe(self):  # names are fixed; nothing to compute at registration
+        return [GaugeMetricFamily("flashasr_stream_slots", "", labels=["kind"]),
+                CounterMetricFamily("flashasr_stream_graph_captures", ""),
+                CounterMetricFamily("flashasr_stream_work", "", labels=["kind"])]
+
+    def collect(self):  # never fails a metrics read: a streamer without a pool or counters shows zeros
+        st = self.streamer
+        pool = getattr(st, "pool", None)
+        capacity = getattr(pool, "capacity", 0)
+        slots = GaugeMetricFamily("flashasr_stream_slots", "Chunked streaming state slots", labels=["kind"])
+        slots.add_metric(["capacity"], capacity)
+        slots.add_metric(["live"], capacity - len(getattr(pool, "free", ())))
+        captures = CounterMetricFamily("flashasr_stream_graph_captures",
+                                       "CUDA graphs of the streaming step captured since the engine started")
+        captures.add_metric([], getattr(st, "captures", 0))
+        work = CounterMetricFamily("flashasr_stream_work", "Chunked streaming work since the engine started",
+                                   labels=["kind"])
+        counters = getattr(st, "counters", {})
+        for k in self.WORK:
+            work.add_metric([k], counters.get(k, 0))
+        return [slots, captures, work]
+
+
 class EngineMetrics:
     """Engine side: queue depth, batch sizes, queue/inference latency, GPU memory."""
 
@@ -118,24 +161,9 @@ class EngineMetrics:
                 pass
 
     def watch_streamer(self, streamer) -> None:
-        """Gauges of the chunked streamer's state pool and graphs, read when the metrics are:
-        ``flashasr_stream_slots{kind="capacity"|"live"}`` (the pool doubles when full, which
-        replaces its tensors) and ``flashasr_stream_graph_captures`` (CUDA graphs captured since
-        start: warm-up, then a re-capture of each bucket used after the pool grew; 0 on the CPU) and
-        ``flashasr_stream_work{kind}``, the streamer's counters since start: ``steps`` (device steps;
-        a call whose streams lag by more than one chunk runs several), ``rows`` (stream rows over
-        all steps), ``encoder_frames`` (new frames encoded) and ``padded_frames`` (frames computed,
-        bucket and chunk padding included)."""
-        pool = streamer.pool
-        g = Gauge("flashasr_stream_slots", "Chunked streaming state slots", ["kind"], registry=self.registry)
-        g.labels("capacity").set_function(lambda: pool.capacity)
-        g.labels("live").set_function(lambda: pool.capacity - len(pool.free))
-        Gauge("flashasr_stream_graph_captures", "CUDA graphs of the streaming step captured since start",
-              registry=self.registry).set_function(lambda: getattr(streamer, "captures", 0))
-        w = Gauge("flashasr_stream_work", "Chunked streaming work since start (streamer counters)", ["kind"],
-                  registry=self.registry)
-        for k in ("steps", "rows", "encoder_frames", "padded_frames"):
-            w.labels(k).set_function(lambda k=k: streamer.counters.get(k, 0))
+        """Export the chunked streamer's state pool, graphs and work, read when the metrics are
+        (:class:`StreamerCollector`). The scheduler calls this for the streamer it is given."""
+        self.registry.register(StreamerCollector(streamer))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -187,6 +187,8 @@ class BatchScheduler:
         self.switch_interval_s = switch_interval_s if switch_interval_s and switch_interval_s > 0 else None
         self._switch_before: float | None = None
         self.metrics = metrics or EngineMetrics(getattr(model, "device", "cpu"))
+        if streamer is not None:
+            self.metrics.watch_streamer(streamer)
         m, kinds = self.metrics, (FINAL, PARTIAL, OFFLINE)  # labelled children looked up once, not per item
         self._batch_size = {p: m.batch_size.labels(KIND[p]) for p in kinds}
         self._inference = {p: m.inference.labels(KIND[p]) for p in kinds}

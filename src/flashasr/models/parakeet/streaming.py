@@ -480,7 +480,7 @@ class ParakeetStreamer:
             return as_waveform(samples, f"stream {key}")  # raises, naming what was given
         try:
             empty = len(samples) == 0
-        except TypeError:  # a 0-d array: as_waveform names its shape
+        except Exception:  # noqa: BLE001 - a 0-d array, or an object whose __len__ fails: as_waveform says why
             empty = False
         return np.zeros(0, np.float32) if empty else as_waveform(samples, f"stream {key}")
 
