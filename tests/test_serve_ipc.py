@@ -692,6 +692,42 @@ def test_finals_gather_while_partials_wait_then_run_in_time():
     asyncio.run(go())
 
 
+def test_finals_gather_longer_while_partials_are_late():
+    """``final_wait_max_s``: while the oldest queued chunked partial has waited ``PARTIALS_LATE_S``,
+    a final gathers up to ``final_wait_max_s`` (larger final batches leave the engine to the late
+    partials); with young partials ``final_wait_s`` holds as before, and a full batch never waits."""
+    from flashasr.options import TranscribeOptions
+    from flashasr.serve.scheduler import PARTIALS_LATE_S
+
+    async def go():
+        s = BatchScheduler(_NoModel(), max_batch=3, streamer=_NoStreamer(), final_wait_s=0.02,
+                           final_wait_max_s=0.06)
+        s._wake = asyncio.Event()
+        opts, z = TranscribeOptions(), np.zeros(100, np.float32)
+        chunk = s.queue_chunk("a", z, opts, new=True)
+        f1 = asyncio.ensure_future(s.submit(z, priority=FINAL))
+        await asyncio.sleep(0.03)  # the final waited final_wait_s; the chunk is young: finals first
+        assert [it.priority for it in _take(s)] == [FINAL]
+        chunk.t_enq -= PARTIALS_LATE_S  # now a late chunk: a final waits up to final_wait_max_s
+        f2 = asyncio.ensure_future(s.submit(z, priority=FINAL))
+        await asyncio.sleep(0.03)
+        assert [it.stream for it in _take(s)] == ["a"]  # the late partial goes first
+        chunk2 = s.queue_chunk("b", z, opts, new=True)
+        chunk2.t_enq -= PARTIALS_LATE_S
+        await asyncio.sleep(0.035)  # 65 ms: past final_wait_max_s
+        assert [it.priority for it in _take(s)] == [FINAL]
+        fs = [asyncio.ensure_future(s.submit(z, priority=FINAL)) for _ in range(3)]
+        chunk3 = s.queue_chunk("c", z, opts, new=True)
+        chunk3.t_enq -= PARTIALS_LATE_S
+        await asyncio.sleep(0)
+        assert [it.priority for it in _take(s)] == [FINAL] * 3  # a full batch of finals does not wait
+        for t in [f1, f2, *fs]:
+            t.cancel()
+        await s.stop()
+
+    asyncio.run(go())
+
+
 def test_queue_depth_gauges_are_read_when_the_metrics_are():
     """``flashasr_engine_queue_depth`` by kind is the queue's length when the metrics are read (no
     gauge update per item): queued chunks and finals count, a chunk dropped or taken into a model

@@ -61,6 +61,7 @@ class ServeConfig:
     stream_batch: int = 512             # chunked partials: most streams in one batched step
     stream_buckets_per_octave: int = 1  # chunked partials on a GPU: row buckets per doubling above 64 rows
     final_wait_ms: float = 20.0         # longest a stream's final gathers with others while partials wait
+    final_wait_max_ms: float = 50.0     # ... and while queued chunked partials are late (>= 80 ms old)
     partial_wait_ms: float = 40.0       # longest chunked partials gather for a larger step (0: no wait)
     finals_with_chunks: bool = False    # a due final batch shares its model call with the queued chunk step
     switch_interval_ms: float = 0.0     # GIL switch interval in the model's process (0: CPython's 5 ms)
@@ -86,6 +87,7 @@ class ServeConfig:
         """Keyword arguments of :class:`~flashasr.serve.scheduler.BatchScheduler` from this config."""
         return {"max_batch": self.batch_limit, "batch_wait_s": self.batch_wait_ms / 1000,
                 "stream_batch": self.stream_batch, "final_wait_s": self.final_wait_ms / 1000,
+                "final_wait_max_s": self.final_wait_max_ms / 1000,
                 "partial_wait_s": self.partial_wait_ms / 1000, "finals_with_chunks": self.finals_with_chunks,
                 "switch_interval_s": self.switch_interval_ms / 1000 or None}
 
@@ -291,6 +293,10 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                    help="longest a stream's final waits to be batched with others while partial work is "
                         "queued; a final runs at once when a full batch of finals waits or nothing else is "
                         "queued (0: finals always first; at most 1000)")
+    g.add_argument("--final-wait-max-ms", type=_number(float, 0, high=1000), default=50.0,
+                   help="longest a final waits to be batched with others while queued chunked partials are "
+                        "late (the oldest has waited 80 ms): near saturation larger final batches leave the "
+                        "engine to the partials (at most --final-wait-ms counts when this is smaller; at most 1000)")
     g.add_argument("--partial-wait-ms", type=_number(float, 0, high=1000), default=40.0,
                    help="chunked partials: longest queued chunks wait for more streams' chunks before a step "
                         "smaller than the stream batch runs, when nothing else is runnable; new work ends the "
@@ -353,7 +359,7 @@ def parse_args(argv: list[str]) -> ServeConfig:
         max_utterance_s=a.max_utterance_s, ws_idle_timeout_s=a.ws_idle_timeout_s,
         stream_partials=a.stream_partials, stream_left_s=a.stream_left_s, stream_chunk_frames=a.stream_chunk_frames,
         stream_slots=a.stream_slots, stream_max_slots=a.stream_max_slots, stream_batch=a.stream_batch,
-        stream_buckets_per_octave=a.stream_buckets_per_octave, final_wait_ms=a.final_wait_ms, partial_wait_ms=a.partial_wait_ms,
+        stream_buckets_per_octave=a.stream_buckets_per_octave, final_wait_ms=a.final_wait_ms, final_wait_max_ms=a.final_wait_max_ms, partial_wait_ms=a.partial_wait_ms,
         finals_with_chunks=a.finals_with_chunks,
         switch_interval_ms=a.switch_interval_ms, body_timeout_s=a.body_timeout_s,
         request_timeout_s=a.request_timeout_s, log_level=a.log_level,

@@ -10,8 +10,13 @@ Priorities (lower runs first):
     and the partials run meanwhile: with streams' finals arriving one by one, strict priority ran a
     final call for every few of them, back to back (2,000 streams at a 1 s cadence on the H200: 580
     final calls of 6.9 utterances in 20 s, 41 % of the engine's time, and the partials fell
-    seconds behind; ``stream_scale_h200_scale1000_profile.json``). With nothing else queued a final
-    runs at once;
+    seconds behind; ``stream_scale_h200_scale1000_profile.json``). While chunked partials are late
+    (the oldest queued one has waited ``PARTIALS_LATE_S``), finals gather for up to
+    ``final_wait_max_s`` instead: a final call costs about 11 ms + 0.75 ms per utterance on an H100,
+    so near saturation small final batches take the engine from the partials, which then fall
+    seconds behind (``bench/bench_scheduler_sim.py``, ``scheduler_sim_vm_cost*.json``: 2,000 streams
+    with the device 1.3x slower than measured, p95 partial 650 -> 135 ms for time to final 102-104
+    -> 119-121 ms; at the measured costs no change). With nothing else queued a final runs at once;
   * ``PARTIAL`` (1): a stream's interim transcript; a newer partial of the same stream
     replaces a queued older one (``coalesce_key``), the older one resolves to ``None``;
   * ``OFFLINE`` (2): the pieces of uploads (:func:`flashasr.pipeline.plan_pieces` cut them in
@@ -105,6 +110,9 @@ class _Item:
 
 
 STREAM_GROUP = ("stream",)  # the group of chunked partials (one streamer step)
+# queued chunked partials this old are late (the partial target is 100 ms): finals then gather for up
+# to final_wait_max_s (see the module docstring)
+PARTIALS_LATE_S = 0.080
 
 
 @dataclass
@@ -155,6 +163,9 @@ class BatchScheduler:
         streamer: a :class:`~flashasr.models.parakeet.streaming.ParakeetStreamer` of ``model``
             for :meth:`submit_chunk` (None: chunked partials are refused).
         stream_batch: most streams in one streamer step.
+        final_wait_max_s: longest a final waits for more finals while queued chunked partials are
+            late (the oldest has waited :data:`PARTIALS_LATE_S`); at most ``final_wait_s`` counts when
+            this is smaller (see the module docstring).
         final_wait_s: longest a final waits for more finals while partial work is queued (0: finals
             always first; see the module docstring).
         partial_wait_s: longest queued chunked partials wait for more streams' chunks before a
@@ -174,7 +185,8 @@ class BatchScheduler:
     def __init__(self, model, *, max_batch: int = 8, batch_wait_s: float = 0.002,
                  metrics: EngineMetrics | None = None, short_s: float = SHORT_S, streamer=None,
                  stream_batch: int = 256, final_wait_s: float = 0.0, partial_wait_s: float = 0.0,
-                 switch_interval_s: float | None = None, finals_with_chunks: bool = False):
+                 switch_interval_s: float | None = None, finals_with_chunks: bool = False,
+                 final_wait_max_s: float = 0.0):
         self.model = model
         self.streamer = streamer
         self.stream_batch = max(1, int(stream_batch))
@@ -183,6 +195,7 @@ class BatchScheduler:
         self._shorts_in_a_row = 0  # short-request calls since bulk work last had one
         self.batch_wait_s = batch_wait_s
         self.final_wait_s = max(0.0, float(final_wait_s))
+        self.final_wait_max_s = max(self.final_wait_s, float(final_wait_max_s))
         self.partial_wait_s = max(0.0, float(partial_wait_s))
         self.switch_interval_s = switch_interval_s if switch_interval_s and switch_interval_s > 0 else None
         self._switch_before: float | None = None
@@ -414,7 +427,7 @@ class BatchScheduler:
         docstring)."""
         finals = self._queues[FINAL] = [it for it in self._queues[FINAL] if not it.fut.done()]
         partials = self._queues[PARTIAL] = [it for it in self._queues[PARTIAL] if not it.fut.done()]
-        if finals and (not partials or self._final_due(finals)):
+        if finals and (not partials or self._final_due(finals, partials)):
             fb = self._take_streaming(FINAL, finals)
             pq = self._queues[PARTIAL]  # what the finals' batch left (it takes no chunks: another group)
             if self.finals_with_chunks and pq and pq[0].stream is not None:
@@ -455,16 +468,22 @@ class BatchScheduler:
         wait = partials[0].t_enq + self.partial_wait_s - now
         finals = [it for it in self._queues[FINAL] if not it.fut.done()]
         if finals:
-            if self._final_due(finals):
+            if self._final_due(finals, partials):
                 return 0.0
-            wait = min(wait, finals[0].t_enq + self.final_wait_s - now)
+            wait = min(wait, finals[0].t_enq + self._final_wait(partials, now) - now)
         return max(0.0, wait)
 
-    def _final_due(self, finals: list[_Item]) -> bool:
-        """Finals run before queued partial work once the oldest has waited ``final_wait_s`` or a
+    def _final_wait(self, partials: list[_Item], now: float) -> float:
+        """How long finals may gather now: ``final_wait_max_s`` while the oldest queued chunked
+        partial has waited :data:`PARTIALS_LATE_S` or more, else ``final_wait_s``."""
+        late = partials and partials[0].stream is not None and now - partials[0].t_enq >= PARTIALS_LATE_S
+        return self.final_wait_max_s if late else self.final_wait_s
+
+    def _final_due(self, finals: list[_Item], partials: list[_Item]) -> bool:
+        """Finals run before queued partial work once the oldest has waited :meth:`_final_wait` or a
         full batch of them waits (see the module docstring)."""
-        return (len(finals) >= self.max_batch or self.final_wait_s <= 0
-                or time.perf_counter() - finals[0].t_enq >= self.final_wait_s)
+        now = time.perf_counter()
+        return len(finals) >= self.max_batch or now - finals[0].t_enq >= self._final_wait(partials, now)
 
     def _new_run(self, anchor: _Item, q: list[_Item], short: bool) -> _Run:
         """A new offline batch led by ``anchor``: a short request's takes the other short ones
