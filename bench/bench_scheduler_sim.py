@@ -9,21 +9,27 @@ they can be compared.
 
 Cost model (H100, this tree; ``--cost-scale`` multiplies both, e.g. 2 for a GPU half as fast):
 
-* a chunked partial call: per pass over the rows, the step graph of the row bucket (powers of two)
-  ``3.4 ms + 0.044 ms x bucket rows`` (``profile_stream_step_h100_buckets.json``: 1 row 3.8 ms,
-  64 rows 6.0 ms, 256 rows 14.3 ms, 512 rows 26.2 ms), plus 0.03 ms of host work per row. A
-  stream with more than one chunk of frames waiting (it fell behind) needs more passes, as in
-  :class:`~flashasr.models.parakeet.streaming.ParakeetStreamer`;
-* a final call of ``n`` utterances: ``11 ms + 0.75 ms x n`` (``profile_final_call_h100_curve.json``:
-  8 / 16 / 32 utterances 13.4 / 20.1 / 30.3 ms in-process; the server's calls of 7.6 took 17 ms).
+* a chunked partial call: per pass over the rows, the step graph of the row bucket (powers of two,
+  the server's default) ``3.4 ms + 0.044 ms x bucket rows`` (``profile_stream_step_h100_buckets.json``:
+  1 row 3.8 ms, 64 rows 6.1 ms, 256 rows 14.5 ms, 512 rows 26.2 ms) and the host work of the bucket,
+  0.028 ms a bucket row (7.1 ms for 135 rows in the 256 bucket there; more at 512 rows, 25.7 ms).
+  A stream with more than one chunk of frames waiting (it fell behind) needs more passes, as in
+  :class:`~flashasr.models.parakeet.streaming.ParakeetStreamer`. The server's own partial calls
+  were slower: 25.1 ms for 155 rows (``stream_scale_h100_scale500_u_default_s10.json``) where this
+  model gives 21.8 ms;
+* a final call of ``n`` utterances: ``11 ms + 0.75 ms x n``, fitted to the server's calls (17.0 ms
+  for 7.8 utterances in the same run; in-process, 8 / 16 / 32 utterances took 13.4 / 20.1 / 30.3 ms,
+  ``profile_final_call_h100_curve.json``).
 
 Load: ``--streams`` streams at real-time pace, each ``--utterances`` utterances of lengths uniform
-over ``--min-s``..``--max-s``; streams start spread over ``--ramp-s``; a chunk every ``--cadence-ms``
-of audio; at an utterance's end its final (manual commit) and the next utterance's first chunk one
-cadence later. A stream has one partial in flight, as the front end does: audio that arrives
-meanwhile goes with its next chunk. Measured in the engine (no network, no front end): a partial's
-latency from the arrival of the oldest audio it is the first to cover to its result, a final's from
-its commit's arrival; p50 / p95 / p99, engine busy, calls, device steps per partial call.
+over ``--min-s``..``--max-s``, one after the other on the stream's own clock (the next starts at the
+commit, whatever its final does); streams start spread over ``--ramp-s``; a cadence of audio
+(``--cadence-ms``) arrives at a time. As the front end does, a stream has one partial in flight:
+audio that arrives meanwhile is held and sent the moment it ends; at the commit a chunk still queued
+is dropped and the final (the whole utterance) submitted. Measured in the engine (no network, no
+front end): for every cadence of audio, the wait from its arrival to the first partial covering it
+(so merged audio counts once per cadence, the same population under every policy); a final's time
+from the commit; p50 / p95 / p99, engine busy, calls, device steps per partial call.
 
     python bench/bench_scheduler_sim.py --streams 2000 --cost-scale 1.3 --policies "final_wait_max_ms=0;default"
 """
@@ -60,8 +66,12 @@ class SimStreamer:
         self.counters = {"steps": 0, "rows": 0, "encoder_frames": 0, "padded_frames": 0}
         self.device_s = 0.0
 
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(0, math.ceil(math.log2(max(1, rows))))
+
     def graph_ms(self, rows: int) -> float:
-        return 3.4 + 0.044 * (1 << max(0, math.ceil(math.log2(max(1, rows)))))
+        return 3.4 + 0.044 * self.bucket(rows)
 
     def step(self, requests):
         frames = []
@@ -70,10 +80,10 @@ class SimStreamer:
             n = int(self.pending[key] / FRAME_S + 1e-9)
             self.pending[key] -= n * FRAME_S
             frames.append(n)
-        ms, rows = 0.03 * len(requests), list(frames)
+        ms, rows = 0.0, list(frames)
         while any(f > 0 for f in rows):  # one pass per chunk of frames the furthest-behind row has
             live = sum(f > 0 for f in rows)
-            ms += self.graph_ms(live)
+            ms += self.graph_ms(live) + 0.028 * self.bucket(live)  # the graph, and the host work of the bucket
             self.counters["steps"] += 1
             self.counters["rows"] += live
             self.counters["padded_frames"] += live * self.C
@@ -118,38 +128,55 @@ async def run_policy(policy: dict, a) -> dict:
     sched.start()
     rng = random.Random(a.seed)
     options = TranscribeOptions()
-    partial, final, at = [], [], []
-    chunk = np.zeros(int(a.cadence_ms * SR / 1000), np.float32)
+    partial, final, finals = [], [], []
+    chunk_n = int(a.cadence_ms * SR / 1000)
+    cadence = a.cadence_ms / 1000
     t0 = time.perf_counter()
 
+    async def utterance(key: str, start: float, length: float) -> None:
+        """One utterance on its own clock: a cadence of audio arrives at ``start + k * cadence``."""
+        st = {"fut": None, "held": [], "first": True, "open": True}  # held: arrival times not sent yet
+
+        def send() -> None:
+            it = sched.queue_chunk(key, np.zeros(chunk_n * len(st["held"]), np.float32), options, new=st["first"])
+            covered, st["held"], st["first"], st["fut"] = st["held"], [], False, it
+
+            def done(f) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    now = time.perf_counter()  # each cadence of audio it covers: its wait since arrival
+                    partial.extend(now - t for t in covered)
+                if st["open"] and st["held"]:  # as the front end: held audio goes as soon as this ends
+                    send()
+
+            it.fut.add_done_callback(done)
+
+        k = 1
+        while k * cadence <= length:
+            arrive = start + k * cadence
+            await asyncio.sleep(max(0.0, arrive - time.perf_counter()))
+            st["held"].append(arrive)
+            if st["fut"] is None or st["fut"].fut.done():
+                send()
+            k += 1
+        await asyncio.sleep(max(0.0, start + length - time.perf_counter()))
+        st["open"] = False  # the commit: the front end drops the utterance's chunk still queued
+        if st["fut"] is not None and not st["fut"].fut.done():
+            sched.drop(st["fut"])
+        t_c = time.perf_counter()  # the end of speech is decidable
+        await sched.submit(np.zeros(int(length * SR), np.float32), options, priority=FINAL)
+        final.append(time.perf_counter() - t_c)
+        sched.close_stream(key)
+
     async def one_stream(i: int) -> None:
-        await asyncio.sleep(rng.random() * a.ramp_s)
-        for u in range(a.utterances):
+        start = time.perf_counter() + rng.random() * a.ramp_s
+        for u in range(a.utterances):  # the next utterance starts at the commit, whatever the final does
             length = rng.uniform(a.min_s, a.max_s)
-            key, sent, start = f"s{i}u{u}", 0.0, time.perf_counter()
-            waits, inflight, held, since = [], None, 0, None
-            while sent + a.cadence_ms / 1000 <= length:  # real-time pace: a chunk when its audio is in
-                sent += a.cadence_ms / 1000
-                await asyncio.sleep(max(0.0, start + sent - time.perf_counter()))
-                held += len(chunk)
-                since = since or time.perf_counter()
-                if inflight is not None and not inflight.done():
-                    continue  # as the front end: one partial in flight, the next carries all audio since
-                it = sched.queue_chunk(key, np.zeros(held, np.float32), options, new=inflight is None)
-                # a partial's latency: from the arrival of the oldest audio it is the first to cover
-                it.fut.add_done_callback(lambda f, t=since: partial.append(time.perf_counter() - t)
-                                         if not f.cancelled() and f.exception() is None else None)
-                inflight, held, since = it.fut, 0, None
-                waits.append(it.fut)
-            await asyncio.sleep(max(0.0, start + length - time.perf_counter()))
-            t_c = time.perf_counter()  # the commit arrives: the end of speech is decidable
-            await sched.submit(np.zeros(int(length * SR), np.float32), options, priority=FINAL)
-            final.append(time.perf_counter() - t_c)
-            at.append(t_c - t0)
-            sched.close_stream(key)
-            await asyncio.gather(*waits, return_exceptions=True)
+            finals.append(asyncio.ensure_future(utterance(f"s{i}u{u}", start, length)))
+            start += length
+            await asyncio.sleep(max(0.0, start - time.perf_counter()))
 
     await asyncio.gather(*(one_stream(i) for i in range(a.streams)))
+    await asyncio.gather(*finals)
     wall = time.perf_counter() - t0
     inf = {k: _hist(sched.metrics, "flashasr_engine_inference_seconds", k) for k in ("partial", "final")}
     bs = {k: _hist(sched.metrics, "flashasr_engine_batch_size", k) for k in ("partial", "final")}
@@ -184,14 +211,17 @@ def _pct(xs: list[float]) -> dict:
 
 
 def _policy(text: str) -> dict:
-    """``default`` or ``key=value,...``: BatchScheduler options, ``*_ms`` in milliseconds
-    (``final_wait_ms=35``), ``finals_with_chunks=1``."""
+    """``default`` or ``key=value,...``: changes to the server's BatchScheduler options, ``*_ms`` in
+    milliseconds (``final_wait_ms=35``). ``finals_with_chunks`` needs a model with queued device
+    work (``submit_batch``), which the simulated one is not: refused."""
     out = {}
     for part in text.split(","):
         part = part.strip()
         if part and part != "default":
             k, v = (x.strip() for x in part.split("="))
-            out[k] = v.lower() in ("1", "true", "yes") if k == "finals_with_chunks" else float(v)
+            if k == "finals_with_chunks":
+                raise SystemExit("finals_with_chunks cannot be simulated (the simulated model queues no device work)")
+            out[k] = float(v)
     return out
 
 
@@ -219,8 +249,9 @@ def main(argv=None) -> int:
                                                     "load_avg_1m": round(os.getloadavg()[0], 2)},
               "conditions": {k: getattr(a, k) for k in ("streams", "utterances", "min_s", "max_s", "ramp_s",
                                                         "cadence_ms", "cost_scale", "repeats", "seed")},
-              "cost_model": "partial pass 3.4 ms + 0.044 ms x bucket rows (powers of two) + 0.03 ms/row host; "
-                            "final call 11 ms + 0.75 ms x utterances; times cost_scale",
+              "cost_model": "partial pass 3.4 ms + 0.044 ms x bucket rows + 0.028 ms host x bucket rows (powers "
+                            "of two); final call 11 ms + 0.75 ms x utterances; times cost_scale",
+              "latency": "partial: per cadence of audio, arrival -> first partial covering it; final: commit -> final",
               "runs": []}
     print(f"{'policy':32s} {'partial p50/p95/p99 ms':>24s} {'final p50/p95/p99 ms':>22s} {'busy':>5s} "
           f"{'rows/call p|f':>14s} {'steps/call':>10s}")

@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -695,37 +696,49 @@ def test_finals_gather_while_partials_wait_then_run_in_time():
 def test_finals_gather_longer_while_partials_are_late():
     """``final_wait_max_s``: while the oldest queued chunked partial has waited ``PARTIALS_LATE_S``,
     a final gathers up to ``final_wait_max_s`` (larger final batches leave the engine to the late
-    partials); with young partials ``final_wait_s`` holds as before, and a full batch never waits."""
+    partials); with young partials ``final_wait_s`` holds as before, a full batch never waits,
+    ``final_wait_s`` 0 keeps finals strictly first, and chunks held on purpose (``partial_wait_s``)
+    are not late. Ages are set by hand: no timing in the test."""
     from flashasr.options import TranscribeOptions
     from flashasr.serve.scheduler import PARTIALS_LATE_S
 
-    async def go():
-        s = BatchScheduler(_NoModel(), max_batch=3, streamer=_NoStreamer(), final_wait_s=0.02,
-                           final_wait_max_s=0.06)
-        s._wake = asyncio.Event()
-        opts, z = TranscribeOptions(), np.zeros(100, np.float32)
-        chunk = s.queue_chunk("a", z, opts, new=True)
-        f1 = asyncio.ensure_future(s.submit(z, priority=FINAL))
-        await asyncio.sleep(0.03)  # the final waited final_wait_s; the chunk is young: finals first
-        assert [it.priority for it in _take(s)] == [FINAL]
-        chunk.t_enq -= PARTIALS_LATE_S  # now a late chunk: a final waits up to final_wait_max_s
-        f2 = asyncio.ensure_future(s.submit(z, priority=FINAL))
-        await asyncio.sleep(0.03)
-        assert [it.stream for it in _take(s)] == ["a"]  # the late partial goes first
-        chunk2 = s.queue_chunk("b", z, opts, new=True)
-        chunk2.t_enq -= PARTIALS_LATE_S
-        await asyncio.sleep(0.035)  # 65 ms: past final_wait_max_s
-        assert [it.priority for it in _take(s)] == [FINAL]
-        fs = [asyncio.ensure_future(s.submit(z, priority=FINAL)) for _ in range(3)]
-        chunk3 = s.queue_chunk("c", z, opts, new=True)
-        chunk3.t_enq -= PARTIALS_LATE_S
-        await asyncio.sleep(0)
-        assert [it.priority for it in _take(s)] == [FINAL] * 3  # a full batch of finals does not wait
-        for t in [f1, f2, *fs]:
-            t.cancel()
-        await s.stop()
+    opts, z = TranscribeOptions(), np.zeros(100, np.float32)
 
-    asyncio.run(go())
+    def queued(s, ages_ms: dict, finals_ms: list):
+        """Chunks of streams (key -> age) and finals (ages) queued, then the next call's kinds."""
+        now = time.perf_counter()
+        for k, age in ages_ms.items():
+            s.queue_chunk(k, z, opts, new=True).t_enq = now - age / 1000
+        for age in finals_ms:
+            s._enqueue(z, opts, FINAL).t_enq = now - age / 1000
+        return [it.priority for it in _take(s)]
+
+    async def go():
+        late = 1000 * PARTIALS_LATE_S + 5
+        s = BatchScheduler(_NoModel(), max_batch=3, streamer=_NoStreamer(), final_wait_s=0.02, final_wait_max_s=0.06)
+        s._wake = asyncio.Event()
+        got = [queued(s, {"a": 10}, [30])]      # young chunk, final past 20 ms: the final first
+        _take(s)
+        got.append(queued(s, {"b": late}, [30]))  # late chunk: the 30 ms final waits (60 ms)
+        got.append(queued(s, {"c": late}, []))    # (the final is still queued, 30 ms old)
+        s._queues[FINAL][0].t_enq -= 0.035        # now 65 ms: due
+        got.append([it.priority for it in _take(s)])
+        _take(s)
+        got.append(queued(s, {"d": late}, [1, 1, 1]))  # a full batch of finals does not wait
+        _take(s)
+        await s.stop()
+        strict = BatchScheduler(_NoModel(), max_batch=3, streamer=_NoStreamer(), final_wait_s=0, final_wait_max_s=0.06)
+        strict._wake = asyncio.Event()
+        got.append(queued(strict, {"e": late}, [0]))  # final_wait_s 0: finals always first
+        await strict.stop()
+        held = BatchScheduler(_NoModel(), max_batch=3, streamer=_NoStreamer(), final_wait_s=0.02,
+                              final_wait_max_s=0.06, partial_wait_s=0.2)
+        held._wake = asyncio.Event()
+        got.append(queued(held, {"f": late}, [30]))  # held on purpose (wait 200 ms): not late
+        await held.stop()
+        return got
+
+    assert asyncio.run(go()) == [[FINAL], [PARTIAL], [PARTIAL], [FINAL], [FINAL] * 3, [FINAL], [FINAL]]
 
 
 def test_queue_depth_gauges_are_read_when_the_metrics_are():

@@ -295,8 +295,9 @@ def _stream_options(p: argparse.ArgumentParser) -> None:
                         "queued (0: finals always first; at most 1000)")
     g.add_argument("--final-wait-max-ms", type=_number(float, 0, high=1000), default=50.0,
                    help="longest a final waits to be batched with others while queued chunked partials are "
-                        "late (the oldest has waited 80 ms): near saturation larger final batches leave the "
-                        "engine to the partials (at most --final-wait-ms counts when this is smaller; at most 1000)")
+                        "late (the oldest has waited 80 ms, and longer than --partial-wait-ms): near saturation "
+                        "larger final batches leave the engine to the partials (up to --max-batch finals a call); "
+                        "off when not above --final-wait-ms or when that is 0; at most 1000")
     g.add_argument("--partial-wait-ms", type=_number(float, 0, high=1000), default=40.0,
                    help="chunked partials: longest queued chunks wait for more streams' chunks before a step "
                         "smaller than the stream batch runs, when nothing else is runnable; new work ends the "

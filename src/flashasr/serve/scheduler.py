@@ -14,9 +14,10 @@ Priorities (lower runs first):
     (the oldest queued one has waited ``PARTIALS_LATE_S``), finals gather for up to
     ``final_wait_max_s`` instead: a final call costs about 11 ms + 0.75 ms per utterance on an H100,
     so near saturation small final batches take the engine from the partials, which then fall
-    seconds behind (``bench/bench_scheduler_sim.py``, ``scheduler_sim_vm_cost*.json``: 2,000 streams
-    with the device 1.3x slower than measured, p95 partial 650 -> 135 ms for time to final 102-104
-    -> 119-121 ms; at the measured costs no change). With nothing else queued a final runs at once;
+    seconds behind (``bench/bench_scheduler_sim.py``, ``scheduler_sim_vm_cost*.json``: 2,000 streams,
+    p95 partial 97-101 -> 84-90 ms at the H100's measured costs, 490-665 -> 146 ms with the device
+    1.3x slower, where time to final went 98-99 -> 128-133 ms). With nothing else queued a final
+    runs at once;
   * ``PARTIAL`` (1): a stream's interim transcript; a newer partial of the same stream
     replaces a queued older one (``coalesce_key``), the older one resolves to ``None``;
   * ``OFFLINE`` (2): the pieces of uploads (:func:`flashasr.pipeline.plan_pieces` cut them in
@@ -164,8 +165,9 @@ class BatchScheduler:
             for :meth:`submit_chunk` (None: chunked partials are refused).
         stream_batch: most streams in one streamer step.
         final_wait_max_s: longest a final waits for more finals while queued chunked partials are
-            late (the oldest has waited :data:`PARTIALS_LATE_S`); at most ``final_wait_s`` counts when
-            this is smaller (see the module docstring).
+            late (the oldest has waited :data:`PARTIALS_LATE_S`, and longer than ``partial_wait_s``);
+            off when not larger than ``final_wait_s`` or when ``final_wait_s`` is 0 (see the module
+            docstring).
         final_wait_s: longest a final waits for more finals while partial work is queued (0: finals
             always first; see the module docstring).
         partial_wait_s: longest queued chunked partials wait for more streams' chunks before a
@@ -195,7 +197,8 @@ class BatchScheduler:
         self._shorts_in_a_row = 0  # short-request calls since bulk work last had one
         self.batch_wait_s = batch_wait_s
         self.final_wait_s = max(0.0, float(final_wait_s))
-        self.final_wait_max_s = max(self.final_wait_s, float(final_wait_max_s))
+        # (final_wait_s 0 keeps finals strictly first: the longer wait is off then too)
+        self.final_wait_max_s = max(self.final_wait_s, float(final_wait_max_s)) if self.final_wait_s > 0 else 0.0
         self.partial_wait_s = max(0.0, float(partial_wait_s))
         self.switch_interval_s = switch_interval_s if switch_interval_s and switch_interval_s > 0 else None
         self._switch_before: float | None = None
@@ -475,8 +478,10 @@ class BatchScheduler:
 
     def _final_wait(self, partials: list[_Item], now: float) -> float:
         """How long finals may gather now: ``final_wait_max_s`` while the oldest queued chunked
-        partial has waited :data:`PARTIALS_LATE_S` or more, else ``final_wait_s``."""
-        late = partials and partials[0].stream is not None and now - partials[0].t_enq >= PARTIALS_LATE_S
+        partial has waited :data:`PARTIALS_LATE_S` or more (and longer than ``partial_wait_s``:
+        chunks the scheduler holds on purpose are not late), else ``final_wait_s``."""
+        late = (partials and partials[0].stream is not None
+                and now - partials[0].t_enq >= max(PARTIALS_LATE_S, self.partial_wait_s))
         return self.final_wait_max_s if late else self.final_wait_s
 
     def _final_due(self, finals: list[_Item], partials: list[_Item]) -> bool:
