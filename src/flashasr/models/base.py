@@ -44,7 +44,7 @@ def not_samples(w) -> str | None:
     contents are checked by :func:`as_waveform`). numpy would turn most of these into a 0-d array and
     the error would name a shape ``()``; ``""`` or ``{}`` would even pass for empty audio where only
     the length is asked."""
-    if isinstance(w, (bytes, bytearray)) or (isinstance(w, memoryview) and w.format.lstrip("@=<>!") not in "fde"):
+    if isinstance(w, (bytes, bytearray)) or (isinstance(w, memoryview) and w.format.lstrip("@=<>!") not in ("f", "d", "e")):
         return (f"expected float samples, got {type(w).__name__}: decode raw PCM first (int16: "
                 f"np.frombuffer(data, '<i2') / 32768), or pass encoded audio (a file's bytes) to "
                 f"flashasr.transcribe or flashasr.audio.load_audio")
