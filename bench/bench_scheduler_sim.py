@@ -210,6 +210,9 @@ def _pct(xs: list[float]) -> dict:
             "max_ms": round(float(v[-1]), 1)}
 
 
+POLICY_KEYS = ("final_wait_ms", "final_wait_max_ms", "partial_wait_ms", "max_batch", "stream_batch")
+
+
 def _policy(text: str) -> dict:
     """``default`` or ``key=value,...``: changes to the server's BatchScheduler options, ``*_ms`` in
     milliseconds (``final_wait_ms=35``). ``finals_with_chunks`` needs a model with queued device
@@ -218,10 +221,15 @@ def _policy(text: str) -> dict:
     for part in text.split(","):
         part = part.strip()
         if part and part != "default":
-            k, v = (x.strip() for x in part.split("="))
+            k, eq, v = (x.strip() for x in part.partition("="))
             if k == "finals_with_chunks":
                 raise SystemExit("finals_with_chunks cannot be simulated (the simulated model queues no device work)")
-            out[k] = float(v)
+            if k not in POLICY_KEYS:
+                raise SystemExit(f"policy {text!r}: {k!r} is not one of {', '.join(POLICY_KEYS)} (or 'default')")
+            try:
+                out[k] = float(v)
+            except ValueError:
+                raise SystemExit(f"policy {text!r}: {k} needs a number, got {v!r}") from None
     return out
 
 
@@ -241,6 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default=str(REPO / "bench" / "results" / "scheduler_sim_vm.json"))
     a = ap.parse_args(argv)
+    if a.streams < 1 or a.utterances < 1 or not 0 < a.min_s <= a.max_s or a.cadence_ms <= 0 or a.cost_scale <= 0:
+        ap.error("--streams and --utterances must be >= 1, 0 < --min-s <= --max-s, --cadence-ms and --cost-scale > 0")
     import uvloop
 
     policies = [_policy(p) for p in a.policies.split(";")]
