@@ -229,7 +229,9 @@ def _policy(text: str) -> dict:
             try:
                 out[k] = float(v)
             except ValueError:
-                raise SystemExit(f"policy {text!r}: {k} needs a number, got {v!r}") from None
+                out[k] = math.nan
+            if not (math.isfinite(out[k]) and out[k] >= 0):
+                raise SystemExit(f"policy {text!r}: {k} needs a finite number >= 0, got {v!r}")
     return out
 
 
