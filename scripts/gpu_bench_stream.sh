@@ -16,6 +16,9 @@
 #   bash scripts/gpu_bench_stream.sh scale500   # 1,000 / 2,000 streams at a 500 ms cadence, manual commits
 #                                               # and server VAD, then the most streams held (+1,000 steps)
 #   bash scripts/gpu_bench_stream.sh scale1000  # the same at a 1 s cadence (aim >= 4,000)
+#   bash scripts/gpu_bench_stream.sh startup    # where the server model's start-up goes: per serving profile
+#                                               # the encoder and decoder captures and the replay time, cuDNN's
+#                                               # autotuner on and off (bench/profile_engine_startup.py, ~4 min)
 #   bash scripts/gpu_bench_stream.sh final      # issue #17: a stream final and a short upload under 32 x 600 s
 #                                               # uploads (bench_final_latency.py; MODE multi|single); the
 #                                               # server decodes uploads with PyAV, which does not fit beside
@@ -79,11 +82,13 @@ case "${1:-cost}" in
       $([ "${FINDMAX:-1}" = 1 ] && echo --find-max) --max-step 1000 --max-streams "${MAXSTREAMS:-8000}" \
       $([ -n "${PROFILE:-}" ] && echo --profile "$OUT" --py-spy /tmp/site/bin/py-spy) ${EXTRA:-} \
       ${SERVER_ARGS:+--server-args="$SERVER_ARGS"} ;;
+  startup)
+    timeout 575 python3 -W ignore bench/profile_engine_startup.py --json-out "$OUT/engine_startup_h200${NAME:-}.json" ;;
   final)  # issue #17 item 4: time to a stream final and a short upload's reply under long uploads (after `av`)
     [ -d /tmp/site/av ] || { echo "PyAV is not installed here: run the av step first on this warm machine"; exit 1; }
     timeout 575 python3 -W ignore bench/bench_final_latency.py --device cuda --model $MODEL --mode "${MODE:-multi}" \
       --uploads "${UPLOADS:-32}" --upload-s "${UPLOAD_S:-600}" --label "_h200${LABEL:-}" \
       --out "$OUT/final_latency_h200${LABEL:-}.json" ;;
-  *) echo "usage: $0 prepare | cost | scale500 | scale1000 | final"; exit 2 ;;
+  *) echo "usage: $0 prepare | cost | scale500 | scale1000 | startup | final"; exit 2 ;;
 esac
 ls -la "${OUT:-.}"

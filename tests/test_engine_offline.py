@@ -67,6 +67,8 @@ def test_offline_engine_cpu_equals_per_input_reference():
     # 9.1 s input is longer than every profile -> eager batch of its own
     assert (None, None, 1) in out.batches
     assert sum(n for *_, n in out.batches) == len(waves) - 2  # empty and 1000-sample inputs skipped
+    # nothing to capture on the CPU: the start-up breakdown says so
+    assert eng.warmup() == {"encoder_graphs": 0.0, "decoder_graphs": 0.0, "profiles": 0}
 
 
 def test_offline_engine_rejects_bad_input():
@@ -88,6 +90,9 @@ def test_offline_engine_gpu_graphs_equal_reference():
     model = _model("cuda")
     eng = OfflineParakeetEngine(model, profiles=[Profile(2, 1.0), Profile(4, 4.0), Profile(8, 10.0)],
                                 dtype=torch.float32)
+    took = eng.warmup()  # every profile's graphs captured, the time split between encoders and decoders
+    assert took["profiles"] == 3 and took["encoder_graphs"] > 0 and took["decoder_graphs"] > 0
+    assert all(r["captured"] for r in eng.encoder.memory_report())
     for pipelined, group_rows in ((False, 1), (True, 1), (True, 1), (True, 256), (True, 6)):
         eng.decode_group_rows = group_rows
         out = eng.transcribe_arrays(waves, pipelined=pipelined)

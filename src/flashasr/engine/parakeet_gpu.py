@@ -79,10 +79,10 @@ class ParakeetGPUASR(ParakeetASR):
         self.max_segment_seconds = min(self.max_segment_seconds, max(p.seconds for p in self.engine.encoder.profiles))
         self.engine_info = {"profiles": [(p.batch, p.seconds) for p in self.engine.encoder.profiles],
                             "decoder_mode": str(self.engine.decoder.mode)}
-        if warmup:  # every profile's encoder graph and its decoder graph captured now (most of a start-up)
-            self.engine.warmup()
+        captures = self.engine.warmup() if warmup else {}  # every profile's encoder and decoder graphs now
         self.engine_info["startup_s"] = {"engine_build": round(t1 - t0, 1),
-                                         "graph_warmup": round(time.perf_counter() - t1, 1)}
+                                         "graph_warmup": round(time.perf_counter() - t1, 1),
+                                         **{k: v for k, v in captures.items() if k != "profiles"}}
 
     def _decode_pieces(self, pieces: list[np.ndarray]) -> list[Hypothesis]:
         """All pieces in one engine call (it sorts and packs them into profiles itself)."""

@@ -291,7 +291,9 @@ def startup_info(model, load_s: float | None, streamer_s: float) -> dict:
     """Where a model's start-up went, as ``/ready`` shows it (``startup_s``): ``model_s`` (load and
     warm-up, :func:`load_and_warm`), ``streamer_s`` (the chunked streamer's captures), and what the
     model reports of its own start-up within ``model_s``: a GPU engine's build and graph warm-up
-    (``engine_info["startup_s"]``), a random-weight joint's calibration (``calibration["seconds"]``)."""
+    (``engine_info["startup_s"]``: ``engine_build_s``, ``graph_warmup_s`` and, within the warm-up, the
+    encoder profiles' and decoder graphs' captures, ``encoder_graphs_s`` / ``decoder_graphs_s``), a
+    random-weight joint's calibration (``calibration["seconds"]``)."""
     out = {"model_s": None if load_s is None else round(load_s, 1), "streamer_s": round(streamer_s, 1)}
     engine = getattr(model, "engine_info", None)
     if isinstance(engine, dict) and isinstance(engine.get("startup_s"), dict):
