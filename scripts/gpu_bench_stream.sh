@@ -16,6 +16,11 @@
 #   bash scripts/gpu_bench_stream.sh scale500   # 1,000 / 2,000 streams at a 500 ms cadence, manual commits
 #                                               # and server VAD, then the most streams held (+1,000 steps)
 #   bash scripts/gpu_bench_stream.sh scale1000  # the same at a 1 s cadence (aim >= 4,000)
+#   bash scripts/gpu_bench_stream.sh ab2000     # the A/B run of the ninth to eleventh sessions: 2,000 streams at
+#                                               # 500 ms, utterances uniform over 4-12 s, manual commits, no
+#                                               # search (BUDGET 255: ~290 s with the server's start-up); name
+#                                               # each variant with NAME and SERVER_ARGS, e.g.
+#                                               # NAME=_old SERVER_ARGS="--final-wait-max-ms 0"
 #   bash scripts/gpu_bench_stream.sh startup    # where the server model's start-up goes: per serving profile
 #                                               # the encoder and decoder captures and the replay time, cuDNN's
 #                                               # autotuner on and off (bench/profile_engine_startup.py, ~4 min)
@@ -61,6 +66,10 @@ if [ "${1:-}" = av ]; then  # PyAV alone, into the same /tmp/site (the next call
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whav/*.whl
   exit $?
 fi
+if [ "${1:-}" = ab2000 ]; then  # scale500 with the A/B settings (see the top)
+  STREAMS=2000 FINDMAX=0 VAD=off LENGTHS=uniform BUDGET=${BUDGET:-255} NAME="_u${NAME:-}"
+  set -- scale500
+fi
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench PYTHONUNBUFFERED=1 FLASHASR_SHARED=$PWD/.devstream/shared
@@ -89,6 +98,6 @@ case "${1:-cost}" in
     timeout 575 python3 -W ignore bench/bench_final_latency.py --device cuda --model $MODEL --mode "${MODE:-multi}" \
       --uploads "${UPLOADS:-32}" --upload-s "${UPLOAD_S:-600}" --label "_h200${LABEL:-}" \
       --out "$OUT/final_latency_h200${LABEL:-}.json" ;;
-  *) echo "usage: $0 prepare | cost | scale500 | scale1000 | startup | final"; exit 2 ;;
+  *) echo "usage: $0 prepare | cost | scale500 | scale1000 | ab2000 | startup | final"; exit 2 ;;
 esac
 ls -la "${OUT:-.}"
