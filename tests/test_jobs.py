@@ -99,6 +99,45 @@ def test_expand_inputs_dirs_globs_files_and_unique_keys(tmp_path):
     assert [e.code for e in missing] == ["input_not_found"] * 2 and "nope.wav" in str(missing[0])
 
 
+def test_folder_walk_equals_the_pathlib_reference(tmp_path, monkeypatch):
+    """A folder's files are listed with string operations (no pathlib object per file, for folders
+    of many thousands); paths, keys and the names shown equal what pathlib gives, for awkward
+    names, hidden files, several dots, upper-case suffixes, spaces and non-ASCII, and for the
+    folder given as ".", "./x", "x/", relative and absolute."""
+    from pathlib import PurePosixPath
+
+    from flashasr.jobs.inputs import AUDIO_EXTENSIONS
+
+    names = ["a.wav", "B.MP3", ".hidden.flac", "two.dots.ogg", "no_suffix", "trailing.", ".wav",
+             "sp ace.m4a", "ünï.opus", "notes.txt", "x.wav.txt", "deep/er/z.WAV", "deep/.d/y.mp3",
+             "d.ir/v.wav", "..triple.wav"]
+    root = tmp_path / "in"
+    for n in names:
+        (root / n).parent.mkdir(parents=True, exist_ok=True)
+        (root / n).write_bytes(b"x")
+
+    def reference(p: Path) -> list[tuple]:
+        out = []
+        for r, dirs, files in os.walk(p):
+            dirs.sort()
+            for f in sorted(files):
+                q = Path(r) / f
+                if q.suffix.lower() in AUDIO_EXTENSIONS:
+                    rel = PurePosixPath(q.relative_to(p).as_posix())
+                    key = str(rel.with_suffix("")) if rel.suffix else str(rel)
+                    out.append((Path(os.path.abspath(q)), key, str(q)))
+        return out
+
+    monkeypatch.chdir(tmp_path)
+    for given in (root, str(root) + "/", "in", "./in", "in/"):
+        got = [(it.path, it.key, it.display) for it in expand_inputs([given])]
+        assert got == reference(Path(given).expanduser()), given
+        assert len(got) == 10
+    monkeypatch.chdir(root)
+    got = [(it.path, it.key, it.display) for it in expand_inputs(["."])]
+    assert got == reference(Path(".")) and ("ünï", "ünï.opus") in [(k, d) for _, k, d in got]
+
+
 def test_manifest_relative_paths_resolve_against_its_folder(tmp_path):
     sub = tmp_path / "data"
     sub.mkdir()

@@ -139,21 +139,36 @@ def read_manifest(manifest: str | os.PathLike) -> list[InputItem]:
     return items
 
 
-def _walk_dir(d: Path, unreadable: list | None = None) -> list[Path]:
-    """Audio files below ``d`` (sorted); folders that cannot be listed go to ``unreadable``."""
+def _walk_dir(d: Path, unreadable: list | None = None) -> list[str]:
+    """Audio files below ``d`` (sorted), as ``os.path.join(root, name)`` strings (a folder of 100,000
+    files is listed without a pathlib object per file); folders that cannot be listed go to
+    ``unreadable``."""
     out = []
 
     def _onerror(e: OSError) -> None:
         if unreadable is not None:
             unreadable.append(e)
 
+    join = os.path.join
     for root, dirs, files in os.walk(d, followlinks=False, onerror=_onerror):
         dirs.sort()
-        for f in sorted(files):
-            p = Path(root) / f
-            if _is_audio(p):
-                out.append(p)
+        out.extend(join(root, f) for f in sorted(files) if _has_audio_suffix(f))
     return out
+
+
+def _has_audio_suffix(name: str) -> bool:
+    """:func:`_is_audio` of a bare file name (pathlib's rule: the suffix starts at the last dot that
+    is neither the name's first nor its last character)."""
+    i = name.rfind(".")
+    return 0 < i < len(name) - 1 and name[i:].lower() in AUDIO_EXTENSIONS
+
+
+def _walked_key(rel: str) -> str:
+    """``_safe_key(_strip_ext(rel))`` of a path :func:`_walk_dir` found, relative to the walked folder
+    with ``/`` separators: it has no ``.``, ``..`` or empty parts, so only the suffix goes."""
+    name_at = rel.rfind("/") + 1
+    i = rel.rfind(".")
+    return rel[:i] if i > name_at else rel
 
 
 def expand_inputs(inputs: list[str | os.PathLike], *, missing: list | None = None) -> list[InputItem]:
@@ -195,12 +210,13 @@ def expand_inputs(inputs: list[str | os.PathLike], *, missing: list | None = Non
         except PermissionError as e:  # a parent folder that cannot be searched
             _missing_of(InputError(f"permission denied ({e.filename or s})", code="unreadable_input", input=s))
     # De-duplicate by absolute path.
-    seen: set[Path] = set()
+    seen: set[str] = set()  # absolute, normalised paths: equal strings <=> equal paths (cheaper to hash)
     uniq = []
     for it in items:
-        if it.path in seen:
+        s = str(it.path)
+        if s in seen:
             continue
-        seen.add(it.path)
+        seen.add(s)
         uniq.append(it)
     return _dedupe_keys(uniq)
 
@@ -210,10 +226,13 @@ def _expand_one(s: str, items: list[InputItem], _missing) -> None:
     p = Path(s).expanduser()
     if p.is_dir():
         unreadable: list[OSError] = []
+        top = os.fspath(p)
+        cut = len(os.path.join(top, ""))  # the walked paths start with the folder and one separator
         for f in _walk_dir(p, unreadable):
-            rel = f.relative_to(p).as_posix()
-            items.append(InputItem(path=Path(os.path.abspath(f)), key=_safe_key(_strip_ext(rel)),
-                                   display=str(f)))
+            rel = f[cut:] if os.sep == "/" else f[cut:].replace(os.sep, "/")
+            # shown as pathlib shows it (Path(".") / "a.wav" is "a.wav", not "./a.wav")
+            items.append(InputItem(path=Path(os.path.abspath(f)), key=_walked_key(rel),
+                                   display=f[cut:] if top == "." else f))
         for e in unreadable:
             _missing(InputError(f"folder {e.filename or s!r}: cannot be listed ({e.strerror or e}); its files "
                                 "were not transcribed", code="unreadable_input"))
