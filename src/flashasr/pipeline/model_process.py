@@ -41,6 +41,7 @@ import numpy as np
 from ..errors import FlashASRError, ModelLoadError
 from ..models.base import ASRModel, as_waveform
 from ..options import TranscribeOptions
+from ..shm import populate
 
 #: the child's program: drop the current folder from sys.path, then serve on the socket (argv[1])
 _CHILD = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
@@ -414,12 +415,13 @@ class _Maps:
             a, b = self.spans.get(name, (offset, offset + 4 * n))
             start = a - a % mmap.ALLOCATIONGRANULARITY
             fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
-            try:  # read-only (the parent's samples never change), all pages mapped in one call: the
-                # engine's copy into pinned memory then takes no page faults (see flashasr.shm.take_array)
-                m = mmap.mmap(fd, max(1, b - start), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                              prot=mmap.PROT_READ, offset=start)
+            try:  # read-only (the parent's samples never change)
+                m = mmap.mmap(fd, max(1, b - start), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
             finally:
                 os.close(fd)
+            # all pages mapped now, without holding the GIL the main thread needs for the call running
+            # meanwhile (flashasr.shm.populate): the engine's copy into pinned memory then takes no faults
+            populate(m)
             got = self.maps[name] = (m, start)
         m, start = got
         return np.frombuffer(m, np.float32, count=n, offset=offset - start)
