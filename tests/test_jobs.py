@@ -104,13 +104,11 @@ def test_folder_walk_equals_the_pathlib_reference(tmp_path, monkeypatch):
     of many thousands); paths, keys and the names shown equal what pathlib gives, for awkward
     names, hidden files, several dots, upper-case suffixes, spaces and non-ASCII, and for the
     folder given as ".", "./x", "x/", relative and absolute."""
-    from pathlib import PurePosixPath
-
-    from flashasr.jobs.inputs import AUDIO_EXTENSIONS
+    from flashasr.jobs.inputs import AUDIO_EXTENSIONS, _safe_key, _strip_ext
 
     names = ["a.wav", "B.MP3", ".hidden.flac", "two.dots.ogg", "no_suffix", "trailing.", ".wav",
              "sp ace.m4a", "ünï.opus", "notes.txt", "x.wav.txt", "deep/er/z.WAV", "deep/.d/y.mp3",
-             "d.ir/v.wav", "..triple.wav"]
+             "d.ir/v.wav", "..triple.wav", "..wav", "...wav", "deep/..wav"]
     root = tmp_path / "in"
     for n in names:
         (root / n).parent.mkdir(parents=True, exist_ok=True)
@@ -122,9 +120,8 @@ def test_folder_walk_equals_the_pathlib_reference(tmp_path, monkeypatch):
             dirs.sort()
             for f in sorted(files):
                 q = Path(r) / f
-                if q.suffix.lower() in AUDIO_EXTENSIONS:
-                    rel = PurePosixPath(q.relative_to(p).as_posix())
-                    key = str(rel.with_suffix("")) if rel.suffix else str(rel)
+                if q.suffix.lower() in AUDIO_EXTENSIONS:  # the pathlib code this replaced
+                    key = _safe_key(_strip_ext(q.relative_to(p).as_posix()))
                     out.append((Path(os.path.abspath(q)), key, str(q)))
         return out
 
@@ -132,10 +129,12 @@ def test_folder_walk_equals_the_pathlib_reference(tmp_path, monkeypatch):
     for given in (root, str(root) + "/", "in", "./in", "in/"):
         got = [(it.path, it.key, it.display) for it in expand_inputs([given])]
         assert got == reference(Path(given).expanduser()), given
-        assert len(got) == 10
+        assert len(got) == 13
     monkeypatch.chdir(root)
     got = [(it.path, it.key, it.display) for it in expand_inputs(["."])]
     assert got == reference(Path(".")) and ("ünï", "ünï.opus") in [(k, d) for _, k, d in got]
+    keys = {d: k for _, k, d in got}  # a stem of dots takes the key rule's: "." dropped, ".." -> "__"
+    assert (keys["..wav"], keys["...wav"], keys["deep/..wav"]) == ("audio", "__", "deep")
 
 
 def test_manifest_relative_paths_resolve_against_its_folder(tmp_path):

@@ -127,7 +127,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-_MADV_POPULATE_READ = 22  # Linux >= 5.14 (<linux/mman.h>); Python's mmap module names it from 3.13 on only
+_MADV_POPULATE_READ = 22  # Linux >= 5.14 (<linux/mman.h>); not named by the mmap module of the Pythons we run
 _madvise = None  # libc's madvise through ctypes, once looked up (False: not available here)
 
 
@@ -156,7 +156,20 @@ def populate(m: mmap.mmap) -> bool:
     if not _madvise or len(m) == 0:
         return False
     address = np.frombuffer(m, np.uint8).ctypes.data  # read-only mappings too (ctypes' from_buffer needs writable)
-    return _madvise(address, len(m), _MADV_POPULATE_READ) == 0
+    if _madvise(address, len(m), _MADV_POPULATE_READ) == 0:
+        return True
+    global _told
+    if not _told:  # e.g. EINVAL: a kernel before 5.14; the pages fault in on first touch instead
+        _told = True
+        import ctypes
+        import logging
+
+        logging.getLogger(__name__).debug("madvise(MADV_POPULATE_READ) failed (errno %d): pages of shared "
+                                          "samples fault in on first touch", ctypes.get_errno())
+    return False
+
+
+_told = False  # populate's failure logged once
 
 
 def put_array(a: np.ndarray) -> tuple[str, str, int]:

@@ -157,18 +157,24 @@ def _walk_dir(d: Path, unreadable: list | None = None) -> list[str]:
 
 
 def _has_audio_suffix(name: str) -> bool:
-    """:func:`_is_audio` of a bare file name (pathlib's rule: the suffix starts at the last dot that
-    is neither the name's first nor its last character)."""
+    """:func:`_is_audio` of a bare file name (pathlib's rule up to Python 3.13: the suffix starts at
+    the last dot that is neither the name's first nor its last character)."""
     i = name.rfind(".")
     return 0 < i < len(name) - 1 and name[i:].lower() in AUDIO_EXTENSIONS
 
 
 def _walked_key(rel: str) -> str:
     """``_safe_key(_strip_ext(rel))`` of a path :func:`_walk_dir` found, relative to the walked folder
-    with ``/`` separators: it has no ``.``, ``..`` or empty parts, so only the suffix goes."""
+    with ``/`` separators. Its folders are real names (no ``.``, ``..`` or empty parts), so the suffix
+    is all that goes, unless the name is dots and a suffix (``..wav``): its stem ``.`` or ``..`` then
+    takes :func:`_safe_key`'s rule (dropped, or ``__``)."""
     name_at = rel.rfind("/") + 1
     i = rel.rfind(".")
-    return rel[:i] if i > name_at else rel
+    if i <= name_at:
+        return rel
+    if rel[name_at:i].strip("."):
+        return rel[:i]
+    return _safe_key(rel[:i])
 
 
 def expand_inputs(inputs: list[str | os.PathLike], *, missing: list | None = None) -> list[InputItem]:
