@@ -40,7 +40,7 @@ def _profiles(kind: str):
     from flashasr.engine.parakeet_gpu import SERVING_SMALL_BATCHES
     from flashasr.engine.profiles import choose_profiles
 
-    return choose_profiles(small_batches=SERVING_SMALL_BATCHES) if kind == "serving" else choose_profiles()
+    return choose_profiles(small_batches=SERVING_SMALL_BATCHES) if kind == "serving" else choose_profiles()  # offline
 
 
 def measure(model_name: str, profiles_kind: str, cudnn_benchmark: bool, replays: int) -> dict:
@@ -93,7 +93,11 @@ def _child(args, bench: bool) -> dict:
     """:func:`measure` in a fresh process (cuDNN's choices and the setting are process-wide)."""
     cmd = [sys.executable, __file__, "--model", args.model, "--profiles", args.profiles, "--replays",
            str(args.replays), "--cudnn-benchmark", "on" if bench else "off", "--child"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr[-4000:])
+        raise SystemExit(f"the measurement with cuDNN's autotuner {'on' if bench else 'off'} failed "
+                         f"(exit status {out.returncode}; its error output above)")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -113,8 +117,8 @@ def summary(runs: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="parakeet-tdt-0.6b-v3", help="random:NAME's NAME (a Parakeet YAML)")
-    ap.add_argument("--profiles", choices=("serving", "default"), default="serving",
-                    help="the server's profiles (default) or the offline job's")
+    ap.add_argument("--profiles", choices=("serving", "offline"), default="serving",
+                    help="serving: the server's (61 shapes, the default); offline: the offline job's")
     ap.add_argument("--cudnn-benchmark", choices=("on", "off", "both"), default="both")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--json-out", default=None)
@@ -122,6 +126,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.replays < 1:
         ap.error("--replays must be >= 1")
+    if args.json_out and not Path(args.json_out).resolve().parent.is_dir():
+        ap.error(f"--json-out: no folder {str(Path(args.json_out).resolve().parent)!r}")
+    try:
+        from flashasr.random_models import find_parakeet_config
+
+        find_parakeet_config(args.model)
+    except Exception as e:  # noqa: BLE001 - said up front, not after minutes of captures
+        ap.error(f"--model: {e}")
     import torch
 
     if not torch.cuda.is_available():

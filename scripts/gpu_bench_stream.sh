@@ -36,7 +36,7 @@
 # LENGTHS (clips|uniform|clips,uniform: utterance lengths, see the benchmark's --lengths),
 # EXTRA (more bench_stream_scale.py arguments, split on spaces), SERVER_ARGS (the server's own options, e.g.
 # "--stream-buckets-per-octave 4 --final-wait-ms 35": passed as one --server-args).
-# JSON: bench/results/stream_scale_h200_<phase>.json (and under $OUT).
+# JSON: bench/results/stream_scale_<card>_<phase>.json (and under $OUT); <card>: h200, h100 (from nvidia-smi) or gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,6 +66,14 @@ if [ "${1:-}" = av ]; then  # PyAV alone, into the same /tmp/site (the next call
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whav/*.whl
   exit $?
 fi
+case "${1:-cost}" in
+  cost|scale500|scale1000|ab2000|startup|final) ;;
+  *) echo "usage: $0 prepare | av | cost | scale500 | scale1000 | ab2000 | startup | final"; exit 2 ;;
+esac
+if ! ls .whl/*.whl >/dev/null 2>&1; then
+  echo "no wheels in .whl/: run 'bash scripts/gpu_bench_stream.sh prepare' on the CPU machine first and carry .whl"
+  exit 2
+fi
 if [ "${1:-}" = ab2000 ]; then  # scale500 with the A/B settings (see the top)
   STREAMS=2000 FINDMAX=0 VAD=off LENGTHS=uniform BUDGET=${BUDGET:-255} NAME="_u${NAME:-}"
   set -- scale500
@@ -74,17 +82,20 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench PYTHONUNBUFFERED=1 FLASHASR_SHARED=$PWD/.devstream/shared
 nproc; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
+  *H200*) CARD=h200 ;; *H100*) CARD=h100 ;; *) CARD=gpu ;;
+esac
 MODEL=random:parakeet-tdt-0.6b-v3
 COMMON=(--model $MODEL --device cuda --clips .devstream/shared/audio/en --clip-min-s 4 --clip-max-s 12
         --left-s "${LEFT:-5.12}" --stream-batch 512 --budget-s "${BUDGET:-560}")
 case "${1:-cost}" in
   cost)
-    timeout 575 python3 -W ignore bench/bench_stream_scale.py --name stream_scale_h200_cost --phases cost,drift \
+    timeout 575 python3 -W ignore bench/bench_stream_scale.py --name "stream_scale_${CARD}_cost" --phases cost,drift \
       "${COMMON[@]}" --cost-streams 256 --reencode-streams 32 --cadences 500,1000 \
       --drift-left-s 2.56,5.12,10.24 --drift-clips 16 --drift-models "$FLASHASR_SHARED/fixtures/parakeet/tiny-tdt/model.nemo" ;;
   scale500|scale1000)
     CAD=${1#scale}
-    timeout 575 python3 -W ignore bench/bench_stream_scale.py --name "stream_scale_h200_$1${NAME:-}" --phases scale \
+    timeout 575 python3 -W ignore bench/bench_stream_scale.py --name "stream_scale_${CARD}_$1${NAME:-}" --phases scale \
       "${COMMON[@]}" --mode multi --workers "${WORKERS:-6}" --client-procs "${CLIENTS:-8}" --max-batch 256 \
       --packet-ms "${PACKET:-20}" --cadences "$CAD" --streams "${STREAMS:-1000,2000}" --vad "${VAD:-both}" --utterances 2 \
       --lengths "${LENGTHS:-clips}" \
@@ -92,12 +103,12 @@ case "${1:-cost}" in
       $([ -n "${PROFILE:-}" ] && echo --profile "$OUT" --py-spy /tmp/site/bin/py-spy) ${EXTRA:-} \
       ${SERVER_ARGS:+--server-args="$SERVER_ARGS"} ;;
   startup)
-    timeout 575 python3 -W ignore bench/profile_engine_startup.py --json-out "$OUT/engine_startup_h200${NAME:-}.json" ;;
+    timeout 575 python3 -W ignore bench/profile_engine_startup.py --json-out "$OUT/engine_startup_${CARD}${NAME:-}.json" ;;
   final)  # issue #17 item 4: time to a stream final and a short upload's reply under long uploads (after `av`)
     [ -d /tmp/site/av ] || { echo "PyAV is not installed here: run the av step first on this warm machine"; exit 1; }
     timeout 575 python3 -W ignore bench/bench_final_latency.py --device cuda --model $MODEL --mode "${MODE:-multi}" \
-      --uploads "${UPLOADS:-32}" --upload-s "${UPLOAD_S:-600}" --label "_h200${LABEL:-}" \
-      --out "$OUT/final_latency_h200${LABEL:-}.json" ;;
+      --uploads "${UPLOADS:-32}" --upload-s "${UPLOAD_S:-600}" --label "_${CARD}${LABEL:-}" \
+      --out "$OUT/final_latency_${CARD}${LABEL:-}.json" ;;
   *) echo "usage: $0 prepare | cost | scale500 | scale1000 | ab2000 | startup | final"; exit 2 ;;
 esac
 ls -la "${OUT:-.}"

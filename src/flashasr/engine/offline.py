@@ -234,7 +234,7 @@ class OfflineParakeetEngine:
             out["encoder_graphs"] += t1 - t0
             out["decoder_graphs"] += time.perf_counter() - t1
         out["profiles"] = len(seen)
-        return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
     @torch.no_grad()
     def transcribe_arrays(self, waveforms: Sequence[np.ndarray], *, pipelined: bool | None = None,
