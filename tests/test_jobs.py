@@ -8,6 +8,7 @@ they test the plumbing fast and exactly; tests/test_cli.py runs the real tiny.en
 from __future__ import annotations
 
 import json
+import time
 import os
 import wave
 import zlib
@@ -597,6 +598,38 @@ def test_translate_task_reaches_the_model_and_is_checked_up_front(synth_dir, tmp
     plain = Translator()
     run_job([synth_dir], plain, None, "json", batch_size=4, split_fn=fixed_split, max_segment_s=10, workers=1)
     assert set(plain.tasks) == {"transcribe"}  # the default passes no task: models without one still work
+
+
+def _sleepy_task(path):  # a decode pool task: "slow" files take far longer than the test waits
+    if path == "slow":
+        time.sleep(30)
+    return path
+
+
+def test_decode_pool_close_reports_the_files_its_workers_held_while_the_reader_was_busy():
+    """close(kill=True) while the pool's reader is inside a callback: the killed workers' files still
+    reach on_death (the reader reads what is ready beside its wake-up before it ends; a review found
+    a version that dropped them)."""
+    import threading
+
+    from flashasr.jobs.procpool import ForkedWorkers
+
+    gate, entered, deaths = threading.Event(), threading.Event(), []
+
+    def on_result(i, r):  # the reader is busy here while close() runs
+        entered.set()
+        gate.wait(10)
+
+    pool = ForkedWorkers(3)
+    pool.attach(_sleepy_task, (), on_result=on_result, on_death=lambda held, closing: deaths.append((held, closing)))
+    assert pool.submit(0, "fast") and pool.submit(1, "slow") and pool.submit(2, "slow")
+    assert entered.wait(10)
+    closer = threading.Thread(target=pool.close, kwargs=dict(kill=True, timeout=3))
+    closer.start()
+    time.sleep(0.5)
+    gate.set()
+    closer.join(15)
+    assert not closer.is_alive() and sorted(deaths) == [([1], True), ([2], True)]
 
 
 def test_worker_deaths_never_fail_an_innocent_file(tmp_path, monkeypatch):

@@ -236,13 +236,15 @@ class ForkedWorkers:
                     watched[fd] = w
 
         watch()
+        stopping = False  # close() woke us: its workers are stopped; what they sent is still read
         while True:
-            replaced = False
-            for key, _events in sel.select():
+            replaced = read = False
+            for key, _events in sel.select(0 if stopping else None):
                 w = key.data
-                if w is None:  # close(): the workers are gone
-                    sel.close()
-                    return
+                if w is None:  # the wake-up pipe (registered first, so first in a batch)
+                    stopping = True
+                    continue
+                read = True
                 c = w.conn
                 try:
                     number, i, result = pickle.loads(c.recv_bytes())
@@ -264,7 +266,10 @@ class ForkedWorkers:
                 elif self._stale is not None:
                     self._call(self._stale, result)
             if replaced:
-                watch()
+                watch()  # self._workers changes only in _died, on this thread (and in close(), after it)
+            if stopping and not read:  # every worker's answers and EOF read
+                sel.close()
+                return
 
     def _died(self, w: _Worker) -> None:
         """Worker ``w`` ended: reap it, replace it (unless closing), report the current job's files it held."""
