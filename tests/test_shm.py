@@ -41,9 +41,9 @@ def test_populate_maps_read_only_and_writable_segments_and_falls_back(monkeypatc
         assert shm.populate(ro) is True  # Linux >= 5.14: MADV_POPULATE_READ
         assert float(np.frombuffer(ro, np.float32).sum()) == 0.5 * 3 * mmap.PAGESIZE / 4
         # a kernel or C library without it: False, and the samples still arrive (faulted in on first touch)
-        monkeypatch.setattr(shm, "_madvise", lambda *a: -1)
+        monkeypatch.setattr(shm, "_madvise", lambda: (lambda *a: -1))
         assert shm.populate(ro) is False
-        monkeypatch.setattr(shm, "_madvise", False)
+        monkeypatch.setattr(shm, "_madvise", lambda: None)
         assert shm.populate(ro) is False
         a = np.arange(5000, dtype=np.float32)
         assert np.array_equal(shm.take_array(*shm.put_array(a)), a)

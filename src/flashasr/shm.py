@@ -24,7 +24,9 @@ Two uses:
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -32,6 +34,7 @@ import threading
 import numpy as np
 
 SHM_PREFIX = "flashasr_"
+log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
 
@@ -128,48 +131,48 @@ def _alive(pid: int) -> bool:
 
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14 (<linux/mman.h>); not named by the mmap module of the Pythons we run
-_madvise = None  # libc's madvise through ctypes, once looked up (False: not available here)
+_populate_failure_logged = False
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    """libc's ``madvise`` through ctypes (a foreign call drops the GIL), or None where there is none."""
+    try:
+        import ctypes
+
+        f = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError, TypeError):  # no POSIX C library here
+        return None
+    f.argtypes, f.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return f
 
 
 def populate(m: mmap.mmap) -> bool:
     """Fault in every page of the mapping ``m`` for reading, with the GIL released: libc's
-    ``madvise(MADV_POPULATE_READ)`` called through ctypes (a foreign call drops the GIL).
+    ``madvise(MADV_POPULATE_READ)`` called through ctypes.
 
     ``mmap.mmap(..., flags=MAP_POPULATE)`` does the same work inside the ``mmap`` call, which
     CPython makes holding the GIL: in a process whose other thread launches the model's work (the
     job's model process maps the next call's samples while the current call runs) or routes files
-    (the job's main process), every page mapped stalled that thread (dev VM: a thread spinning beside
-    a loop of populated 5.6 MB maps ran at 56 % of its speed, as beside a pure-Python loop).
+    (the job's main process), every page mapped stalled that thread (``bench/bench_populate.py``: on
+    the dev VM another thread waited up to 9.9 ms at p99 beside 64 MB maps, 0.17 ms with this).
 
-    Returns False where the platform or kernel lacks it (not Linux, a kernel before 5.14): the pages
-    then fault in on their first touch, as without populating."""
-    global _madvise
-    if _madvise is None:
-        try:
-            import ctypes
-
-            f = ctypes.CDLL(None, use_errno=True).madvise
-            f.argtypes, f.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-            _madvise = f
-        except (OSError, AttributeError):  # no libc madvise (not a POSIX C library)
-            _madvise = False
-    if not _madvise or len(m) == 0:
+    Returns False where the platform or kernel lacks it (not Linux, a kernel before 5.14; logged
+    once): the pages then fault in on their first touch, as without populating."""
+    madvise = _madvise()
+    if madvise is None or len(m) == 0:
         return False
     address = np.frombuffer(m, np.uint8).ctypes.data  # read-only mappings too (ctypes' from_buffer needs writable)
-    if _madvise(address, len(m), _MADV_POPULATE_READ) == 0:
+    if madvise(address, len(m), _MADV_POPULATE_READ) == 0:
         return True
-    global _told
-    if not _told:  # e.g. EINVAL: a kernel before 5.14; the pages fault in on first touch instead
-        _told = True
+    global _populate_failure_logged
+    if not _populate_failure_logged:
         import ctypes
-        import logging
 
-        logging.getLogger(__name__).debug("madvise(MADV_POPULATE_READ) failed (errno %d): pages of shared "
-                                          "samples fault in on first touch", ctypes.get_errno())
+        _populate_failure_logged = True
+        log.debug("madvise(MADV_POPULATE_READ) failed (errno %d): pages of shared samples fault in on first "
+                  "touch", ctypes.get_errno())
     return False
-
-
-_told = False  # populate's failure logged once
 
 
 def put_array(a: np.ndarray) -> tuple[str, str, int]:
