@@ -59,20 +59,13 @@ def measure(model_name: str, profiles_kind: str, cudnn_benchmark: bool, replays:
     model = ParakeetGPUASR(asr, warmup=False, profiles=_profiles(profiles_kind), cudnn_benchmark=cudnn_benchmark)
     engine_s = time.perf_counter() - t1
     eng = model.engine
-    rows = []
-    for p in eng.encoder.profiles:  # OfflineParakeetEngine.warmup's order
-        ta = time.perf_counter()
-        eng.encoder.warmup([p])
-        torch.cuda.synchronize()
-        tb = time.perf_counter()
-        eng.decoder.capture(p.batch, int(round(p.seconds / eng.frame_seconds)) + 1)
-        torch.cuda.synchronize()
-        rows.append({"batch": p.batch, "seconds": p.seconds, "encoder_s": round(tb - ta, 3),
-                     "decoder_s": round(time.perf_counter() - tb, 3)})
+    eng.warmup()  # what the server's start-up runs, timed profile by profile
+    rows = [dict(r) for r in eng.warmup_report]
     mem = {(r["batch"], r["seconds"]): r["memory_mib"] for r in eng.encoder.memory_report()}
     runners = eng.encoder._runners  # the captured graphs, replayed alone
-    for p, row in zip(eng.encoder.profiles, rows):
-        g = runners[p].graph
+    by_shape = {(p.batch, p.seconds): p for p in eng.encoder.profiles}
+    for row in rows:
+        g = runners[by_shape[(row["batch"], row["seconds"])]].graph
         g.replay()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -82,7 +75,7 @@ def measure(model_name: str, profiles_kind: str, cudnn_benchmark: bool, replays:
         end.record()
         torch.cuda.synchronize()
         row["replay_ms"] = round(start.elapsed_time(end) / replays, 3)
-        row["memory_mib"] = mem.get((p.batch, p.seconds))
+        row["memory_mib"] = mem.get((row["batch"], row["seconds"]))
     return {"cudnn_benchmark": cudnn_benchmark, "build_s": round(build_s, 1), "engine_s": round(engine_s, 1),
             "encoder_total_s": round(sum(r["encoder_s"] for r in rows), 1),
             "decoder_total_s": round(sum(r["decoder_s"] for r in rows), 1),

@@ -69,6 +69,7 @@ def test_offline_engine_cpu_equals_per_input_reference():
     assert sum(n for *_, n in out.batches) == len(waves) - 2  # empty and 1000-sample inputs skipped
     # nothing to capture on the CPU: the start-up breakdown says so
     assert eng.warmup() == {"encoder_graphs": 0.0, "decoder_graphs": 0.0, "profiles": 0}
+    assert eng.warmup_report == []
 
 
 def test_offline_engine_rejects_bad_input():
@@ -92,6 +93,7 @@ def test_offline_engine_gpu_graphs_equal_reference():
                                 dtype=torch.float32)
     took = eng.warmup()  # every profile's graphs captured, the time split between encoders and decoders
     assert took["profiles"] == 3 and took["encoder_graphs"] > 0 and took["decoder_graphs"] > 0
+    assert [(r["batch"], r["seconds"]) for r in eng.warmup_report] == [(2, 1.0), (4, 4.0), (8, 10.0)]
     assert all(r["captured"] for r in eng.encoder.memory_report())
     for pipelined, group_rows in ((False, 1), (True, 1), (True, 1), (True, 256), (True, 6)):
         eng.decode_group_rows = group_rows

@@ -139,6 +139,7 @@ class OfflineParakeetEngine:
         self.with_text = with_text
         self.sample_rate = int(getattr(model, "sample_rate", 16000))
         self.frame_seconds = float(getattr(model, "frame_seconds", 0.08))
+        self.warmup_report: list[dict] = []  # per profile, the last warmup()'s capture seconds
         # like ParakeetASR: inputs shorter than one encoder frame (80 ms) give an empty result
         self.min_samples = int(model.preprocessor.hop_length * model.encoder.cfg.subsampling_factor)
 
@@ -214,8 +215,10 @@ class OfflineParakeetEngine:
 
         Returns where the time went, in seconds (wall, device synchronised after each capture):
         ``{"encoder_graphs": s, "decoder_graphs": s, "profiles": n}`` (zeros on CPU); a server's
-        ``/ready`` shows it (``startup_s``)."""
+        ``/ready`` shows it (``startup_s``). Per profile in :attr:`warmup_report` (``batch``,
+        ``seconds``, ``encoder_s``, ``decoder_s``; ``bench/profile_engine_startup.py``)."""
         out = {"encoder_graphs": 0.0, "decoder_graphs": 0.0, "profiles": 0}
+        self.warmup_report = []
         if self.device.type != "cuda":
             return out
         plan = self.plan(lengths) if lengths is not None else [(p, [0] * p.batch) for p in self.encoder.profiles]
@@ -231,8 +234,11 @@ class OfflineParakeetEngine:
             t_enc = int(round(p.seconds / self.frame_seconds)) + 1
             self.decoder.capture(p.batch if lengths is None else len(idx), t_enc)
             torch.cuda.synchronize(self.device)
+            t2 = time.perf_counter()
             out["encoder_graphs"] += t1 - t0
-            out["decoder_graphs"] += time.perf_counter() - t1
+            out["decoder_graphs"] += t2 - t1
+            self.warmup_report.append({"batch": p.batch, "seconds": p.seconds, "encoder_s": round(t1 - t0, 3),
+                                       "decoder_s": round(t2 - t1, 3)})
         out["profiles"] = len(seen)
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
