@@ -8,8 +8,9 @@ they test the plumbing fast and exactly; tests/test_cli.py runs the real tiny.en
 from __future__ import annotations
 
 import json
-import time
 import os
+import sys
+import time
 import wave
 import zlib
 from pathlib import Path
@@ -263,6 +264,22 @@ def test_resume_skips_done_and_redoes_changed(synth_dir, tmp_path):
     assert len(r.ok) == 8
     lines = (out / "summary.jsonl").read_text().splitlines()
     assert len(lines) == 8  # compacted: one line per input
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="file names as bytes (Linux filesystems)")
+def test_a_file_name_that_is_not_utf8_is_recorded_and_resumed(tmp_path):
+    """A name whose bytes are not UTF-8 (Python gives them as surrogates): its output and its journal
+    line are written, the other files' lines too, and a re-run skips every file (a trial found the
+    journal line crashing the job, so each re-run redid everything)."""
+    d, out = tmp_path / "in", tmp_path / "o"
+    rng = np.random.default_rng(5)
+    for name in (b"bad\xffname.wav", b"good.wav"):
+        _write_wav(Path(os.fsdecode(os.path.join(os.fsencode(d), name))), (0.1 * rng.standard_normal(SR)).astype(np.float32))
+    r = run_job([d], HashModel(), out, "json", split_fn=fixed_split)
+    assert len(r.ok) == 2 and not r.failed
+    assert len((out / "summary.jsonl").read_bytes().decode("utf-8").splitlines()) == 2
+    r = run_job([d], HashModel(), out, "json", split_fn=fixed_split)
+    assert len(r.skipped) == 2 and not r.ok
 
 
 @pytest.mark.parametrize("stop", [ValueError, KeyboardInterrupt])

@@ -203,7 +203,12 @@ class Summary:
         durable when it is appended, so a record lost with the unsynced tail only means that input
         is redone)."""
         line = json.dumps(rec, ensure_ascii=False)
-        data = (line + "\n").encode("utf-8")
+        try:
+            data = (line + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a file name that is not UTF-8 (its bytes as surrogates, as Python
+            # gives them): escaped (\udcff), which json.loads reads back to the same path
+            line = json.dumps(rec)
+            data = (line + "\n").encode("ascii")
         with self._lock:
             # Memory first: a Ctrl-C (KeyboardInterrupt can land between any two bytecodes)
             # after the line reached the file must not let compact() drop it again.
