@@ -54,6 +54,9 @@ def _segment(size: int) -> str:
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as m:
             np.frombuffer(m, np.float32)[:] = 0.25  # the pages exist in the segment, as a worker leaves them
+    except BaseException:
+        _posixshmem.shm_unlink(name)
+        raise
     finally:
         os.close(fd)
     return name
@@ -99,7 +102,7 @@ def _stats_us(late: np.ndarray) -> dict:
 
 
 def measure(size_mb: float, repeats: int, seconds: float) -> dict:
-    size = int(size_mb * 2**20) // 4096 * 4096
+    size = max(mmap.PAGESIZE, int(size_mb * 2**20) // mmap.PAGESIZE * mmap.PAGESIZE)
     name = _segment(size)
     try:
         out = {}
@@ -146,8 +149,13 @@ def main(argv=None) -> int:
         sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
     except ValueError:
         ap.error(f"--sizes-mb: numbers in MB, comma separated (got {args.sizes_mb!r})")
-    if not sizes or min(sizes) <= 0 or args.repeats < 1 or args.seconds <= 0 or args.switch_interval <= 0:
-        ap.error("sizes, --repeats, --seconds and --switch-interval must be positive")
+    import math
+
+    if not sizes or args.repeats < 1 or not all(math.isfinite(v) and v > 0 for v in
+                                                 (*sizes, args.seconds, args.switch_interval)):
+        ap.error("sizes, --repeats, --seconds and --switch-interval must be finite and positive")
+    if max(sizes) > 4096:
+        ap.error("--sizes-mb: at most 4096 MB a segment")
     if not sys.platform.startswith("linux"):
         print("bench_populate.py needs Linux (MAP_POPULATE, MADV_POPULATE_READ)", file=sys.stderr)
         return 2
