@@ -134,6 +134,62 @@ def test_several_inputs_as_json_lines_and_a_closed_pipe(tmp_path):
     assert p.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err
 
 
+def test_a_reader_that_goes_away_stops_the_job_before_its_next_line(tmp_path):
+    """`| head -n 1` while the next line is far off (a 20-minute input after the first, whose line
+    waits for it: lines come in input order): the job stops when the reader goes, not when it would
+    print again (before ReaderWatch it ran on until the long input was done, a minute and more here)."""
+    import wave
+
+    import numpy as np
+
+    from flashasr.audio import load_audio
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    shutil.copy(GOLDEN, folder / "a.wav")
+    x = np.tile(load_audio(GOLDEN).samples, 400)  # 20 minutes of speech
+    with wave.open(str(folder / "b.wav"), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+    p = subprocess.Popen([sys.executable, "-m", "flashasr.cli", "transcribe", str(folder), "-f", "json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    assert _words(json.loads(p.stdout.readline())["text"]) == "a golden fortune and a happy life"
+    p.stdout.close()  # as `| head -n 1` does once it has its line
+    try:
+        _, err = p.communicate(timeout=25)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise AssertionError("the job ran on after its reader went away")
+    assert p.returncode == 141 and b"Traceback" not in err and b"interrupted" not in err, err
+
+
+def test_reader_watch_sees_a_pipe_whose_reader_closed():
+    """ReaderWatch on a pipe's write end: nothing while the reader is there, ``gone`` and one SIGINT
+    once it closes; on a regular file it starts no thread."""
+    from flashasr.cli import ReaderWatch
+
+    got = []
+    before = signal.signal(signal.SIGINT, lambda *a: got.append(a[0]))
+    r, w = os.pipe()
+    try:
+        watch = ReaderWatch(w, poll_s=0.02).start()
+        time.sleep(0.2)
+        assert not watch.gone and not got
+        os.close(r)
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.gone and got == [signal.SIGINT]
+        watch.stop()
+        with open(os.devnull, "wb") as f:
+            quiet = ReaderWatch(f.fileno()).start()
+        assert quiet._stop is None and not quiet.gone
+    finally:
+        signal.signal(signal.SIGINT, before)
+        os.close(w)
+
+
 @pytest.mark.parametrize("fmt", ["text", "json", "srt", "vtt", "verbose_json"])
 def test_each_format_to_output_dir(fmt, tmp_path, capsys):
     rc = main(["transcribe", str(STELLA), "--format", fmt, "--output-dir", str(tmp_path), "--quiet"])

@@ -282,6 +282,7 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
         printer.print_missing()
     _install_sigterm()
+    watch = ReaderWatch().start() if printer is not None else None
     try:
         report = run_job(items, model, args.output_dir, args.format, options=options, batch_size=args.batch_size,
                          workers=args.workers, cpu_pool=args.cpu_pool, resume=args.resume, progress=args.progress,
@@ -295,6 +296,15 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
             return EXIT_FAILED
         return EXIT_USAGE
     except BrokenPipeError:  # `| head` closed stdout: stop quietly, as command-line tools do
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:  # the watch's SIGINT before the job took the signal over
+        if watch is None or not watch.gone:
+            raise
+    finally:
+        if watch is not None:
+            watch.stop()
+    if watch is not None and watch.gone:  # the reader went away: its stop, not the user's
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
     if not _flush_held(printer):
@@ -483,6 +493,56 @@ def _flush_held(printer: "StdoutPrinter | None") -> bool:
         _quiet_stdout()
         return False
     return True
+
+
+class ReaderWatch:
+    """Notices at once that the reader of stdout went away (``| head -n 1`` has its lines), so a job
+    that prints to a pipe stops then, not at its next line: the next line may be minutes away (lines
+    come in input order, so a long input holds back those after it), and the job would run on meanwhile.
+
+    While started, a daemon thread polls stdout (a pipe only; a file or a terminal is not watched)
+    for ``POLLERR``, which Linux and macOS report on a pipe's write end once no reader is left; then
+    :attr:`gone` is set and SIGINT raised in this process, which a running job
+    (:class:`flashasr.jobs.interrupts.JobInterrupts`) takes as its clean stop. SIGINT ignored (a
+    background job of a script): nothing changes, and the job stops at its next line as before.
+    The caller then exits quietly with 141 (128 + SIGPIPE), as command-line tools do.
+    """
+
+    def __init__(self, fd: int | None = None, poll_s: float = 0.25):
+        self.fd, self.poll_s = fd, float(poll_s)
+        self.gone = False
+        self._stop: "threading.Event | None" = None
+
+    def start(self) -> "ReaderWatch":
+        import select
+        import stat
+        import threading
+
+        try:
+            fd = sys.stdout.fileno() if self.fd is None else self.fd
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode) or not hasattr(select, "poll"):
+                return self
+        except (OSError, ValueError, AttributeError):  # no real stdout (an embedding, a test's capture)
+            return self
+        self._stop = stop = threading.Event()
+        poller = select.poll()
+        poller.register(fd, 0)  # no event asked for: POLLERR / POLLHUP / POLLNVAL are always reported
+
+        def watch() -> None:
+            while not stop.is_set():
+                if any(ev & select.POLLERR for _fd, ev in poller.poll(self.poll_s * 1000)):
+                    self.gone = True
+                    if not stop.is_set():
+                        signal.raise_signal(signal.SIGINT)  # handled in the main thread
+                    return
+
+        threading.Thread(target=watch, name="flashasr-stdout-watch", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (the job is over: a reader leaving now changes nothing)."""
+        if self._stop is not None:
+            self._stop.set()
 
 
 def _quiet_stdout() -> None:
