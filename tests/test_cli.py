@@ -391,7 +391,8 @@ def test_usage_errors(tmp_path, capsys):
     assert "input_not_found" in capsys.readouterr().err
     (tmp_path / "e").mkdir()
     assert main(["transcribe", str(tmp_path / "e")]) == 2
-    assert "no_inputs" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no_inputs" in err and repr(str(tmp_path / "e")) in err  # the folder named (a fresh trial)
     assert main(["transcribe", str(GOLDEN), "--model", str(tmp_path / "nomodel")]) == 2
     assert "model" in capsys.readouterr().err
     assert main(["transcribe", str(GOLDEN), "--language", "de"]) == 2  # tiny.en is English-only

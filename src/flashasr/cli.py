@@ -213,7 +213,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         _err(f"failed: {e.input}: [{e.code}] {e.reason}" if getattr(e, "input", None) is not None
              else f"failed: [{e.code}] {e}")
     if not items:
-        print_error("no_inputs", "no audio files found in the given inputs")
+        given = ", ".join(repr(x) for x in args.inputs[:3]) + (f" and {len(args.inputs) - 3} more" if len(args.inputs) > 3 else "")
+        print_error("no_inputs", f"no audio files found in {given} (audio extensions only; a folder is searched "
+                                 "recursively, its links to other folders are not followed)")
         return EXIT_USAGE
     # checked before the (slow) model load, and nothing is created on disk until every argument is accepted
     if not _device_usable(args.device, here=args.ray is None) or not _output_dir_ready(args.output_dir, create=False):
