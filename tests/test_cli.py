@@ -137,7 +137,8 @@ def test_several_inputs_as_json_lines_and_a_closed_pipe(tmp_path):
 def test_a_reader_that_goes_away_stops_the_job_before_its_next_line(tmp_path):
     """`| head -n 1` while the next line is far off (a 20-minute input after the first, whose line
     waits for it: lines come in input order): the job stops when the reader goes, not when it would
-    print again (before ReaderWatch it ran on until the long input was done, a minute and more here)."""
+    print again (before ReaderWatch it ran on until the long input was done, a minute and more here).
+    SIGINT ignored, as in a script's background job: the stop needs no signal."""
     import wave
 
     import numpy as np
@@ -152,42 +153,47 @@ def test_a_reader_that_goes_away_stops_the_job_before_its_next_line(tmp_path):
         w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
         w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
     p = subprocess.Popen([sys.executable, "-m", "flashasr.cli", "transcribe", str(folder), "-f", "json"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
-    assert _words(json.loads(p.stdout.readline())["text"]) == "a golden fortune and a happy life"
-    p.stdout.close()  # as `| head -n 1` does once it has its line
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        _, err = p.communicate(timeout=25)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.communicate()
-        raise AssertionError("the job ran on after its reader went away")
-    assert p.returncode == 141 and b"Traceback" not in err and b"interrupted" not in err, err
+        assert _words(json.loads(p.stdout.readline())["text"]) == "a golden fortune and a happy life"
+        p.stdout.close()  # as `| head -n 1` does once it has its line
+        try:
+            _, err = p.communicate(timeout=25)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the job ran on after its reader went away") from None
+        assert p.returncode == 141 and b"Traceback" not in err and b"interrupted" not in err, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
 
 
 def test_reader_watch_sees_a_pipe_whose_reader_closed():
-    """ReaderWatch on a pipe's write end: nothing while the reader is there, ``gone`` and one SIGINT
-    once it closes; on a regular file it starts no thread."""
+    """ReaderWatch on a pipe's write end: nothing while the reader is there (a full pipe included),
+    ``gone`` and its ``stop`` event once the reader closes; on anything but a pipe it starts no thread."""
     from flashasr.cli import ReaderWatch
 
-    got = []
-    before = signal.signal(signal.SIGINT, lambda *a: got.append(a[0]))
     r, w = os.pipe()
+    watch = ReaderWatch(w, poll_s=0.02).start()
     try:
-        watch = ReaderWatch(w, poll_s=0.02).start()
+        os.set_blocking(w, False)
+        try:
+            while True:
+                os.write(w, b"x" * 65536)  # fill the pipe: full is not gone
+        except BlockingIOError:
+            pass
         time.sleep(0.2)
-        assert not watch.gone and not got
+        assert not watch.gone and not watch.stop.is_set()
         os.close(r)
-        deadline = time.monotonic() + 10
-        while not got and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert watch.gone and got == [signal.SIGINT]
-        watch.stop()
-        with open(os.devnull, "wb") as f:
-            quiet = ReaderWatch(f.fileno()).start()
-        assert quiet._stop is None and not quiet.gone
+        assert watch.stop.wait(10) and watch.gone
     finally:
-        signal.signal(signal.SIGINT, before)
+        watch.close()
         os.close(w)
+    with open(os.devnull, "wb") as f:
+        quiet = ReaderWatch(f.fileno()).start()
+    assert quiet._thread is None and not quiet.gone
+    quiet.close()
 
 
 @pytest.mark.parametrize("fmt", ["text", "json", "srt", "vtt", "verbose_json"])

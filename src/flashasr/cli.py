@@ -282,13 +282,18 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
     printer = None
     if args.output_dir is None:
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
-        printer.print_missing()
+        try:
+            printer.print_missing()
+        except BrokenPipeError:  # the reader left before the job began
+            _quiet_stdout()
+            return EXIT_BROKEN_PIPE
     _install_sigterm()
     watch = ReaderWatch().start() if printer is not None else None
     try:
         report = run_job(items, model, args.output_dir, args.format, options=options, batch_size=args.batch_size,
                          workers=args.workers, cpu_pool=args.cpu_pool, resume=args.resume, progress=args.progress,
-                         on_result=printer, keep_transcripts=False, worker_pool=pool)
+                         on_result=printer, keep_transcripts=False, worker_pool=pool,
+                         stop=None if watch is None else watch.stop)
     except FlashASRError as e:
         _flush_held(printer)
         print_error(e.code, str(e))
@@ -300,13 +305,10 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
     except BrokenPipeError:  # `| head` closed stdout: stop quietly, as command-line tools do
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
-    except KeyboardInterrupt:  # the watch's SIGINT before the job took the signal over
-        if watch is None or not watch.gone:
-            raise
     finally:
         if watch is not None:
-            watch.stop()
-    if watch is not None and watch.gone:  # the reader went away: its stop, not the user's
+            watch.close()
+    if watch is not None and watch.gone and report.interrupted:  # the reader went away: its stop
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
     if not _flush_held(printer):
@@ -346,7 +348,11 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
     printer = None
     if args.output_dir is None:
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
-        printer.print_missing()
+        try:
+            printer.print_missing()
+        except BrokenPipeError:  # the reader left before the job began
+            _quiet_stdout()
+            return EXIT_BROKEN_PIPE
     _install_sigterm()  # after joining: ours, not Ray's
     try:
         report = run_ray_job(items, args.model, args.output_dir, args.format, address=address, device=args.device,
@@ -502,18 +508,27 @@ class ReaderWatch:
     that prints to a pipe stops then, not at its next line: the next line may be minutes away (lines
     come in input order, so a long input holds back those after it), and the job would run on meanwhile.
 
-    While started, a daemon thread polls stdout (a pipe only; a file or a terminal is not watched)
-    for ``POLLERR``, which Linux and macOS report on a pipe's write end once no reader is left; then
-    :attr:`gone` is set and SIGINT raised in this process, which a running job
-    (:class:`flashasr.jobs.interrupts.JobInterrupts`) takes as its clean stop. SIGINT ignored (a
-    background job of a script): nothing changes, and the job stops at its next line as before.
+    While started, a daemon thread polls stdout (a pipe or FIFO only; a file, terminal or socket is not
+    watched) for ``POLLERR`` or ``POLLHUP``: Linux reports ``POLLERR`` on a pipe's write end once no
+    reader is left (other systems may report neither, and the job then stops at its next line, as
+    before). Then :attr:`gone` is set and :attr:`stop` (a ``threading.Event``) set, which
+    :func:`~flashasr.jobs.run_job` takes as its clean stop (its ``stop`` argument): no signal is
+    involved, so whatever SIGINT's handler is, nothing reaches the process after the job.
     The caller then exits quietly with 141 (128 + SIGPIPE), as command-line tools do.
+
+    Args:
+        fd: the descriptor to watch (default: stdout's).
+        poll_s: the poll's timeout, seconds (how soon :meth:`close` ends the thread).
     """
 
     def __init__(self, fd: int | None = None, poll_s: float = 0.25):
+        import threading
+
         self.fd, self.poll_s = fd, float(poll_s)
         self.gone = False
-        self._stop: "threading.Event | None" = None
+        self.stop = threading.Event()
+        self._done = threading.Event()
+        self._thread: "threading.Thread | None" = None
 
     def start(self) -> "ReaderWatch":
         import select
@@ -526,25 +541,31 @@ class ReaderWatch:
                 return self
         except (OSError, ValueError, AttributeError):  # no real stdout (an embedding, a test's capture)
             return self
-        self._stop = stop = threading.Event()
         poller = select.poll()
         poller.register(fd, 0)  # no event asked for: POLLERR / POLLHUP / POLLNVAL are always reported
 
         def watch() -> None:
-            while not stop.is_set():
-                if any(ev & select.POLLERR for _fd, ev in poller.poll(self.poll_s * 1000)):
+            while not self._done.is_set():
+                events = 0
+                for _fd, ev in poller.poll(self.poll_s * 1000):
+                    events |= ev
+                if events & select.POLLNVAL:  # the descriptor was closed under us: nothing to watch
+                    return
+                if events & (select.POLLERR | select.POLLHUP):
                     self.gone = True
-                    if not stop.is_set():
-                        signal.raise_signal(signal.SIGINT)  # handled in the main thread
+                    self.stop.set()
                     return
 
-        threading.Thread(target=watch, name="flashasr-stdout-watch", daemon=True).start()
+        self._thread = threading.Thread(target=watch, name="flashasr-stdout-watch", daemon=True)
+        self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop watching (the job is over: a reader leaving now changes nothing)."""
-        if self._stop is not None:
-            self._stop.set()
+    def close(self) -> None:
+        """Stop watching and end the thread (the job is over)."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def _quiet_stdout() -> None:

@@ -56,14 +56,17 @@ class JobInterrupts:
         report: the job's report; a signal sets its ``interrupted``.
         abandon: called for each signal after the first (and each one while winding down); a model
             process's ``kill``, or None.
+        stop: an event any thread may set to stop the job as the first signal does, without a signal
+            (``flashasr transcribe`` when the reader of its stdout goes away); seen at the conductor's
+            next turn.
 
     Use as a context manager around the job (the handlers are put back at its end); the conductor
     calls :meth:`check` each turn and waits through :meth:`wait`; the wind-down begins with
     :meth:`hold`.
     """
 
-    def __init__(self, report, abandon: Callable[[], None] | None = None):
-        self.report, self.abandon = report, abandon
+    def __init__(self, report, abandon: Callable[[], None] | None = None, stop: threading.Event | None = None):
+        self.report, self.abandon, self.stop = report, abandon, stop
         self.requested = False  # a stop was asked for (a signal came while running)
         self._waiting = False  # the conductor waits: the first signal is raised there at once
         self._before: dict[int, object] = {}  # signal -> the handler it had before the job
@@ -100,7 +103,10 @@ class JobInterrupts:
             self.abandon()
 
     def check(self) -> None:
-        """Raise KeyboardInterrupt if a stop was asked for (the conductor, once per turn)."""
+        """Raise KeyboardInterrupt if a stop was asked for (the conductor, once per turn): by a signal,
+        or by ``stop`` set from any thread (then noted as a signal's: ``report.interrupted``)."""
+        if not self.requested and self.stop is not None and self.stop.is_set():
+            self.requested = self.report.interrupted = True
         if self.requested:
             raise KeyboardInterrupt
 

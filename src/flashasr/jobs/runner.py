@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -363,6 +364,7 @@ def run_job(
     vad_device: str | None = None,
     worker_pool=None,
     min_batch: int | None = None,
+    stop: threading.Event | None = None,
     **changes,
 ) -> JobReport:
     """Transcribe many inputs with one model; the Python API behind ``flashasr transcribe``.
@@ -412,6 +414,9 @@ def run_job(
         worker_pool: decode worker processes from :func:`start_decode_pool` (forked before the
             model was loaded; kept after the job); None forks ``workers`` processes for this job
             when it uses processes. With a pool, ``workers`` is its size.
+        stop: set from any thread, it stops the job as a first Ctrl-C does (``interrupted=True``, the
+            finished outputs kept), at the conductor's next turn (within about a second, or when the
+            model call running returns).
     Returns:
         :class:`JobReport`; ``report.exit_code`` is non-zero when any input failed.
         On Ctrl-C (SIGINT, or a SIGTERM whose handler raises KeyboardInterrupt) the job stops
@@ -449,7 +454,7 @@ def run_job(
     switch = sys.getswitchinterval()
     # from here a Ctrl-C (or a SIGTERM that raises KeyboardInterrupt) is noted and raised only where the
     # conductor waits or begins a turn; a second one gives a model process up (kills it); see JobInterrupts
-    with JobInterrupts(report, abandon=getattr(model, "kill", None)) as interrupts:
+    with JobInterrupts(report, abandon=getattr(model, "kill", None), stop=stop) as interrupts:
         # forks the worker processes now, before this job starts any thread of its own
         feeder = DecodeFeeder([str(it.path) for it in items], todo, options=opts, caps=caps, workers=report.workers,
                               cpu_pool=report.cpu_pool, max_buffered=int(max_buffered_audio_s * caps.sample_rate),
