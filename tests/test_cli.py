@@ -169,6 +169,21 @@ def test_a_reader_that_goes_away_stops_the_job_before_its_next_line(tmp_path):
             p.communicate()
 
 
+def test_stdout_that_cannot_be_written_is_a_clear_error_not_a_traceback():
+    """A fresh trial: `> /dev/full` gave an OSError traceback and `>&-` an AttributeError one, after
+    the model had run. Now: output_error, exit 1 (the job ran) or 2 (stdout closed: refused first)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "flashasr.cli", "transcribe", str(STELLA), str(GOLDEN), "-f", "json"],
+                           stdout=full, stderr=subprocess.PIPE, env=ENV, timeout=300)
+    assert r.returncode == 1 and b"[output_error]" in r.stderr and b"Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "flashasr.cli", "transcribe", str(STELLA)],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV, timeout=300,
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 2 and b"stdout is closed" in r.stderr and b"Traceback" not in r.stderr, r.stderr
+
+
 def test_reader_watch_sees_a_pipe_whose_reader_closed():
     """ReaderWatch on a pipe's write end: nothing while the reader is there (a full pipe included),
     ``gone`` and its ``stop`` event once the reader closes; on anything but a pipe it starts no thread."""

@@ -217,6 +217,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         print_error("no_inputs", f"no audio files found in {given} (audio extensions only; a folder is searched "
                                  "recursively, its links to other folders are not followed)")
         return EXIT_USAGE
+    if args.output_dir is None and sys.stdout is None:  # `>&-`: the transcripts would have nowhere to go
+        print_error("output_error", "stdout is closed: nowhere to print the transcripts (use --output-dir DIR)")
+        return EXIT_USAGE
     # checked before the (slow) model load, and nothing is created on disk until every argument is accepted
     if not _device_usable(args.device, here=args.ray is None) or not _output_dir_ready(args.output_dir, create=False):
         return EXIT_USAGE
@@ -287,6 +290,9 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
         except BrokenPipeError:  # the reader left before the job began
             _quiet_stdout()
             return EXIT_BROKEN_PIPE
+        except FlashASRError as e:  # stdout unwritable (a full disk)
+            print_error(e.code, str(e))
+            return EXIT_FAILED
     _install_sigterm()
     watch = ReaderWatch().start() if printer is not None else None
     try:
@@ -297,7 +303,7 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
     except FlashASRError as e:
         _flush_held(printer)
         print_error(e.code, str(e))
-        if e.code == "model_process_error":  # the job ran and stopped: not a usage error
+        if e.code in ("model_process_error", "output_error"):  # the job ran and stopped: not a usage error
             if args.output_dir:
                 _err("the outputs finished so far are kept; re-run the same command to resume")
             return EXIT_FAILED
@@ -353,6 +359,9 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
         except BrokenPipeError:  # the reader left before the job began
             _quiet_stdout()
             return EXIT_BROKEN_PIPE
+        except FlashASRError as e:  # stdout unwritable (a full disk)
+            print_error(e.code, str(e))
+            return EXIT_FAILED
     _install_sigterm()  # after joining: ours, not Ray's
     try:
         report = run_ray_job(items, args.model, args.output_dir, args.format, address=address, device=args.device,
@@ -443,10 +452,8 @@ class StdoutPrinter:
 
         if not (self.several and self.fmt in ("json", "verbose_json")):
             return
-        for e in self.missing:
-            rec = {"path": getattr(e, "input", None), "error": {"code": e.code, "message": str(e)}}
-            sys.stdout.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        sys.stdout.flush()
+        _write_stdout("".join(json.dumps({"path": getattr(e, "input", None), "error": {"code": e.code, "message": str(e)}},
+                                         ensure_ascii=False) + "\n" for e in self.missing))
 
     def __call__(self, res) -> None:
         self.ready[self.order[str(res.item.path)]] = self._render(res)
@@ -454,8 +461,7 @@ class StdoutPrinter:
             out = self.ready.pop(self.next)
             self.next += 1
             if out is not None:
-                sys.stdout.write(out if out.endswith("\n") else out + "\n")
-                sys.stdout.flush()
+                _write_stdout(out if out.endswith("\n") else out + "\n")
 
     def flush_held(self) -> int:
         """The transcripts still held back for an earlier input that never finished (an interrupted
@@ -465,9 +471,8 @@ class StdoutPrinter:
         for k in sorted(self.ready):
             out = self.ready.pop(k)
             if out is not None:
-                sys.stdout.write(out if out.endswith("\n") else out + "\n")
+                _write_stdout(out if out.endswith("\n") else out + "\n")
                 n += 1
-        sys.stdout.flush()
         return n
 
     def _render(self, res) -> str | None:
@@ -491,6 +496,20 @@ class StdoutPrinter:
         return f"==> {res.item.display} <==\n{text}" if self.several else text
 
 
+def _write_stdout(text: str) -> None:
+    """``text`` to stdout, flushed. Raises BrokenPipeError when the reader went away (the caller stops
+    quietly), :class:`~flashasr.errors.FlashASRError` ``output_error`` for any other failure (a full
+    disk, a closed stdout), so the job stops with a clear error line instead of a traceback."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except (OSError, AttributeError, ValueError) as e:  # AttributeError: no stdout at all (`>&-`)
+        raise FlashASRError(f"cannot write the transcripts to stdout: {e} (use --output-dir DIR)",
+                            code="output_error") from None
+
+
 def _flush_held(printer: "StdoutPrinter | None") -> bool:
     """:meth:`StdoutPrinter.flush_held` after a job (False: stdout was closed meanwhile)."""
     if printer is None:
@@ -500,13 +519,16 @@ def _flush_held(printer: "StdoutPrinter | None") -> bool:
     except BrokenPipeError:
         _quiet_stdout()
         return False
+    except FlashASRError as e:  # stdout unwritable: said once, the job's own outcome stands
+        print_error(e.code, str(e))
     return True
 
 
 class ReaderWatch:
     """Notices at once that the reader of stdout went away (``| head -n 1`` has its lines), so a job
-    that prints to a pipe stops then, not at its next line: the next line may be minutes away (lines
-    come in input order, so a long input holds back those after it), and the job would run on meanwhile.
+    that prints to a pipe stops as after Ctrl-C (when the model call running ends), not at its next
+    line: the next line may be minutes away (lines come in input order, so a long input holds back
+    those after it), and the job would run on meanwhile.
 
     While started, a daemon thread polls stdout (a pipe or FIFO only; a file, terminal or socket is not
     watched) for ``POLLERR`` or ``POLLHUP``: Linux reports ``POLLERR`` on a pipe's write end once no
