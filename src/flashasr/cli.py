@@ -285,14 +285,9 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
     printer = None
     if args.output_dir is None:
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
-        try:
-            printer.print_missing()
-        except BrokenPipeError:  # the reader left before the job began
-            _quiet_stdout()
-            return EXIT_BROKEN_PIPE
-        except FlashASRError as e:  # stdout unwritable (a full disk)
-            print_error(e.code, str(e))
-            return EXIT_FAILED
+        stopped = _print_missing(printer)
+        if stopped is not None:
+            return stopped
     _install_sigterm()
     watch = ReaderWatch().start() if printer is not None else None
     try:
@@ -354,14 +349,9 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
     printer = None
     if args.output_dir is None:
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
-        try:
-            printer.print_missing()
-        except BrokenPipeError:  # the reader left before the job began
-            _quiet_stdout()
-            return EXIT_BROKEN_PIPE
-        except FlashASRError as e:  # stdout unwritable (a full disk)
-            print_error(e.code, str(e))
-            return EXIT_FAILED
+        stopped = _print_missing(printer)
+        if stopped is not None:
+            return stopped
     _install_sigterm()  # after joining: ours, not Ray's
     try:
         report = run_ray_job(items, args.model, args.output_dir, args.format, address=address, device=args.device,
@@ -508,6 +498,20 @@ def _write_stdout(text: str) -> None:
     except (OSError, AttributeError, ValueError) as e:  # AttributeError: no stdout at all (`>&-`)
         raise FlashASRError(f"cannot write the transcripts to stdout: {e} (use --output-dir DIR)",
                             code="output_error") from None
+
+
+def _print_missing(printer: "StdoutPrinter") -> int | None:
+    """:meth:`StdoutPrinter.print_missing` before a job: None, or the exit code when stdout failed
+    (141: the reader already left; 1: stdout unwritable, said on stderr)."""
+    try:
+        printer.print_missing()
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except FlashASRError as e:
+        print_error(e.code, str(e))
+        return EXIT_FAILED
+    return None
 
 
 def _flush_held(printer: "StdoutPrinter | None") -> bool:
