@@ -184,6 +184,28 @@ def test_stdout_that_cannot_be_written_is_a_clear_error_not_a_traceback():
     assert r.returncode == 2 and b"stdout is closed" in r.stderr and b"Traceback" not in r.stderr, r.stderr
 
 
+def test_held_transcripts_that_cannot_be_printed_do_not_end_in_exit_0(monkeypatch, capsys):
+    """After an interrupted job the held transcripts are printed (flush_held); stdout failing then is
+    exit 1 with output_error (a review: it was said on stderr but the job's own exit code stood)."""
+    import errno
+
+    from flashasr.cli import EXIT_FAILED, StdoutPrinter, _flush_held
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+    printer = StdoutPrinter([], "text", False)
+    printer.ready = {3: "a transcript held for an earlier input"}
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert _flush_held(printer) == EXIT_FAILED
+    assert "[output_error]" in capsys.readouterr().err
+    assert _flush_held(None) is None
+
+
 def test_reader_watch_sees_a_pipe_whose_reader_closed():
     """ReaderWatch on a pipe's write end: nothing while the reader is there (a full pipe included),
     ``gone`` and its ``stop`` event once the reader closes; on anything but a pipe it starts no thread."""

@@ -285,7 +285,7 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
     printer = None
     if args.output_dir is None:
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
-        stopped = _print_missing(printer)
+        stopped = _print_to_stdout(printer.print_missing)
         if stopped is not None:
             return stopped
     _install_sigterm()
@@ -312,8 +312,9 @@ def _run_transcribe_job(args: argparse.Namespace, items: list, missing: list, op
     if watch is not None and watch.gone and report.interrupted:  # the reader went away: its stop
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
-    if not _flush_held(printer):
-        return EXIT_BROKEN_PIPE
+    stopped = _flush_held(printer)
+    if stopped is not None:
+        return stopped
     return _report(args, items, missing, report)
 
 
@@ -349,7 +350,7 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
     printer = None
     if args.output_dir is None:
         printer = StdoutPrinter(items, args.format, args.word_timestamps, missing=missing)
-        stopped = _print_missing(printer)
+        stopped = _print_to_stdout(printer.print_missing)
         if stopped is not None:
             return stopped
     _install_sigterm()  # after joining: ours, not Ray's
@@ -366,8 +367,9 @@ def _transcribe_ray(args: argparse.Namespace, items: list, missing: list, option
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
-    if not _flush_held(printer):
-        return EXIT_BROKEN_PIPE
+    stopped = _flush_held(printer)
+    if stopped is not None:
+        return stopped
     return _report(args, items, missing, report)
 
 
@@ -500,11 +502,11 @@ def _write_stdout(text: str) -> None:
                             code="output_error") from None
 
 
-def _print_missing(printer: "StdoutPrinter") -> int | None:
-    """:meth:`StdoutPrinter.print_missing` before a job: None, or the exit code when stdout failed
-    (141: the reader already left; 1: stdout unwritable, said on stderr)."""
+def _print_to_stdout(step) -> int | None:
+    """``step()``, a :class:`StdoutPrinter` call that writes to stdout: None, or the exit code when
+    stdout failed (141: the reader went away, quietly; 1: stdout unwritable, said on stderr)."""
     try:
-        printer.print_missing()
+        step()
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
@@ -514,18 +516,10 @@ def _print_missing(printer: "StdoutPrinter") -> int | None:
     return None
 
 
-def _flush_held(printer: "StdoutPrinter | None") -> bool:
-    """:meth:`StdoutPrinter.flush_held` after a job (False: stdout was closed meanwhile)."""
-    if printer is None:
-        return True
-    try:
-        printer.flush_held()
-    except BrokenPipeError:
-        _quiet_stdout()
-        return False
-    except FlashASRError as e:  # stdout unwritable: said once, the job's own outcome stands
-        print_error(e.code, str(e))
-    return True
+def _flush_held(printer: "StdoutPrinter | None") -> int | None:
+    """:meth:`StdoutPrinter.flush_held` after a job: None, or the exit code when stdout failed
+    (:func:`_print_to_stdout`), so transcripts that could not be printed never end in exit 0."""
+    return None if printer is None else _print_to_stdout(printer.flush_held)
 
 
 class ReaderWatch:
